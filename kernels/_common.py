@@ -1,0 +1,62 @@
+"""Shared plumbing for the kernel modules: optional Triton import and the impl dispatcher.
+
+Triton is optional. When it cannot be imported every public function runs its PyTorch
+reference. When it can, ``impl="auto"`` uses Triton for CUDA tensors only: on CPU tensors the
+Triton kernels only run under the interpreter (``TRITON_INTERPRET=1``), which is for tests,
+so ``auto`` never picks it there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # the import itself can fail in odd ways (missing libs), so catch broadly
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+    _TRITON_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+    _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
+
+IMPLS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when ``triton`` imports (kernels can run on CUDA, or on CPU under the interpreter)."""
+    return HAS_TRITON
+
+
+def triton_interpreting() -> bool:
+    """True when Triton was set up to interpret kernels on the CPU (``TRITON_INTERPRET=1``).
+
+    ``@triton.jit`` reads the variable when the kernel modules are imported, so it must be set
+    before ``dspark.kernels`` (and ``triton``) are first imported in the process.
+    """
+    return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
+    """Map ``impl`` to the backend that will run: ``"torch"`` or ``"triton"``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return "torch"
+    on_cuda = all(t.is_cuda for t in tensors)
+    if impl == "auto":
+        return "triton" if HAS_TRITON and on_cuda else "torch"
+    if not HAS_TRITON:
+        raise RuntimeError(f"impl='triton' requested but triton cannot be imported ({_TRITON_ERROR})")
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    if not (on_cuda or (on_cpu and triton_interpreting())):
+        devices = sorted({str(t.device) for t in tensors})
+        raise RuntimeError(
+            f"impl='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"import); got devices {devices}"
+        )
+    return "triton"

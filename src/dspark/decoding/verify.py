@@ -1,0 +1,182 @@
+"""Lossless speculative-decoding verification (rejection sampling), pure PyTorch.
+
+Draft k of request r is accepted, left to right, while ``u_accept[r, k] * p_d(x) < p_t(x)``
+(i.e. ``u < min(1, p_t/p_d)`` without a division). At the first rejection the next token is drawn
+from ``norm(max(0, p_t - p_d))``; if every verified draft passes, a bonus token is drawn from the
+target row that follows the last draft. The emitted sequence (accepted drafts, then ``next_token``)
+is then distributed exactly as sampling from the target. Greedy decoding is the one-hot case.
+
+Randomness convention (a Triton kernel replicates it, so keep it stable):
+  * ``u_accept`` is ``[R, G]`` and ``u_sample`` is ``[R]``, both uniform in [0, 1), float32;
+  * when drawn here: ``u_accept = torch.rand(R, G)`` first, then ``u_sample = torch.rand(R)``,
+    both from the same ``generator``;
+  * the residual / bonus token is ``sample_from(dist, u_sample)``: the first index whose
+    cumulative mass exceeds ``u_sample * total`` (``total`` = last element of the cumsum).
+
+This module must stay free of training / model imports: it is the reference the engine and the
+kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["VerifyResult", "probs_from_logits", "sample_from", "verify"]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of one verification step for R requests with up to G drafts each.
+
+    accepted:     [R] long, number of accepted drafts (0 <= accepted <= lengths).
+    next_token:   [R] long, the correction token (first rejection) or the bonus token.
+    accept_flags: [R, G] bool, True exactly for positions < accepted.
+    """
+
+    accepted: Tensor
+    next_token: Tensor
+    accept_flags: Tensor
+
+
+def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / T) over the last dim in float32; T == 0 gives the one-hot argmax."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float()
+    if temperature == 0:
+        # Greedy is the degenerate distribution: verification then reproduces the argmax chain.
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def sample_from(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sample per row: first index where cumsum(p) > u * sum(p).
+
+    ``probs`` is [..., V] (non-negative, need not be normalised), ``u`` is [...] in [0, 1).
+    Returns a long tensor of shape [...]. The result is clamped to the last index with
+    non-zero mass, so round-off in the cumsum can never yield a zero-probability token.
+    """
+    if probs.dim() < 1 or probs.shape[-1] < 1:
+        raise ValueError(f"probs must have a non-empty last dim, got shape {tuple(probs.shape)}")
+    if u.shape != probs.shape[:-1]:
+        raise ValueError(f"u must have shape {tuple(probs.shape[:-1])}, got {tuple(u.shape)}")
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    cdf = probs.to(dtype).cumsum(dim=-1).contiguous()
+    # Use the cumsum's own last element as the total so the threshold is consistent with the cdf.
+    target = (u.to(dtype) * cdf[..., -1]).unsqueeze(-1).contiguous()
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # Last index with mass (V-1 for an all-zero row, which callers must not pass anyway).
+    v = probs.shape[-1]
+    last_nz = (v - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(idx, last_nz).long()
+
+
+def _check_inputs(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, lengths: Tensor) -> None:
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [R, G+1, V], got shape {tuple(target_probs.shape)}")
+    if draft_probs.dim() != 3:
+        raise ValueError(f"draft_probs must be [R, G, V], got shape {tuple(draft_probs.shape)}")
+    r, g, v = draft_probs.shape
+    if target_probs.shape != (r, g + 1, v):
+        raise ValueError(
+            f"target_probs must be [R, G+1, V] = {(r, g + 1, v)} to match draft_probs "
+            f"{tuple(draft_probs.shape)}, got {tuple(target_probs.shape)}"
+        )
+    if v < 1:
+        raise ValueError("vocabulary size V must be >= 1")
+    if tokens.shape != (r, g):
+        raise ValueError(f"tokens must be [R, G] = {(r, g)}, got {tuple(tokens.shape)}")
+    if lengths.shape != (r,):
+        raise ValueError(f"lengths must be [R] = {(r,)}, got {tuple(lengths.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be an integer tensor, got {lengths.dtype}")
+    if not target_probs.dtype.is_floating_point or not draft_probs.dtype.is_floating_point:
+        raise ValueError(
+            f"probabilities must be floating point, got {target_probs.dtype} / {draft_probs.dtype}"
+        )
+
+
+def verify(
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    tokens: Tensor,
+    lengths: Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    uniforms: tuple[Tensor, Tensor] | None = None,
+) -> VerifyResult:
+    """Rejection-sample R ragged draft blocks against the target.
+
+    target_probs: [R, G+1, V]; row k is the target distribution at draft position k, row
+                  lengths[r] supplies the bonus token.
+    draft_probs:  [R, G, V]; the distributions the drafts were sampled from.
+    tokens:       [R, G] drafted token ids (entries at k >= lengths[r] are ignored: any padding).
+    lengths:      [R], 0 <= lengths[r] <= G: how many drafts of request r to verify.
+    generator:    source of the uniforms when ``uniforms`` is None.
+    uniforms:     explicit ``(u_accept [R, G], u_sample [R])`` in [0, 1).
+
+    All math is float32 whatever the input dtype; works on any device.
+    """
+    _check_inputs(target_probs, draft_probs, tokens, lengths)
+    r, g, v = draft_probs.shape
+    device = draft_probs.device
+    p_t = target_probs.to(device=device, dtype=torch.float32)
+    p_d = draft_probs.float()
+    tokens = tokens.to(device=device, dtype=torch.long)
+    lengths = lengths.to(device=device, dtype=torch.long)
+
+    # One host sync for all data-dependent checks: an out-of-range gather is a device assert on CUDA.
+    pos = torch.arange(g, device=device)
+    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)  # [R, G]
+    bad_len = (lengths < 0) | (lengths > g)
+    bad_tok = valid & ((tokens < 0) | (tokens >= v))
+    flags = torch.stack([bad_len.any(), bad_tok.any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"lengths must satisfy 0 <= lengths[r] <= G={g}, got {lengths.tolist()}")
+    if flags[1]:
+        raise ValueError(f"tokens at verified positions must lie in [0, V={v})")
+
+    if uniforms is None:
+        # Order matters for reproducibility against the kernel: u_accept first, then u_sample.
+        u_accept = torch.rand(r, g, generator=generator, device=device)
+        u_sample = torch.rand(r, generator=generator, device=device)
+    else:
+        if len(uniforms) != 2:
+            raise ValueError("uniforms must be a pair (u_accept [R, G], u_sample [R])")
+        u_accept, u_sample = uniforms
+        if u_accept.shape != (r, g):
+            raise ValueError(f"u_accept must be [R, G] = {(r, g)}, got {tuple(u_accept.shape)}")
+        if u_sample.shape != (r,):
+            raise ValueError(f"u_sample must be [R] = {(r,)}, got {tuple(u_sample.shape)}")
+        u_accept = u_accept.to(device=device, dtype=torch.float32)
+        u_sample = u_sample.to(device=device, dtype=torch.float32)
+
+    # Probabilities of the drafted tokens; padding positions gather index 0 and are masked out.
+    tok = torch.where(valid, tokens, 0).unsqueeze(-1)
+    pt_x = p_t[:, :g].gather(-1, tok).squeeze(-1)
+    pd_x = p_d.gather(-1, tok).squeeze(-1)
+    # u * p_d < p_t  <=>  u < p_t / p_d; p_d == 0 rejects, and NaN compares False, i.e. rejects.
+    ok = valid & (pd_x > 0) & (u_accept * pd_x < pt_x)
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # length of the all-accepted prefix
+    accept_flags = pos.unsqueeze(0) < accepted.unsqueeze(1)
+
+    rows = torch.arange(r, device=device)
+    pt_row = p_t[rows, accepted]  # target at the first rejection, or the bonus row
+    rejected = accepted < lengths
+    if g > 0:
+        pd_row = p_d[rows, accepted.clamp(max=g - 1)]
+        resid = pt_row - pd_row
+        resid = torch.where(resid > 0, resid, 0.0)  # max(0, .) that also maps NaN to 0
+        use_resid = rejected & (resid.sum(dim=-1) > 0)  # all-zero residual: fall back to p_t
+        dist = torch.where(use_resid.unsqueeze(-1), resid, pt_row)
+    else:
+        dist = pt_row
+    dist = torch.where(dist > 0, dist, 0.0)  # drop negatives / NaN before the inverse CDF
+    next_token = sample_from(dist, u_sample)
+    return VerifyResult(accepted=accepted, next_token=next_token, accept_flags=accept_flags)

@@ -1,0 +1,300 @@
+"""Step-time cost model for load-aware verification scheduling (paper §2.1, §3.2.2).
+
+One decoding round costs ``T_draft(R) + T_verify(B)``: the drafter runs once per round for the
+``R`` active requests, and the target verifies ``B = R + sum(l_r)`` tokens (anchors + admitted
+drafts). Both curves are measured once on the engine and stored as small tables; the scheduler
+reads ``SPS(B) = 1 / step_time`` from them by interpolation, which is an O(1) lookup per
+candidate on Algorithm 1's admission path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CostModel", "CostTableError", "profile"]
+
+_FORMAT = "dspark.cost_model/v1"
+
+
+class CostTableError(ValueError):
+    """A measured table that cannot be a step-time curve."""
+
+
+def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple[np.ndarray, np.ndarray]:
+    if not table:
+        raise CostTableError(f"{name}: empty table; profile at least one batch size")
+    keys: list[int] = []
+    for k in table:
+        # JSON turns int keys into strings, so accept "64" but never 64.5 or True.
+        if isinstance(k, bool):
+            raise CostTableError(f"{name}: batch size {k!r} is not an integer")
+        try:
+            ik = int(k)
+        except (TypeError, ValueError):
+            raise CostTableError(f"{name}: batch size {k!r} is not an integer") from None
+        if float(k) != ik:
+            raise CostTableError(f"{name}: batch size {k!r} is not an integer")
+        if ik <= 0:
+            raise CostTableError(f"{name}: batch size must be positive, got {k!r}")
+        keys.append(ik)
+    if len(set(keys)) != len(keys):
+        raise CostTableError(f"{name}: duplicate batch sizes {sorted(keys)}")
+    pairs = sorted((ik, float(v)) for ik, v in zip(keys, table.values()))
+    bad = [(b, t) for b, t in pairs if not (math.isfinite(t) and t > 0)]
+    if bad:
+        raise CostTableError(f"{name}: step times must be finite and > 0 ms; offending (B, ms): {bad}")
+    # Real curves are jagged (wave quantisation, kernel switches), so small dips are noise; a
+    # large dip means a broken measurement (e.g. a missing sync) and would make larger batches
+    # look free. Compare against the running maximum so a slow staircase of dips is caught too.
+    offenders = []
+    peak_b, peak_t = pairs[0]
+    for b, t in pairs[1:]:
+        if t < (1.0 - monotone_tol) * peak_t:
+            offenders.append(f"B={peak_b}: {peak_t:.4g} ms -> B={b}: {t:.4g} ms")
+        if t > peak_t:
+            peak_b, peak_t = b, t
+    if offenders:
+        raise CostTableError(
+            f"{name}: step time decreases with batch size by more than {monotone_tol:.0%}: "
+            + "; ".join(offenders)
+        )
+    xs = np.array([b for b, _ in pairs], dtype=np.float64)
+    ys = np.array([t for _, t in pairs], dtype=np.float64)
+    return xs, ys
+
+
+def _interp(xs: np.ndarray, ys: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through the points; below the first point: its value (a step cannot get
+    cheaper than the smallest measured one); beyond the last: the slope of the last two points,
+    floored at 0 so a within-tolerance dip at the end never extrapolates to negative times."""
+    out = np.interp(q, xs, ys)
+    if len(xs) >= 2:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        hi = q > xs[-1]
+        out = np.where(hi, ys[-1] + slope * (q - xs[-1]), out)
+    return out
+
+
+class CostModel:
+    """Measured round time: ``T_draft(R) + T_verify(B)``.
+
+    Args:
+        verify_ms: target verification step time (ms) by token batch size ``B``.
+        draft_ms: drafter step time (ms) by concurrency ``R``; ``None`` = drafting is free
+            (or folded into ``verify_ms``).
+        context_len: context length the table was profiled at (attention cost grows with it).
+        meta: free-form provenance (device, dtype, commit, ...); must be JSON-serialisable.
+        monotone_tol: relative dip in step time with growing ``B`` tolerated as noise.
+    """
+
+    def __init__(
+        self,
+        verify_ms: Mapping[int, float],
+        draft_ms: Mapping[int, float] | None = None,
+        context_len: int | None = None,
+        meta: dict | None = None,
+        monotone_tol: float = 0.05,
+    ) -> None:
+        if not 0.0 <= monotone_tol < 1.0:
+            raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
+        if context_len is not None and int(context_len) <= 0:
+            raise CostTableError(f"context_len must be positive, got {context_len}")
+        self.monotone_tol = float(monotone_tol)
+        self._vx, self._vy = _as_table("verify_ms", verify_ms, monotone_tol)
+        self._d = None if draft_ms is None else _as_table("draft_ms", draft_ms, monotone_tol)
+        self.context_len = None if context_len is None else int(context_len)
+        self.meta = dict(meta or {})
+
+    # ---- tables -------------------------------------------------------------------------
+    @property
+    def verify_ms(self) -> dict[int, float]:
+        return {int(b): float(t) for b, t in zip(self._vx, self._vy)}
+
+    @property
+    def draft_ms(self) -> dict[int, float] | None:
+        if self._d is None:
+            return None
+        return {int(r): float(t) for r, t in zip(*self._d)}
+
+    # ---- lookups ------------------------------------------------------------------------
+    def step_time(self, B, R=None):
+        """Round time in seconds for ``B`` verified tokens and ``R`` drafting requests.
+
+        Scalars in, float out; array-likes broadcast to an ndarray. ``R`` is ignored when there
+        is no draft table and required when there is one.
+        """
+        scalar = np.ndim(B) == 0 and np.ndim(R) == 0
+        b = np.asarray(B, dtype=np.float64)
+        if np.any(b <= 0):
+            raise ValueError(f"batch size must be positive, got {B!r}")
+        ms = _interp(self._vx, self._vy, b)
+        if self._d is not None:
+            if R is None:
+                raise ValueError("this cost model has a draft table; pass R (active requests)")
+            r = np.asarray(R, dtype=np.float64)
+            if np.any(r <= 0):
+                raise ValueError(f"concurrency R must be positive, got {R!r}")
+            ms = ms + _interp(*self._d, r)
+        s = ms * 1e-3
+        return float(s) if scalar else s
+
+    def sps(self, B, R=None):
+        """Rounds (target steps) per second: ``1 / step_time(B, R)``."""
+        t = self.step_time(B, R)
+        return 1.0 / t
+
+    # ---- synthetic tables -----------------------------------------------------------------
+    @classmethod
+    def analytical(
+        cls,
+        base_ms: float = 10.0,
+        knee: int = 64,
+        ms_per_token: float | None = None,
+        max_batch: int = 4096,
+        tile: int | None = None,
+        draft_ms: Mapping[int, float] | float | None = None,
+        **kw,
+    ) -> CostModel:
+        """Roofline-shaped table: flat at ``base_ms`` up to ``knee`` tokens (memory-bound), then
+        linear at ``ms_per_token`` (compute-bound; default continues the roofline, i.e.
+        ``base_ms / knee``). With ``tile``, the compute-bound part is charged per started tile of
+        ``tile`` tokens, giving the jagged staircase of §5.2. ``draft_ms`` as a float is a
+        constant drafter cost."""
+        if knee < 1 or max_batch < knee:
+            raise CostTableError(f"need 1 <= knee <= max_batch, got knee={knee}, max_batch={max_batch}")
+        slope = base_ms / knee if ms_per_token is None else float(ms_per_token)
+
+        def f(b: int) -> float:
+            if tile is not None:
+                b = -(-b // tile) * tile  # round up to a whole tile
+            return base_ms + slope * max(0, b - knee)
+
+        # A roofline is exact with its corners; a staircase needs every B, or interpolation
+        # would smooth the cliffs away.
+        points = sorted({1, knee, max(knee + 1, max_batch)}) if tile is None else range(1, max_batch + 1)
+        verify = {b: f(b) for b in points}
+        if isinstance(draft_ms, (int, float)):
+            draft_ms = {1: float(draft_ms)}
+        meta = {"analytical": {"base_ms": base_ms, "knee": knee, "ms_per_token": slope, "tile": tile}}
+        meta.update(kw.pop("meta", None) or {})
+        return cls(verify, draft_ms=draft_ms, meta=meta, **kw)
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "verify_ms": {str(b): t for b, t in self.verify_ms.items()},
+            "draft_ms": None if self._d is None else {str(r): t for r, t in self.draft_ms.items()},
+            "context_len": self.context_len,
+            "monotone_tol": self.monotone_tol,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> CostModel:
+        fmt = d.get("format")
+        if fmt != _FORMAT:
+            raise CostTableError(f"unknown cost-model format {fmt!r}; expected {_FORMAT!r}")
+        if "verify_ms" not in d:
+            raise CostTableError("cost-model JSON lacks 'verify_ms'")
+        return cls(
+            d["verify_ms"],
+            draft_ms=d.get("draft_ms"),
+            context_len=d.get("context_len"),
+            meta=d.get("meta"),
+            monotone_tol=d.get("monotone_tol", 0.05),
+        )
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, s: str) -> CostModel:
+        return cls.from_dict(json.loads(s))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Atomic write: a reader sees the old table or the new one, never half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostModel:
+        return cls.from_json(Path(path).read_text())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CostModel) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        b = self._vx
+        return (
+            f"CostModel({len(b)} points, B={int(b[0])}..{int(b[-1])}, "
+            f"draft={'yes' if self._d is not None else 'no'}, context_len={self.context_len})"
+        )
+
+
+def _auto_sync() -> None:
+    # Only synchronise a CUDA context that already exists: initialising one just to time a CPU
+    # step would cost seconds and GPU memory.
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def profile(
+    step_fn: Callable[[int], None],
+    batch_sizes: Iterable[int],
+    warmup: int = 2,
+    repeats: int = 5,
+    timer: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] | None = _auto_sync,
+) -> dict[int, float]:
+    """Median wall time (ms) of ``step_fn(B)`` for each ``B``.
+
+    Warm-up runs per ``B`` absorb one-off costs (CUDA-graph capture per bucket, allocator
+    growth, autotuning). ``sync`` runs before starting and before stopping the clock so
+    asynchronous device work is inside the measurement; pass ``None`` for pure-CPU steps.
+    The median resists the occasional preemption on shared machines.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    do_sync = sync if sync is not None else (lambda: None)
+    out: dict[int, float] = {}
+    for b in batch_sizes:
+        b = int(b)
+        if b <= 0:
+            raise ValueError(f"batch size must be positive, got {b}")
+        for _ in range(warmup):
+            step_fn(b)
+        do_sync()
+        samples = []
+        for _ in range(repeats):
+            do_sync()
+            t0 = timer()
+            step_fn(b)
+            do_sync()
+            samples.append((timer() - t0) * 1e3)
+        out[b] = float(statistics.median(samples))
+    return out

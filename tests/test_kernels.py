@@ -1,0 +1,385 @@
+"""Kernels (``dspark.kernels``) against their PyTorch references.
+
+Three tiers:
+  * in-process CPU tests of the PyTorch paths (chunked loss vs materialised, gradcheck, the
+    local sampling / verification references vs ``dspark.decoding.verify``);
+  * ``test_interp_*``: the Triton kernels on CPU under Triton's interpreter at small shapes.
+    ``@triton.jit`` decides between compiling and interpreting when a kernel module is
+    imported, from ``TRITON_INTERPRET``, so the variable cannot be flipped inside this pytest
+    process without leaking into other tests (anything importing triton later would be
+    interpreted). ``test_triton_kernels_under_interpreter`` therefore re-runs this file's
+    ``test_interp_*`` tests in a child pytest with ``TRITON_INTERPRET=1``; in the parent they
+    skip with a pointer to it. Without triton they all skip, with the reason.
+  * ``@pytest.mark.gpu``: the compiled kernels at realistic shapes (V=49152, 512 anchors x 7
+    rows, K=576+256) on CUDA; deselected by default (``-m gpu`` runs them).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.kernels import (
+    chunked_draft_loss,
+    fused_draft_loss,
+    materialized_draft_loss,
+    rejection_verify,
+    rejection_verify_reference,
+    sample_from_reference,
+    sample_step,
+    sample_step_reference,
+    triton_available,
+    triton_interpreting,
+)
+
+try:  # the colleague-owned references; tests fall back to the local ones if absent
+    from dspark.decoding.verify import probs_from_logits, sample_from, verify
+except ImportError:  # pragma: no cover
+    verify = sample_from = probs_from_logits = None
+
+INTERPRETING = triton_interpreting()
+CHILD_ENV = "DSPARK_KERNELS_INTERP_CHILD"
+needs_interpreter = pytest.mark.skipif(
+    not (INTERPRETING and os.environ.get(CHILD_ENV) == "1"),
+    reason="runs in the TRITON_INTERPRET=1 child started by test_triton_kernels_under_interpreter",
+)
+needs_cuda_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
+)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error (robust to entries near zero)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- loss helpers
+
+
+def loss_problem(n, k, d, v, *, seed=0, dtype=torch.float32, device="cpu", ignore_every=5):
+    g = torch.Generator().manual_seed(seed)
+    # Logit std ~2.5 so distributions are peaked but not one-hot; target shares half of the
+    # draft's structure so TV spans its range instead of sitting at 2.
+    x = torch.randn(n, k, generator=g)
+    w = torch.randn(v, k, generator=g) * (2.5 / k**0.5)
+    th = torch.randn(n, d, generator=g)
+    tw = torch.randn(v, d, generator=g) * (2.5 / d**0.5)
+    m = min(k, d)
+    th[:, :m] = 0.7 * x[:, :m] + 0.3 * th[:, :m]
+    tw[:, :m] = w[:, :m] * (k / d) ** 0.5
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::ignore_every] = -100
+    a = torch.rand(n, generator=g)  # random per-row loss weights exercise per-row grad scaling
+    b = torch.rand(n, generator=g)
+
+    def to(t):
+        return t.to(device=device, dtype=dtype)
+
+    return to(x), to(w), to(th), to(tw), labels.to(device), a.to(device), b.to(device)
+
+
+def loss_and_grads(fn, x, w, th, tw, labels, a, b, **kw):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    out = fn(x, w, th, tw, labels, **kw)
+    ((out.ce * a).sum() + (out.tv * b).sum()).backward()
+    return out.ce.detach(), out.tv.detach(), x.grad, w.grad
+
+
+def assert_loss_close(got, ref, tol):
+    for name, g_, r_ in zip(("ce", "tv", "grad_x", "grad_w"), got, ref):
+        assert g_.shape == r_.shape, name
+        err = rel_err(g_, r_)
+        assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.0e}"
+
+
+# ----------------------------------------------------------------------------- loss, torch
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("chunk", [64, 300, 1000])
+def test_chunked_loss_matches_materialized(softcap, chunk):
+    prob = loss_problem(37, 24, 20, 300, seed=1)
+    ref = loss_and_grads(materialized_draft_loss, *prob, softcap=softcap)
+    got = loss_and_grads(chunked_draft_loss, *prob, softcap=softcap, chunk=chunk)
+    assert_loss_close(got, ref, 1e-5)
+    ce, tv = ref[0], ref[1]
+    labels = prob[4]
+    assert torch.all(ce[labels < 0] == 0) and torch.all(ce[labels >= 0] > 0)
+    assert torch.all((tv > 0) & (tv < 2))
+
+
+def test_chunked_loss_gradcheck():
+    x, w, th, tw, labels, _, _ = loss_problem(5, 4, 3, 13, seed=2, dtype=torch.float64, ignore_every=3)
+    x.requires_grad_()
+    w.requires_grad_()
+    for softcap in (None, 2.0):
+
+        def f(x_, w_, softcap=softcap):
+            return tuple(chunked_draft_loss(x_, w_, th, tw, labels, softcap, chunk=5))
+
+        assert torch.autograd.gradcheck(f, (x, w), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("used", ["ce", "tv"])
+def test_chunked_loss_single_output(used):
+    x, w, th, tw, labels, _, _ = loss_problem(19, 16, 8, 90, seed=3)
+    grads = []
+    for fn in (materialized_draft_loss, chunked_draft_loss):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        getattr(fn(xx, ww, th, tw, labels), used).sum().backward()
+        grads.append((xx.grad, ww.grad))
+    assert rel_err(grads[1][0], grads[0][0]) < 1e-5
+    assert rel_err(grads[1][1], grads[0][1]) < 1e-5
+
+
+def test_loss_all_ignored_and_frozen_target():
+    x, w, th, tw, labels, _, _ = loss_problem(7, 8, 8, 50, seed=4)
+    labels = torch.full_like(labels, -100)
+    xx = x.clone().requires_grad_()
+    th = th.clone().requires_grad_()  # the target side is a constant: no grad reaches it
+    out = chunked_draft_loss(xx, w, th, tw, labels, chunk=16)
+    assert torch.all(out.ce == 0)
+    out.ce.sum().backward()
+    assert torch.all(xx.grad == 0) and th.grad is None
+
+
+def test_loss_dispatch_on_cpu():
+    prob = loss_problem(11, 8, 8, 40, seed=5)
+    ref = chunked_draft_loss(*prob[:5], chunk=16)
+    auto = fused_draft_loss(*prob[:5], chunk=16, impl="auto")
+    assert torch.equal(auto.ce, ref.ce) and torch.equal(auto.tv, ref.tv)
+    with pytest.raises(ValueError, match="impl"):
+        fused_draft_loss(*prob[:5], impl="cuda")
+    if not INTERPRETING:
+        with pytest.raises(RuntimeError):
+            fused_draft_loss(*prob[:5], impl="triton")
+
+
+# ----------------------------------------------------------------------------- sampling helpers
+
+
+def sampling_rows(r, v, *, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(r, v, generator=g) * 3
+    bias = torch.randn(r, v, generator=g)
+    base[0, 5:40] = float("-inf")  # masked vocabulary entries
+    base[1, 3] = base[1, v - 2] = base[1].max() + 10  # greedy tie across blocks: lowest wins
+    bias[1, 3] = bias[1, v - 2] = 0.0
+    u = torch.rand(r, generator=g)
+    u[2] = 1 - 2**-24  # largest float32 below 1: exercises the clamp to the last mass
+    return base.to(device), bias.to(device), u.to(device)
+
+
+def expected_sample(base, bias, temperature, u):
+    """The colleague's convention when available, the local reference otherwise."""
+    if probs_from_logits is None:
+        return sample_step_reference(base, bias, temperature, u)
+    z = base.float() if bias is None else base.float() + bias.float()
+    probs = probs_from_logits(z, temperature)
+    tokens = probs.argmax(-1) if temperature == 0 else sample_from(probs, u)
+    return tokens, probs
+
+
+def valid_inverse_cdf(dist, u, tokens, eps):
+    """Each token is an inverse-CDF answer for a threshold within eps·total of u·total."""
+    cdf = dist.double().cumsum(-1)
+    total = cdf[:, -1]
+    thr = u.double() * total
+    at = cdf.gather(1, tokens[:, None]).squeeze(1)
+    before = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp_min(0)[:, None]).squeeze(1), 0.0)
+    ok = (at > thr - eps * total) & (before <= thr + eps * total)
+    return bool(torch.all(ok & (dist.gather(1, tokens[:, None]).squeeze(1) > 0)))
+
+
+def test_sample_from_reference_matches_verify():
+    if sample_from is None:
+        pytest.skip("dspark.decoding.verify not available")
+    g = torch.Generator().manual_seed(6)
+    dist = torch.rand(64, 257, generator=g) ** 4
+    dist[:8, 200:] = 0  # trailing zeros + u near 1: the clamp decides
+    dist[8:16, :50] = 0
+    u = torch.rand(64, generator=g)
+    u[:8] = 1 - 2**-24
+    u[16] = 0.0
+    assert torch.equal(sample_from_reference(dist, u), sample_from(dist, u))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_sample_step_reference(temperature, with_bias):
+    base, bias, u = sampling_rows(16, 300, seed=7)
+    bias = bias if with_bias else None
+    got = sample_step(base, bias, temperature, u, impl="auto")
+    tokens, probs = expected_sample(base, bias, temperature, u)
+    assert torch.equal(got.tokens, tokens)
+    torch.testing.assert_close(got.probs, probs, rtol=0, atol=0)
+    if temperature == 0:
+        assert got.tokens[1] == 3  # tie broken to the lowest index
+    assert got.probs.dtype == torch.float32 and got.tokens.dtype == torch.int64
+
+
+# ----------------------------------------------------------------------------- verify helpers
+
+
+def verify_cases(*, seed=0, r=24, g=5, v=200, device="cpu"):
+    """Random blocks plus the edge cases of the convention."""
+    gen = torch.Generator().manual_seed(seed)
+    pt = torch.softmax(torch.randn(r, g + 1, v, generator=gen) * 2, -1)
+    # Drafts close to the target for half the rows so long prefixes get accepted too.
+    noise = torch.softmax(torch.randn(r, g, v, generator=gen) * 2, -1)
+    mix = torch.where(torch.arange(r)[:, None, None] % 2 == 0, 0.9, 0.2)
+    pd = mix * pt[:, :g] + (1 - mix) * noise
+    tokens = torch.multinomial(pd.reshape(-1, v), 1, generator=gen).reshape(r, g)
+    lengths = torch.randint(0, g + 1, (r,), generator=gen)
+    lengths[:3] = g
+    lengths[3] = 0
+    ua = torch.rand(r, g, generator=gen)
+    us = torch.rand(r, generator=gen)
+    # Row 4: draft token with p_d == 0 (rejected) and p_d == p_t: zero residual -> p_t.
+    pd[4, 0] = pt[4, 0]
+    pd[4, 0, 7] = 0.0
+    pt[4, 0, 7] = 0.0
+    tokens[4, 0], lengths[4] = 7, g
+    # Row 5: greedy (one-hot) target and draft that agree for two positions, then disagree.
+    pt[5] = torch.nn.functional.one_hot(torch.tensor([1, 2, 3, 4, 5, 6]), v).float()
+    pd[5] = torch.nn.functional.one_hot(torch.tensor([1, 2, 9, 4, 5]), v).float()
+    tokens[5], lengths[5] = torch.tensor([1, 2, 9, 4, 5]), g
+    # Padding tokens past lengths are ignored (even out of range).
+    tokens[3] = -1
+    us[6] = 1 - 2**-24
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(pt), to(pd), to(tokens), to(lengths), to(ua), to(us)
+
+
+def expected_verify(pt, pd, tokens, lengths, ua, us):
+    if verify is None:
+        return rejection_verify_reference(pt, pd, tokens, lengths, ua, us)
+    return verify(pt, pd, tokens, lengths, uniforms=(ua, us))
+
+
+def test_rejection_reference_matches_verify():
+    if verify is None:
+        pytest.skip("dspark.decoding.verify not available")
+    for seed, g in [(0, 5), (1, 1), (2, 0)]:
+        case = verify_cases(seed=seed, g=g)
+        got = rejection_verify(*case[:4], uniforms=case[4:], impl="torch")
+        ref = verify(*case[:4], uniforms=case[4:])
+        assert torch.equal(got.accepted, ref.accepted)
+        assert torch.equal(got.next_token, ref.next_token)
+        assert torch.equal(got.accept_flags, ref.accept_flags)
+    assert case[0].shape[1] == 1  # the g=0 case ran
+
+
+def test_rejection_draws_uniforms_like_verify():
+    if verify is None:
+        pytest.skip("dspark.decoding.verify not available")
+    case = verify_cases(seed=3)
+    got = rejection_verify(*case[:4], generator=torch.Generator().manual_seed(9))
+    ref = verify(*case[:4], generator=torch.Generator().manual_seed(9))
+    assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.next_token, ref.next_token)
+
+
+# ----------------------------------------------------------------------------- triton, interpreter
+
+
+def test_triton_kernels_under_interpreter():
+    if not triton_available():
+        pytest.skip("triton is not installed: kernels fall back to their PyTorch references")
+    if os.environ.get(CHILD_ENV) == "1":
+        pytest.skip("already inside the interpreter child")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "test_interp_", "-p", "no:cacheprovider",
+           "-rs", "-W", "ignore::DeprecationWarning"]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, tail
+
+
+@needs_interpreter
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_interp_fused_loss(softcap):
+    # N=37, V=300, K=24: none a multiple of the interpreter tiles (32, 64, 16); chunk=128 leaves
+    # a ragged last backward chunk.
+    prob = loss_problem(37, 24, 20, 300, seed=10)
+    ref = loss_and_grads(materialized_draft_loss, *prob, softcap=softcap)
+    got = loss_and_grads(fused_draft_loss, *prob, softcap=softcap, chunk=128, impl="triton")
+    assert_loss_close(got, ref, 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_interp_sample_step(temperature, with_bias):
+    base, bias, u = sampling_rows(6, 300, seed=11)
+    bias = bias if with_bias else None
+    got = sample_step(base, bias, temperature, u, impl="triton")
+    tokens, probs = expected_sample(base, bias, temperature, u)
+    torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got.tokens, tokens)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("g", [5, 0])
+def test_interp_rejection(g):
+    case = verify_cases(seed=12, r=10, g=g, v=200)
+    got = rejection_verify(*case[:4], uniforms=case[4:], impl="triton")
+    ref = expected_verify(*case)
+    assert torch.equal(got.accepted, ref.accepted)
+    assert torch.equal(got.accept_flags, ref.accept_flags)
+    assert torch.equal(got.next_token, ref.next_token)
+
+
+# ----------------------------------------------------------------------------- triton, GPU
+
+GPU_N, GPU_K, GPU_D, GPU_V = 512 * 7, 576 + 256, 576, 49152
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_gpu_fused_loss(dtype, softcap):
+    prob = loss_problem(GPU_N, GPU_K, GPU_D, GPU_V, seed=20, dtype=dtype, device="cuda")
+    # Ground truth in float32 from the same (possibly bf16-rounded) inputs.
+    ref = loss_and_grads(materialized_draft_loss, *[t.float() if t.is_floating_point() else t for t in prob],
+                         softcap=softcap)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for impl in ("triton", "torch"):
+        got = loss_and_grads(fused_draft_loss, *prob, softcap=softcap, impl=impl)
+        assert_loss_close(got, ref, tol)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_sample_step(temperature):
+    base, bias, u = sampling_rows(512, GPU_V, seed=21, device="cuda")
+    got = sample_step(base.bfloat16(), bias.bfloat16(), temperature, u, impl="triton")
+    tokens, probs = expected_sample(base.bfloat16(), bias.bfloat16(), temperature, u)
+    torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
+    if temperature == 0:
+        assert torch.equal(got.tokens, tokens)
+    else:  # summation order differs from torch.cumsum: only boundary draws may differ
+        assert (got.tokens != tokens).sum() <= 2
+        assert valid_inverse_cdf(probs, u, got.tokens, 1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_gpu_rejection():
+    case = verify_cases(seed=22, r=512, g=7, v=GPU_V, device="cuda")
+    got = rejection_verify(*case[:4], uniforms=case[4:], impl="triton")
+    ref = expected_verify(*case)
+    assert torch.equal(got.accepted, ref.accepted)
+    assert torch.equal(got.accept_flags, ref.accept_flags)
+    assert (got.next_token != ref.next_token).sum() <= 2

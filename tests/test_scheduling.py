@@ -1,0 +1,599 @@
+"""Cost model and verification-length policies (paper §2.1, §3.2.2 / Algorithm 1, §5.2, Appendix A)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.scheduling.cost import CostModel, CostTableError, profile
+from dspark.scheduling.policies import (
+    POLICIES,
+    AsyncTopK,
+    Fixed,
+    HardwareAware,
+    Mtp1,
+    Retrospective,
+    Threshold,
+    admission_order,
+    build_policy,
+    prefix_survival,
+    throughput_path,
+)
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def table_from_sps(sps: dict[int, float]) -> CostModel:
+    """The paper states SPS(B) (steps/s); the table stores step time in ms."""
+    return CostModel({b: 1e3 / s for b, s in sps.items()})
+
+
+def theta_of(lengths, a: np.ndarray, cost: CostModel) -> float:
+    """Θ = (R + Σ_r Σ_{j<=l_r} a_rj) · SPS(R + Σ l_r) for one allocation."""
+    lengths = np.asarray(lengths)
+    R = a.shape[0]
+    tau = R + sum(a[r, : lengths[r]].sum() for r in range(R))
+    return tau * cost.sps(R + int(lengths.sum()), R)
+
+
+def brute_force_best(a: np.ndarray, cost: CostModel) -> float:
+    """Max Θ over every contiguous-prefix allocation l ∈ {0..γ}^R (vectorised)."""
+    R, G = a.shape
+    combos = np.array(list(itertools.product(range(G + 1), repeat=R)))  # [M, R]
+    prefix = np.concatenate([np.zeros((R, 1)), np.cumsum(a, axis=1)], axis=1)  # [R, G+1]
+    tau = R + prefix[np.arange(R)[None, :], combos].sum(axis=1)
+    return float((tau * cost.sps(R + combos.sum(axis=1), R)).max())
+
+
+def algorithm1_reference(conf: torch.Tensor, cost: CostModel) -> list[int]:
+    """Line-by-line scalar transcription of Algorithm 1 (ties: smaller j, then smaller r)."""
+    c = conf.double().tolist()
+    R = len(c)
+    G = len(c[0]) if R else 0
+    a = [[math.prod(c[r][: j + 1]) for j in range(G)] for r in range(R)]
+    E = sorted(
+        ((r, j) for r in range(R) for j in range(G) if a[r][j] > 0),
+        key=lambda e: (-a[e[0]][e[1]], e[1], e[0]),
+    )
+    ell, B, tau = [0] * R, R, float(R)
+    best, chosen = R * cost.sps(R, R), [0] * R
+    for r, j in E:
+        ell[r] = j + 1
+        B += 1
+        tau += a[r][j]
+        theta = tau * cost.sps(B, R)
+        if theta > best:
+            best, chosen = theta, list(ell)
+        else:
+            break
+    return chosen
+
+
+def residual(pt: np.ndarray, pd: np.ndarray) -> np.ndarray:
+    r = np.maximum(pt - pd, 0.0)
+    return r / r.sum() if r.sum() > 0 else pt
+
+
+def emitted_joint(pt1, pd1, pt2, pd2, x1: int, x2: int, ell: int) -> np.ndarray:
+    """Exact law of the first two emitted tokens (Y1, Y2) of one request, given its drafts
+    (x1, x2) and scheduled length, under standard rejection-sampling verification. Tokens the
+    round does not emit come from the next round, which draws them from the target."""
+    V = len(pt1)
+    out = np.zeros((V, V))
+    fresh = np.array([pt1[y] * pt2[y] for y in range(V)])  # Y1 from the target, then Y2 | Y1
+    if ell == 0:
+        return fresh
+    acc1 = min(1.0, pt1[x1] / pd1[x1])
+    res1 = residual(pt1, pd1)
+    out += (1 - acc1) * res1[:, None] * pt2  # reject x1: correction token, then target
+    if ell == 1:
+        out[x1] += acc1 * pt2[x1]  # bonus token from the target
+    else:
+        acc2 = min(1.0, pt2[x1][x2] / pd2[x1][x2])
+        out[x1, x2] += acc1 * acc2
+        out[x1] += acc1 * (1 - acc2) * residual(pt2[x1], pd2[x1])
+    return out
+
+
+def exact_output_law(policy_fn, inst) -> list[np.ndarray]:
+    """Enumerate every joint draft (x_r1, x_r2 for all requests; γ = 2): the scheduler sees
+    c_r1 (pre-token) and c_r2 = g_r(x_r1) (Markov confidence head). Returns per-request laws
+    of (Y1, Y2)."""
+    R, V = len(inst["c1"]), len(inst["pt1"][0])
+    laws = [np.zeros((V, V)) for _ in range(R)]
+    for xs in itertools.product(range(V), repeat=2 * R):
+        x1, x2 = xs[:R], xs[R:]
+        p = 1.0
+        for r in range(R):
+            p *= inst["pd1"][r][x1[r]] * inst["pd2"][r][x1[r]][x2[r]]
+        if p == 0:
+            continue
+        conf = torch.tensor([[inst["c1"][r], inst["g"][r][x1[r]]] for r in range(R)], dtype=torch.float64)
+        ell = policy_fn(conf).tolist()
+        for r in range(R):
+            laws[r] += p * emitted_joint(
+                inst["pt1"][r], inst["pd1"][r], inst["pt2"][r], inst["pd2"][r], x1[r], x2[r], ell[r]
+            )
+    return laws
+
+
+def target_law(inst, r) -> np.ndarray:
+    return inst["pt1"][r][:, None] * inst["pt2"][r]
+
+
+# ---------------------------------------------------------------------------------------------
+# Appendix A: selection bias without early stopping
+# ---------------------------------------------------------------------------------------------
+
+APPENDIX_SPS = {1: 1.0, 2: 0.5, 3: 0.45}
+A, B_ = 0, 1
+
+
+def appendix_instance(sps2_pt=None):
+    # Second position: the appendix only tracks the first emitted token; any laws do here.
+    pt2 = np.array([[0.6, 0.4], [0.2, 0.8]]) if sps2_pt is None else sps2_pt
+    return {
+        "c1": [0.8],
+        "g": [[0.9, 0.0]],  # x1 = A -> c2 = 0.9 ; x1 = B -> c2 = 0
+        "pt1": [np.array([0.7, 0.3])],
+        "pd1": [np.array([0.5, 0.5])],
+        "pt2": [pt2],
+        "pd2": [np.array([[0.5, 0.5], [0.5, 0.5]])],
+    }
+
+
+def test_appendix_a_numbers():
+    cost = table_from_sps(APPENDIX_SPS)
+    a_case1 = torch.tensor([0.8, 0.72], dtype=torch.float64)
+    assert throughput_path(a_case1, 1, cost).tolist() == pytest.approx([1.0, 0.9, 1.134])
+    # Case 2: a2 = 0 is no candidate (Alg. 1 line 4); Θ2 would be 1.8 * 0.45 = 0.81 anyway.
+    rows, j, a = admission_order(torch.tensor([[0.8, 0.0]]))
+    assert j.tolist() == [1] and throughput_path(a, 1, cost).tolist() == pytest.approx([1.0, 0.9])
+    retro, ha = Retrospective(), HardwareAware()
+    assert retro(torch.tensor([[0.8, 0.9]]), cost).tolist() == [2]  # x1 = A: admitted
+    assert retro(torch.tensor([[0.8, 0.0]]), cost).tolist() == [0]  # x1 = B: not admitted
+    assert ha(torch.tensor([[0.8, 0.9]]), cost).tolist() == [0]  # Θ1 = 0.9 <= Θ0 = 1: stop
+    assert ha(torch.tensor([[0.8, 0.0]]), cost).tolist() == [0]
+    # The appendix's acceptance rate a1 = Σ min(pt, pd) = 0.8 is consistent with c1.
+    assert np.minimum([0.7, 0.3], [0.5, 0.5]).sum() == pytest.approx(0.8)
+
+
+def test_appendix_a_retrospective_is_biased_hardware_aware_is_not():
+    """Appendix A, exactly: R = 1, γ = 2, SPS(1..3) = 1.0, 0.5, 0.45, c1 = 0.8, c2 = 0.9 if
+    x1 = A else 0, p_t = (0.7, 0.3), p_d = (0.5, 0.5) over {A, B}.
+
+    Interpretation: B counts the anchor/bonus slot, B = R + Σ l (so SPS(1) is "verify nothing");
+    "a1 = 0.8" is the pre-token confidence c1; Y is the first token the round emits: the
+    accepted draft, the residual correction on rejection, or the target's own token when l = 0.
+    The law is computed by exact enumeration over the drafts and the acceptance coin, and
+    cross-checked by a 40k-trial Monte Carlo of the same process.
+    """
+    cost = table_from_sps(APPENDIX_SPS)
+    inst = appendix_instance()
+    for policy, want in [(Retrospective(), [0.85, 0.15]), (HardwareAware(), [0.7, 0.3])]:
+        law = exact_output_law(lambda c, p=policy: p(c, cost), inst)[0]
+        np.testing.assert_allclose(law.sum(axis=1), want, atol=1e-12)
+
+    # Monte Carlo of the retrospective run (the policy depends only on x1, so call it twice).
+    rng = np.random.default_rng(0)
+    n = 40_000
+    retro = Retrospective()
+    ell = {x: retro(torch.tensor([[0.8, inst["g"][0][x]]]), cost).item() for x in (A, B_)}
+    x1 = rng.choice(2, size=n, p=inst["pd1"][0])
+    admitted = np.array([ell[x] for x in x1]) >= 1
+    accept = rng.random(n) < np.minimum(1.0, inst["pt1"][0][x1] / inst["pd1"][0][x1])
+    fresh = rng.choice(2, size=n, p=inst["pt1"][0])  # l = 0: the target's own token
+    corr = rng.choice(2, size=n, p=residual(inst["pt1"][0], inst["pd1"][0]))
+    y = np.where(admitted, np.where(accept, x1, corr), fresh)
+    freq_a = (y == A).mean()
+    se = math.sqrt(0.85 * 0.15 / n)  # ~0.0018
+    assert abs(freq_a - 0.85) < 4 * se
+    assert abs(freq_a - 0.70) > 40 * se  # the bias is unmistakable, not noise
+
+
+def test_hardware_aware_lossless_when_it_does_admit():
+    """Same instance but SPS(2) = 0.6: Θ1 = 1.08 > Θ0, so Alg. 1 admits x1 always and then
+    l = 2 or 1 depending on x1 (via c2). Admission of x1 itself never depends on x1: lossless."""
+    cost = table_from_sps({1: 1.0, 2: 0.6, 3: 0.45})
+    ha = HardwareAware()
+    assert ha(torch.tensor([[0.8, 0.9]]), cost).tolist() == [2]
+    assert ha(torch.tensor([[0.8, 0.0]]), cost).tolist() == [1]
+    inst = appendix_instance()
+    law = exact_output_law(lambda c: ha(c, cost), inst)[0]
+    np.testing.assert_allclose(law, target_law(inst, 0), atol=1e-12)
+
+
+def random_instance(rng, R, V=2):
+    def dist(*shape):
+        p = rng.dirichlet(np.ones(V) * 0.7, size=shape)
+        return p
+
+    return {
+        "c1": rng.uniform(0.3, 1.0, size=R).tolist(),
+        # Strongly token-dependent continuation confidence: the retrospective trap.
+        "g": [rng.permutation([rng.uniform(0.8, 1.0), rng.uniform(0.0, 0.2)]).tolist() for _ in range(R)],
+        "pt1": list(dist(R)),
+        "pd1": list(dist(R)),
+        "pt2": list(dist(R, V)),
+        "pd2": list(dist(R, V)),
+    }
+
+
+def random_cost(rng, jagged=False):
+    knee = int(rng.integers(1, 6))
+    base = float(rng.uniform(5, 20))
+    slope = float(rng.uniform(0.2, 3.0)) * base / knee
+    return CostModel.analytical(
+        base_ms=base,
+        knee=knee,
+        ms_per_token=slope,
+        max_batch=16,
+        tile=3 if jagged else None,
+        draft_ms=float(rng.uniform(0, 5)),
+    )
+
+
+def test_losslessness_random_instances():
+    """Exact enumeration over 2 requests × γ = 2 with token-dependent c2: HardwareAware and
+    AsyncTopK (budget from stale rounds) reproduce the target law for every request; the
+    retrospective search is caught on some instance (so the harness has teeth)."""
+    rng = np.random.default_rng(1)
+    retro_violations = 0
+    for it in range(60):
+        inst = random_instance(rng, R=2)
+        cost = random_cost(rng, jagged=it % 2 == 1)
+        ha = HardwareAware()
+        primed = AsyncTopK(delay=2)
+        for _ in range(2):  # two stale rounds fix this round's K before any current draft exists
+            primed(torch.rand(2, 2, generator=torch.Generator().manual_seed(it)), cost)
+
+        def async_fn(c, primed=primed, cost=cost):
+            return copy.deepcopy(primed)(c, cost)
+
+        for fn in (lambda c, ha=ha, cost=cost: ha(c, cost), async_fn):
+            laws = exact_output_law(fn, inst)
+            for r in range(2):
+                np.testing.assert_allclose(laws[r], target_law(inst, r), atol=1e-12)
+        laws = exact_output_law(lambda c, cost=cost: Retrospective()(c, cost), inst)
+        retro_violations += any(not np.allclose(laws[r], target_law(inst, r), atol=1e-9) for r in range(2))
+    assert retro_violations > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1: exactness, optimality, ties, edges
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hardware_aware_matches_literal_algorithm1():
+    """Vectorised implementation == scalar transcription, incl. jagged costs and exact ties
+    (dyadic confidences make products and sums exact)."""
+    rng = np.random.default_rng(2)
+    ha = HardwareAware()
+    for it in range(150):
+        R, G = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        if it % 2:
+            conf = torch.tensor(rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=(R, G)))
+        else:
+            conf = torch.tensor(rng.uniform(0, 1, size=(R, G)))
+        cost = random_cost(rng, jagged=it % 3 == 0)
+        assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
+
+
+def test_hardware_aware_equals_brute_force_when_unimodal():
+    rng = np.random.default_rng(3)
+    ha, retro = HardwareAware(), Retrospective()
+    unimodal = 0
+    n = 200
+    for _ in range(n):
+        R, G = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        conf = torch.tensor(rng.beta(3, 1, size=(R, G)))
+        cost = random_cost(rng)
+        a = prefix_survival(conf).numpy()
+        best = brute_force_best(a, cost)
+        # The sorted path contains the best allocation of every size, so the unconstrained
+        # search over it is always the global optimum.
+        assert theta_of(retro(conf, cost), a, cost) == pytest.approx(best, rel=1e-12)
+        theta = throughput_path(admission_order(conf)[2], R, cost).numpy()
+        d = np.diff(theta)
+        first_drop = np.argmax(d <= 0) if (d <= 0).any() else len(d)
+        if not (d[first_drop:] > 0).any():
+            unimodal += 1
+            assert theta_of(ha(conf, cost), a, cost) == pytest.approx(best, rel=1e-12)
+    # Θ = concave τ / convex roofline time is quasi-concave: nearly every instance qualifies.
+    assert unimodal >= 0.9 * n
+
+
+def test_hardware_aware_can_stop_at_a_cliff():
+    """Jagged SPS (§5.2): Alg. 1 stops before a cliff that a global search would cross."""
+    # Flat up to B = 4, a 2x cliff at B = 5, then flat (extrapolation keeps the last slope, 0).
+    cost = CostModel({4: 10.0, 5: 20.0, 12: 20.0})
+    conf = torch.full((4, 4), 0.99, dtype=torch.float64)
+    a = prefix_survival(conf).numpy()
+    ha, retro = HardwareAware()(conf, cost), Retrospective()(conf, cost)
+    assert ha.sum().item() == 0 and retro.sum().item() == 16
+    assert theta_of(retro, a, cost) > 1.5 * theta_of(ha, a, cost)
+
+
+def test_admission_order_ties():
+    rows, j, a = admission_order(torch.tensor([[1.0, 1.0], [1.0, 0.5]]))
+    assert list(zip(rows.tolist(), j.tolist())) == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    # Cross-row tie a[0,2] == a[1,1] == 0.5: the smaller position goes first.
+    rows, j, a = admission_order(torch.tensor([[1.0, 0.5], [0.5, 0.1]]))
+    assert list(zip(rows.tolist(), j.tolist())) == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    # Within-row tie (c = 1) and dead prefixes dropped.
+    rows, j, a = admission_order(torch.tensor([[0.5, 1.0, 0.0], [0.0, 1.0, 1.0]]))
+    assert list(zip(rows.tolist(), j.tolist())) == [(0, 1), (0, 2)]
+    assert a.tolist() == [0.5, 0.5]
+
+
+def test_hardware_aware_ties_and_budget():
+    ha = HardwareAware()
+    conf = torch.tensor([[1.0, 1.0], [1.0, 0.5]])
+    # SPS flat to B = 5, halves at 6: Θ = 2, 3, 4, 5 (x1000) then 2.75 -> admit three.
+    cost = CostModel({2: 1.0, 5: 1.0, 6: 2.0})
+    assert ha(conf, cost).tolist() == [2, 1]
+    # One token fits before the cliff: the tie (0,1)/(1,1) goes to the smaller row.
+    cost = CostModel({2: 1.0, 3: 1.0, 4: 2.0})
+    assert ha(conf, cost).tolist() == [1, 0]
+    # Θ equal to Θ_best stops (strict >): exact tie from a doubled step time with τ: 2 -> 4.
+    cost = CostModel({2: 1.0, 3: 1.5, 4: 2.0})  # Θ: 2000, 2000 -> stop
+    assert ha(conf, cost).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_edges_empty_batch_and_zero_gamma(name):
+    cost = CostModel.analytical(knee=8)
+    pol = build_policy(name)
+    out = pol(torch.zeros(0, 4), cost)
+    assert out.shape == (0,) and out.dtype == torch.long
+    pol.reset()
+    out = pol(torch.zeros(3, 0), cost)
+    assert out.tolist() == [0, 0, 0] and out.dtype == torch.long
+
+
+def test_lengths_are_prefix_and_device_dtype():
+    rng = np.random.default_rng(4)
+    cost = CostModel.analytical(knee=32, draft_ms=2.0)
+    conf = torch.tensor(rng.uniform(0.2, 1.0, size=(64, 8)), dtype=torch.float32)
+    for name in POLICIES:
+        out = build_policy(name)(conf, cost)
+        assert out.dtype == torch.long and out.shape == (64,)
+        assert int(out.min()) >= 0 and int(out.max()) <= 8
+
+
+def test_large_batch_is_fast_enough():
+    import time
+
+    cost = CostModel.analytical(knee=512, max_batch=8192)
+    conf = torch.rand(256, 16, generator=torch.Generator().manual_seed(0))
+    ha = HardwareAware()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        ha(conf, cost)
+    assert (time.perf_counter() - t0) / 20 < 0.02  # R·γ = 4096 candidates; ~1 ms here
+
+
+def test_policies_need_cost_and_valid_confidences():
+    with pytest.raises(ValueError, match="CostModel"):
+        HardwareAware()(torch.rand(2, 3), None)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        HardwareAware()(torch.tensor([[0.5, 1.5]]), CostModel.analytical())
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        Threshold(0.5)(torch.tensor([[0.5, float("nan")]]))
+    with pytest.raises(ValueError, match="R, gamma"):
+        Threshold(0.5)(torch.rand(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# simple policies and the registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fixed_mtp1_threshold():
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.4, 1.0, 1.0], [0.9, 0.5, 1.0]])
+    assert Fixed(2)(conf).tolist() == [2, 2, 2]
+    assert Fixed()(conf).tolist() == [3, 3, 3]
+    assert Fixed(0)(conf).tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="only 3"):
+        Fixed(4)(conf)
+    assert Mtp1()(conf).tolist() == [1, 1, 1]
+    # a = [[.9, .81, .729], [.4, .4, .4], [.9, .45, .45]]
+    assert Threshold(0.5)(conf).tolist() == [3, 0, 1]
+    assert Threshold(0.8)(conf).tolist() == [2, 0, 1]
+    assert Threshold(0.0)(conf).tolist() == [3, 3, 3]
+    assert Threshold(1.0)(torch.tensor([[1.0, 1.0, 0.99]])).tolist() == [2]
+    with pytest.raises(ValueError):
+        Threshold(1.5)
+
+
+def test_build_policy_registry():
+    assert set(POLICIES) == {"fixed", "mtp1", "threshold", "hardware_aware", "async_topk", "retrospective"}
+    assert isinstance(build_policy("Hardware-Aware"), HardwareAware)
+    p = build_policy("threshold", tau=0.3)
+    assert isinstance(p, Threshold) and p.tau == 0.3 and p.name == "threshold"
+    assert build_policy("async_topk", delay=3).delay == 3
+    assert build_policy("fixed", gamma=4).gamma == 4
+    with pytest.raises(ValueError, match="choose one of"):
+        build_policy("oracle")
+    with pytest.raises(TypeError, match="threshold"):
+        build_policy("threshold", gamma=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# async top-K (§5.2)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_async_topk_budget_comes_from_two_rounds_ago():
+    # Knee at B = R: every admitted token costs 10% of a step.
+    cost = CostModel.analytical(base_ms=10.0, knee=4, ms_per_token=1.0, max_batch=64)
+    R, G = 4, 4
+    high = torch.full((R, G), 0.97)
+    low = torch.full((R, G), 0.02)
+    mid = torch.tensor([[0.9, 0.8, 0.6, 0.3]] * R)
+    k = {
+        name: Retrospective()(c, cost).sum().item()
+        for name, c in [("high", high), ("low", low), ("mid", mid)]
+    }
+    assert k == {"high": 16, "low": 0, "mid": 8}  # distinct, so the sequence below proves something
+
+    pol = AsyncTopK(delay=2, fallback=5)
+    seq = [("high", high), ("low", low), ("mid", mid), ("mid", mid), ("high", high)]
+    used = []
+    for _, c in seq:
+        used.append(pol(c, cost).sum().item())
+    # Rounds 0, 1: fallback; round t >= 2: the budget searched on round t - 2's confidences,
+    # clamped to the candidates alive now.
+    assert used[:2] == [5, 5]
+    assert used[2] == min(k["high"], R * G)
+    assert used[3] == k["low"]
+    assert used[4] == k["mid"]
+    assert used[2] != k["mid"] and used[3] != k["mid"]  # not the current round's own budget
+
+    pol.reset()
+    assert pol.pending == ()
+    assert pol(mid, cost).sum().item() == 5
+
+
+def test_async_topk_admits_current_top_k():
+    cost = CostModel.analytical(knee=4)
+    pol = AsyncTopK(delay=1, fallback=3)
+    cur = torch.tensor([[0.9, 0.2, 0.9], [0.95, 0.95, 0.1], [0.3, 1.0, 1.0]])
+    # a: [.9 .18 .162] [.95 .9025 .09] [.3 .3 .3] -> top 3: (1,1) .95, (1,2) .9025, (0,1) .9
+    assert pol(cur, cost).tolist() == [1, 2, 0]
+    # Fallback None = verify everything alive (Fixed γ).
+    assert AsyncTopK(delay=2)(cur, cost).tolist() == [3, 3, 3]
+
+
+def test_async_topk_delay_zero_is_retrospective():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        conf = torch.tensor(rng.uniform(0, 1, size=(5, 4)))
+        cost = random_cost(rng, jagged=True)
+        assert AsyncTopK(delay=0)(conf, cost).tolist() == Retrospective()(conf, cost).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# cost model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cost_rejects_bad_tables():
+    with pytest.raises(CostTableError, match="empty"):
+        CostModel({})
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(CostTableError, match=r"> 0 ms.*\(2, "):
+            CostModel({1: 1.0, 2: bad})
+    with pytest.raises(CostTableError, match="positive"):
+        CostModel({0: 1.0, 2: 1.0})
+    with pytest.raises(CostTableError, match="integer"):
+        CostModel({1.5: 1.0})
+    with pytest.raises(CostTableError, match="empty"):
+        CostModel({1: 1.0}, draft_ms={})
+
+
+def test_cost_monotonicity_tolerance():
+    with pytest.raises(CostTableError, match=r"B=2: 10 ms -> B=4: 8 ms"):
+        CostModel({1: 9.0, 2: 10.0, 4: 8.0, 8: 20.0})
+    CostModel({1: 10.0, 2: 9.6, 4: 12.0})  # a 4% dip is jitter
+    # A staircase of small dips adds up against the running maximum.
+    with pytest.raises(CostTableError, match="B=1: 10 ms -> B=3: 9.216 ms"):
+        CostModel({1: 10.0, 2: 9.6, 3: 9.216})
+    CostModel({1: 10.0, 2: 8.0}, monotone_tol=0.25)  # the tolerance is a parameter
+    with pytest.raises(CostTableError, match="draft_ms"):
+        CostModel({1: 1.0}, draft_ms={1: 5.0, 8: 1.0})
+
+
+def test_cost_interpolation_and_extrapolation():
+    cm = CostModel({4: 10.0, 8: 18.0, 16: 18.0 + 0.5})
+    assert cm.step_time(4) == pytest.approx(0.010)
+    assert cm.step_time(6) == pytest.approx(0.014)  # linear between points
+    assert cm.step_time(1) == pytest.approx(0.010)  # below the table: the smallest point
+    assert cm.step_time(24) == pytest.approx(0.0190)  # beyond: the last two points' slope
+    assert cm.sps(6) == pytest.approx(1 / 0.014)
+    np.testing.assert_allclose(cm.step_time(np.array([4, 6, 24])), [0.010, 0.014, 0.019])
+    # A within-tolerance dip at the end never extrapolates downwards.
+    assert CostModel({1: 10.0, 2: 9.8}).step_time(100) == pytest.approx(0.0098)
+    assert CostModel({3: 7.0}).step_time(100) == pytest.approx(0.007)  # one point: constant
+
+    cd = CostModel({4: 10.0, 8: 18.0}, draft_ms={1: 2.0, 5: 6.0})
+    assert cd.step_time(6, 3) == pytest.approx(0.014 + 0.004)  # T_draft(R) + T_verify(B)
+    assert cd.sps(6, 3) == pytest.approx(1 / 0.018)
+    with pytest.raises(ValueError, match="pass R"):
+        cd.step_time(6)
+    with pytest.raises(ValueError, match="positive"):
+        cm.step_time(0)
+
+
+def test_cost_analytical_shapes():
+    cm = CostModel.analytical(base_ms=8.0, knee=16, ms_per_token=0.5, max_batch=256)
+    assert cm.step_time(1) == cm.step_time(16) == pytest.approx(0.008)
+    assert cm.step_time(116) == pytest.approx(0.008 + 0.05)
+    assert cm.step_time(1000) == pytest.approx(0.008 + 0.5e-3 * 984)
+    jag = CostModel.analytical(base_ms=8.0, knee=16, ms_per_token=0.5, max_batch=64, tile=8)
+    assert jag.step_time(17) == jag.step_time(24) == pytest.approx(0.008 + 0.004)
+    assert jag.step_time(25) == pytest.approx(0.008 + 0.008)
+    assert CostModel.analytical(draft_ms=3.0).step_time(1, 7) == pytest.approx(0.013)
+
+
+def test_cost_json_round_trip(tmp_path):
+    cm = CostModel(
+        {1: 10.0, 64: 10.5, 512: 40.0},
+        draft_ms={1: 1.0, 32: 3.0},
+        context_len=2048,
+        meta={"device": "cpu", "dtype": "bf16"},
+        monotone_tol=0.1,
+    )
+    back = CostModel.from_json(cm.to_json())
+    assert back == cm and back.verify_ms == {1: 10.0, 64: 10.5, 512: 40.0}
+    assert back.draft_ms == {1: 1.0, 32: 3.0} and back.context_len == 2048 and back.monotone_tol == 0.1
+    path = cm.save(tmp_path / "sub" / "sps.json")
+    assert CostModel.load(path) == cm
+    assert sorted(p.name for p in path.parent.iterdir()) == ["sps.json"]  # no temp left behind
+    cm2 = CostModel.analytical()
+    cm2.save(path)  # atomic replace of an existing file
+    assert CostModel.load(path) == cm2
+    d = json.loads(cm.to_json())
+    d["format"] = "something/v9"
+    with pytest.raises(CostTableError, match="format"):
+        CostModel.from_dict(d)
+    d = json.loads(cm.to_json())
+    d["verify_ms"]["128"] = -1
+    with pytest.raises(CostTableError, match="> 0"):
+        CostModel.from_json(json.dumps(d))
+
+
+def test_profile_median_warmup_and_sync():
+    clock = [0.0]
+    calls: list[int] = []
+    syncs = [0]
+    jitter = iter([0.0, 5.0, 0.0, 0.0, 0.0] * 10)  # one slow outlier per B
+
+    def step(b):
+        calls.append(b)
+        if len(calls) % 7 > 1:  # past the 2 warm-up calls of each B (2 + 5 = 7 per B)
+            clock[0] += (b + next(jitter)) * 1e-3
+
+    def timer():
+        return clock[0]
+
+    def sync():
+        syncs[0] += 1
+
+    out = profile(step, [1, 8, 32], warmup=2, repeats=5, timer=timer, sync=sync)
+    assert out == pytest.approx({1: 1.0, 8: 8.0, 32: 32.0})  # median ignores the outlier
+    assert calls == [1] * 7 + [8] * 7 + [32] * 7
+    assert syncs[0] == 3 * (1 + 2 * 5)
+    assert CostModel(out).step_time(8) == pytest.approx(0.008)
+    with pytest.raises(ValueError):
+        profile(step, [0])
+    real = profile(lambda b: sum(range(b)), [10, 1000], warmup=0, repeats=1, sync=None)
+    assert set(real) == {10, 1000} and all(v > 0 for v in real.values())
