@@ -63,6 +63,11 @@ def _check(x, weight, target_hidden, target_weight, labels, softcap):
         raise ValueError(f"softcap must be positive or None, got {softcap}")
 
 
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    """Loss math runs in float32, or float64 for float64 inputs (so gradcheck works)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _cap(z: Tensor, softcap: float | None) -> Tensor:
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
@@ -80,9 +85,9 @@ def materialized_draft_loss(
 ) -> DraftLoss:
     """Ground truth: full [N, V] logits, plain autograd (float32 math)."""
     _check(x, weight, target_hidden, target_weight, labels, softcap)
-    logp_d = torch.log_softmax(_cap((x @ weight.T).float(), softcap), dim=-1)
+    logp_d = torch.log_softmax(_cap((x @ weight.T).to(_acc_dtype(x)), softcap), dim=-1)
     with torch.no_grad():
-        p_t = torch.softmax(_cap((target_hidden @ target_weight.T).float(), softcap), dim=-1)
+        p_t = torch.softmax(_cap((target_hidden @ target_weight.T).to(_acc_dtype(x)), softcap), dim=-1)
     valid = labels >= 0
     picked = logp_d.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
     ce = torch.where(valid, -picked, torch.zeros_like(picked))
@@ -95,26 +100,26 @@ def materialized_draft_loss(
 
 def _torch_forward_stats(x, weight, th, tw, labels, softcap, chunk):
     n, v = x.shape[0], weight.shape[0]
-    dev = x.device
-    lse_d = torch.full((n,), float("-inf"), device=dev)
-    lse_t = torch.full((n,), float("-inf"), device=dev)
-    label_logit = torch.zeros(n, device=dev)
+    f = dict(device=x.device, dtype=_acc_dtype(x))
+    lse_d = torch.full((n,), float("-inf"), **f)
+    lse_t = torch.full((n,), float("-inf"), **f)
+    label_logit = torch.zeros(n, **f)
     valid = labels >= 0
     for v0 in range(0, v, chunk):
         v1 = min(v, v0 + chunk)
-        s_d = _cap((x @ weight[v0:v1].T).float(), softcap)
-        s_t = _cap((th @ tw[v0:v1].T).float(), softcap)
+        s_d = _cap((x @ weight[v0:v1].T).to(f["dtype"]), softcap)
+        s_t = _cap((th @ tw[v0:v1].T).to(f["dtype"]), softcap)
         lse_d = torch.logaddexp(lse_d, torch.logsumexp(s_d, dim=1))
         lse_t = torch.logaddexp(lse_t, torch.logsumexp(s_t, dim=1))
         rows = torch.nonzero(valid & (labels >= v0) & (labels < v1)).squeeze(1)
         label_logit[rows] = s_d[rows, labels[rows] - v0]
     # Second pass: TV needs the final normalisers, so the chunk logits are recomputed.
-    tv = torch.zeros(n, device=dev)
-    msum = torch.zeros(n, device=dev)
+    tv = torch.zeros(n, **f)
+    msum = torch.zeros(n, **f)
     for v0 in range(0, v, chunk):
         v1 = min(v, v0 + chunk)
-        p_d = torch.exp(_cap((x @ weight[v0:v1].T).float(), softcap) - lse_d[:, None])
-        p_t = torch.exp(_cap((th @ tw[v0:v1].T).float(), softcap) - lse_t[:, None])
+        p_d = torch.exp(_cap((x @ weight[v0:v1].T).to(f["dtype"]), softcap) - lse_d[:, None])
+        p_t = torch.exp(_cap((th @ tw[v0:v1].T).to(f["dtype"]), softcap) - lse_t[:, None])
         diff = p_d - p_t
         tv += diff.abs().sum(1)
         msum += (torch.sign(diff) * p_d).sum(1)
@@ -122,9 +127,9 @@ def _torch_forward_stats(x, weight, th, tw, labels, softcap, chunk):
 
 
 def _torch_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, softcap, out_dtype):
-    s_d = _cap((x @ w_c.T).float(), softcap)
+    s_d = _cap((x @ w_c.T).to(lse_d.dtype), softcap)
     p_d = torch.exp(s_d - lse_d[:, None])
-    p_t = torch.exp(_cap((th @ tw_c.T).float(), softcap) - lse_t[:, None])
+    p_t = torch.exp(_cap((th @ tw_c.T).to(lse_d.dtype), softcap) - lse_t[:, None])
     dz = p_d * (g_ce[:, None] + g_tv[:, None] * (torch.sign(p_d - p_t) - msum[:, None]))
     rows = torch.nonzero((labels >= v0) & (labels < v0 + w_c.shape[0]) & (g_ce != 0)).squeeze(1)
     dz[rows, labels[rows] - v0] -= g_ce[rows]
@@ -341,12 +346,13 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         x, weight, th, tw, labels, lse_d, lse_t, msum = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, v = x.shape[0], weight.shape[0]
+        acc = lse_d.dtype
         # An unused output arrives as None: it contributes nothing.
-        g_ce = torch.zeros(n, device=x.device) if g_ce is None else g_ce.float()
-        g_tv = torch.zeros(n, device=x.device) if g_tv is None else g_tv.float().contiguous()
+        g_ce = torch.zeros(n, device=x.device, dtype=acc) if g_ce is None else g_ce.to(acc)
+        g_tv = torch.zeros(n, device=x.device, dtype=acc) if g_tv is None else g_tv.to(acc).contiguous()
         g_ce = torch.where(labels >= 0, g_ce, torch.zeros_like(g_ce)).contiguous()
         _, dz_fn = _BACKENDS[ctx.backend]
-        grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32) if need_x else None
+        grad_x = torch.zeros(x.shape, device=x.device, dtype=acc) if need_x else None
         grad_w = torch.empty_like(weight) if need_w else None
         for v0 in range(0, v, ctx.chunk):
             v1 = min(v, v0 + ctx.chunk)
@@ -354,7 +360,7 @@ class _ChunkedDraftLoss(torch.autograd.Function):
             dz = dz_fn(x, w_c, th, tw[v0:v1], labels, v0, lse_d, lse_t, msum, g_ce, g_tv,
                        ctx.softcap, x.dtype)
             if need_x:
-                grad_x += (dz @ w_c).float()
+                grad_x += (dz @ w_c).to(acc)
             if need_w:
                 torch.mm(dz.T, x, out=grad_w[v0:v1])
         if need_x:
@@ -405,4 +411,8 @@ def fused_draft_loss(
     ``chunk`` bounds the backward's [N, chunk] dz buffer (and the torch path's logit chunks).
     """
     backend = resolve_impl(impl, x, weight, target_hidden, target_weight, labels)
+    if backend == "triton" and torch.float64 in (x.dtype, target_hidden.dtype):
+        if impl == "triton":
+            raise ValueError("the Triton loss kernels take float32 / bfloat16 / float16 inputs")
+        backend = "torch"
     return _run_chunked(x, weight, target_hidden, target_weight, labels, softcap, chunk, backend)

@@ -361,6 +361,7 @@ def build_tiny(cfg, dtype: torch.dtype, cache_dir: Path):
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.convert_tokens_to_ids(list(cfg.tokenizer.eos_tokens)),
     )

@@ -1,0 +1,182 @@
+"""DFlash: the parallel block drafter (and DSpark's backbone).
+
+Block layout (§3.1): anchor x0 at position a plus γ-1 mask tokens at positions a..a+γ-1; output k
+predicts x_{a+k+1}. The context is the fused target taps of positions < a, injected as keys/values
+into every layer. Training packs many anchor blocks of one sequence into a single query sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..decoding.verify import probs_from_logits, sample_from
+from .base import (
+    DraftCache,
+    DraftOutput,
+    Proposal,
+    Shared,
+    TargetDims,
+    append_kv,
+    empty_cache,
+    layer_shape,
+    output_logits,
+)
+from .layers import DraftLayer
+
+
+def packed_block_mask(anchors: Tensor, ctx_len: int, gamma: int) -> Tensor:
+    """Dense training mask [B, A·γ, C + A·γ]: block b sees context positions < a_b and its own γ
+    tokens (bidirectionally), never another block. Invalid anchors (-1) see only their block."""
+    b, a = anchors.shape
+    device = anchors.device
+    ctx = torch.arange(ctx_len, device=device)
+    sees_ctx = ctx[None, None, :] < anchors.clamp(min=0)[:, :, None]  # [B, A, C]
+    sees_ctx = sees_ctx.repeat_interleave(gamma, dim=1)  # [B, Aγ, C]
+    block_id = torch.arange(a * gamma, device=device) // gamma
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
+    return torch.cat([sees_ctx, sees_block], dim=-1)
+
+
+def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, gamma: int):
+    """For anchors [B, A]: the label positions a+k+1, the positions whose target distribution
+    predicts them (a+k), and the eval mask: inside the sequence and loss_mask holding contiguously
+    from a+1 to a+k+1."""
+    t = input_ids.shape[1]
+    k = torch.arange(gamma, device=anchors.device)
+    pred_pos = anchors.clamp(min=0)[..., None] + k  # [B, A, γ]
+    label_pos = pred_pos + 1
+    inside = (label_pos < t) & (anchors[..., None] >= 0)
+    gathered = torch.gather(loss_mask.long(), 1, label_pos.clamp(max=t - 1).flatten(1)).view_as(label_pos)
+    valid = (gathered.bool() & inside).long().cumprod(-1).bool()
+    labels = torch.gather(input_ids, 1, label_pos.clamp(max=t - 1).flatten(1)).view_as(label_pos)
+    return pred_pos.clamp(max=t - 1), labels, valid
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> Tensor:
+    """Up to `num_anchors` positions a per sequence with loss_mask[a] and loss_mask[a+1], sorted,
+    padded with -1. Uniform without replacement."""
+    lm = loss_mask.bool()
+    ok = torch.zeros_like(lm)
+    ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    scores = torch.rand(ok.shape, generator=generator, device="cpu").to(ok.device)
+    scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
+    n = min(num_anchors, ok.shape[1])
+    top = scores.topk(n, dim=1)
+    anchors = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1))
+    # Sort valid anchors ascending, invalid (-1) last.
+    key = torch.where(anchors >= 0, anchors, torch.full_like(anchors, ok.shape[1] + 1))
+    return anchors.gather(1, key.argsort(dim=1))
+
+
+class BlockDrafter(nn.Module):
+    """DFlash: parallel backbone only; the draft distribution at k is softmax(lm_head(h_k))."""
+
+    kind = "dflash"
+
+    def __init__(self, dims: TargetDims, cfg):
+        super().__init__()
+        self.dims = dims
+        self.gamma = int(cfg.block_size)
+        self.num_anchors = int(cfg.get("num_anchors", 512))
+        s = layer_shape(dims, cfg)
+        self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
+        self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.apply(_init_linear)
+
+    # ---- shared pieces -----------------------------------------------------------------------
+    def context(self, taps: Tensor) -> Tensor:
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def backbone(self, x: Tensor, positions: Tensor, ctx_kv_per_layer, mask: Tensor) -> Tensor:
+        for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
+            x, _ = layer(x, positions, ctx_kv, mask)
+        return self.norm(x)
+
+    def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
+        ids = anchor_tokens[..., None].expand(*anchor_tokens.shape, self.gamma).clone()
+        ids[..., 1:] = self.dims.mask_token_id
+        return shared.embed(ids).to(self.fc.weight.dtype)
+
+    # ---- hooks a sequential head overrides ---------------------------------------------------
+    def head_features(self, hidden: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced: hidden [N, γ, d], prev [N, γ] -> (features [N, γ, K], confidence logits)."""
+        return hidden, None
+
+    def output_weight(self, shared: Shared) -> Tensor:
+        return shared.lm_weight
+
+    def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
+        logits = output_logits(hidden, shared.lm_weight, shared.softcap)
+        probs = probs_from_logits(logits, temperature)
+        return sample_from(probs, u), probs, None
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_forward(
+        self, taps: Tensor, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, shared: Shared
+    ) -> DraftOutput:
+        b, t = input_ids.shape
+        a = anchors.shape[1]
+        ctx = self.context(taps)
+        ctx_pos = torch.arange(t, device=input_ids.device).expand(b, -1)
+        anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
+        x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, Aγ, d]
+        pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.gamma, device=x.device)).flatten(1)
+        mask = packed_block_mask(anchors, t, self.gamma)
+        ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
+        hidden = self.backbone(x, pos, ctx_kv, mask).view(b, a, self.gamma, -1)
+        pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
+        # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
+        prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
+        feats, conf = self.head_features(hidden.flatten(0, 1), prev.flatten(0, 1))
+        return DraftOutput(
+            features=feats.view(b, a, self.gamma, -1),
+            weight=self.output_weight(shared),
+            confidence_logits=None if conf is None else conf.view(b, a, self.gamma),
+            target_positions=pred_pos,
+            valid=valid,
+            labels=labels,
+        )
+
+    # ---- inference ---------------------------------------------------------------------------
+    def new_cache(self, r: int, device, dtype=None) -> DraftCache:
+        ref = torch.zeros((), device=device, dtype=dtype or self.fc.weight.dtype)
+        return empty_cache(self.layers, r, ref)
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, valid: Tensor, next_tokens=None, shared=None):
+        """Append committed target features [R, N, m·d] at positions [R, N] (valid: prefix mask)."""
+        ctx = self.context(taps)
+        append_kv(cache, [layer.context_kv(ctx, positions) for layer in self.layers], valid)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: DraftCache,
+        anchor_tokens: Tensor,
+        anchor_pos: Tensor,
+        shared: Shared,
+        temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        r = anchor_tokens.shape[0]
+        device = anchor_tokens.device
+        x = self.block_inputs(anchor_tokens, shared)  # [R, γ, d]
+        pos = anchor_pos[:, None] + torch.arange(self.gamma, device=device)
+        c = cache.k[0].shape[2]
+        sees_ctx = torch.arange(c, device=device)[None, :] < cache.length[:, None]
+        mask = torch.cat([sees_ctx, torch.ones(r, self.gamma, dtype=torch.bool, device=device)], dim=1)
+        mask = mask[:, None, :].expand(r, self.gamma, -1)
+        hidden = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
+        u = torch.rand(r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device)
+        tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u.to(device))
+        return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
+
+
+def _init_linear(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)

@@ -1,0 +1,71 @@
+"""DSpark (§3.1–3.2): the DFlash backbone, a light sequential head that adds a prefix-dependent
+low-rank bias to each position's logits, and a confidence head predicting prefix survival."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..decoding.verify import probs_from_logits, sample_from
+from .base import Shared, TargetDims, output_logits
+from .dflash import BlockDrafter
+from .heads import HEADS, ConfidenceHead
+
+
+class DSparkDrafter(BlockDrafter):
+    kind = "dspark"
+
+    def __init__(self, dims: TargetDims, cfg, head_cfg):
+        super().__init__(dims, cfg)
+        name = head_cfg.name if head_cfg is not None else "none"
+        self.head = HEADS[name](dims.vocab_size, dims.hidden_size, int(head_cfg.rank)) if name != "none" else None
+        conf = cfg.get("confidence") or {}
+        self.confidence = None
+        if conf.get("enabled", True):
+            prev_dim = self.head.rank if self.head is not None and conf.get("use_prev_embedding", True) else 0
+            self.confidence = ConfidenceHead(dims.hidden_size, prev_dim)
+
+    def _confidence(self, h: Tensor, prev: Tensor) -> Tensor | None:
+        if self.confidence is None:
+            return None
+        emb = self.head.W1(prev) if self.confidence.prev_dim else None
+        return self.confidence(h, emb)
+
+    def head_features(self, hidden, prev):
+        conf = self._confidence(hidden, prev)
+        if self.head is None:
+            return hidden, conf
+        return torch.cat([hidden, self.head.sequence(hidden, prev).to(hidden.dtype)], dim=-1), conf
+
+    def output_weight(self, shared: Shared) -> Tensor:
+        if self.head is None:
+            return shared.lm_weight
+        return torch.cat([shared.lm_weight.to(self.head.W2.weight.dtype), self.head.W2.weight], dim=1)
+
+    def sample_block(self, hidden, anchor, shared, temperature, u):
+        """Left to right: each position's exact distribution is conditioned on the token actually
+        sampled before it, so verification against these probabilities stays lossless."""
+        base = output_logits(hidden, shared.lm_weight, None)  # [R, γ, V]
+        prev = anchor
+        state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
+        tokens, probs, confs = [], [], []
+        for k in range(self.gamma):
+            h = hidden[:, k]
+            logits = base[:, k]
+            if self.head is not None:
+                b, state = self.head.step(h, prev, state)
+                logits = logits + self.head.bias_logits(b).float()
+            if shared.softcap:
+                logits = torch.tanh(logits / shared.softcap) * shared.softcap
+            conf = self._confidence(h, prev)
+            p = probs_from_logits(logits, temperature)
+            prev = sample_from(p, u[:, k])
+            tokens.append(prev)
+            probs.append(p)
+            if conf is not None:
+                confs.append(conf)
+        return (
+            torch.stack(tokens, 1),
+            torch.stack(probs, 1),
+            torch.stack(confs, 1).float() if confs else None,
+        )

@@ -1,0 +1,153 @@
+"""Eagle3 (§4.1 baseline): one decoder layer over u_t = [embed(x_t); feature_{t-1}], an
+autoregressive chain at inference, trained with training-time test (TTT).
+
+TTT step i at position t drafts for anchor a = t - i: its feature is the target's fused taps at
+t-1 when i = 0, else the drafter's own step-(i-1) output at t-1. It attends to step-0 keys at
+positions ≤ a (what the target has verified) and to the chain keys of steps 1..i at a+1..a+i,
+exactly the keys an inference chain from anchor a would have. Step i predicts x_{t+1}.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..decoding.verify import probs_from_logits, sample_from
+from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims, append_kv, empty_cache, layer_shape, output_logits
+from .dflash import _init_linear, block_targets
+from .layers import DraftLayer
+
+
+def ttt_mask(t: int, step: int, device) -> Tensor:
+    """[T, step·T + T] keys visible to step `step` queries: step-0 keys s ≤ t-step, then for chain
+    steps j = 1..step the single key at s = t-step+j (the last one being the query's own)."""
+    q = torch.arange(t, device=device)[:, None]
+    s = torch.arange(t, device=device)[None, :]
+    if step == 0:
+        return s <= q
+    blocks = [s <= q - step] + [s == q - step + j for j in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class Eagle3Drafter(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, dims: TargetDims, cfg):
+        super().__init__()
+        self.dims = dims
+        self.gamma = int(cfg.block_size)
+        self.ttt_steps = int(cfg.get("ttt_steps", self.gamma))
+        s = layer_shape(dims, cfg)
+        d = s.hidden_size
+        self.fc = nn.Linear(dims.num_taps * dims.hidden_size, d, bias=False)
+        self.embed_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.feature_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.in_proj = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
+        self.norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.apply(_init_linear)
+
+    def _inputs(self, tokens: Tensor, feature: Tensor, shared: Shared) -> Tensor:
+        e = shared.embed(tokens).to(self.fc.weight.dtype)
+        return self.in_proj(torch.cat([self.embed_norm(e), self.feature_norm(feature)], dim=-1))
+
+    def _layers(self, x, pos, ctx_kv_per_layer, mask):
+        own = []
+        for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
+            x, kv = layer(x, pos, ctx_kv, mask)
+            own.append(kv)
+        return x, own
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_forward(self, taps, input_ids, loss_mask, anchors, shared: Shared) -> DraftOutput:
+        """Every position is an anchor (the `anchors` argument is ignored); rows (a, i) = step i of
+        the chain from anchor a."""
+        b, t = input_ids.shape
+        steps = self.ttt_steps
+        pos = torch.arange(t, device=input_ids.device).expand(b, -1)
+        f = self.fc(taps.to(self.fc.weight.dtype))
+        feature = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)  # feature_{t-1}
+        lm = loss_mask.bool()
+        all_anchors = torch.where(lm, pos, torch.full_like(pos, -1))
+        kv_steps: list[list[tuple[Tensor, Tensor]]] = []  # [step][layer] -> (k, v)
+        outs = []
+        for i in range(steps):
+            x = self._inputs(input_ids, feature, shared)
+            ctx = None
+            if i:
+                ctx = [
+                    (torch.cat([kv_steps[j][li][0] for j in range(i)], 2), torch.cat([kv_steps[j][li][1] for j in range(i)], 2))
+                    for li in range(len(self.layers))
+                ]
+            mask = ttt_mask(t, i, input_ids.device).expand(b, -1, -1)
+            g, own = self._layers(x, pos, ctx or [None] * len(self.layers), mask)
+            kv_steps.append(own)
+            outs.append(self.norm(g))
+            feature = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
+        # Re-index (step i, position t) as (anchor a = t - i, k = i).
+        feats = torch.stack([torch.roll(o, shifts=-i, dims=1) for i, o in enumerate(outs)], dim=2)
+        pred_pos, labels, valid = block_targets(input_ids, loss_mask, all_anchors, steps)
+        return DraftOutput(
+            features=feats,
+            weight=shared.lm_weight,
+            confidence_logits=None,
+            target_positions=pred_pos,
+            valid=valid,
+            labels=labels,
+        )
+
+    # ---- inference ---------------------------------------------------------------------------
+    def new_cache(self, r: int, device, dtype=None) -> DraftCache:
+        ref = torch.zeros((), device=device, dtype=dtype or self.fc.weight.dtype)
+        cache = empty_cache(self.layers, r, ref)
+        cache.extra["last"] = ref.new_zeros(r, self.fc.out_features)
+        return cache
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftCache, taps, positions, valid, next_tokens, shared: Shared | None = None):
+        """Committed features at positions p..p+n-1 and the tokens at p+1..p+n: step-0 entries at
+        p+1..p+n, whose last output (the anchor's) seeds the next chain."""
+        r, n = next_tokens.shape
+        feature = self.fc(taps.to(self.fc.weight.dtype))
+        x = self._inputs(next_tokens, feature, shared)
+        c = cache.k[0].shape[2]
+        old = torch.arange(c, device=x.device)[None, None, :] < cache.length[:, None, None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        mask = torch.cat([old.expand(r, n, c), causal.expand(r, n, n)], dim=2)
+        g, own = self._layers(x, positions + 1, list(zip(cache.k, cache.v)), mask)
+        append_kv(cache, own, valid)
+        last = (valid.sum(1) - 1).clamp(min=0)
+        has = valid.any(1)
+        cache.extra["last"] = torch.where(has[:, None], g[torch.arange(r), last], cache.extra["last"])
+
+    @torch.no_grad()
+    def propose(self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None) -> Proposal:
+        r = anchor_tokens.shape[0]
+        device = anchor_tokens.device
+        u = torch.rand(r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device)
+        u = u.to(device)
+        g = cache.extra["last"]
+        c = cache.k[0].shape[2]
+        base_mask = torch.arange(c, device=device)[None, :] < cache.length[:, None]
+        chain_k = [[] for _ in self.layers]
+        chain_v = [[] for _ in self.layers]
+        tokens, probs = [], []
+        for j in range(self.gamma):
+            p = probs_from_logits(output_logits(self.norm(g), shared.lm_weight, shared.softcap), temperature)
+            tok = sample_from(p, u[:, j])
+            tokens.append(tok)
+            probs.append(p)
+            if j == self.gamma - 1:
+                break
+            x = self._inputs(tok[:, None], g[:, None], shared)
+            ctx = [
+                (torch.cat([cache.k[li], *chain_k[li]], 2), torch.cat([cache.v[li], *chain_v[li]], 2))
+                for li in range(len(self.layers))
+            ]
+            mask = torch.cat([base_mask, torch.ones(r, j + 1, dtype=torch.bool, device=device)], 1)[:, None]
+            out, own = self._layers(x, (anchor_pos + j + 1)[:, None], ctx, mask)
+            for li, (k, v) in enumerate(own):
+                chain_k[li].append(k)
+                chain_v[li].append(v)
+            g = out[:, 0]
+        return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1), confidence_logits=None)

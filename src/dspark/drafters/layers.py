@@ -1,0 +1,112 @@
+"""The draft decoder layer with KV injection: queries come from the draft tokens only; keys and
+values are the (projected) target context followed by the draft tokens' own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LayerShape:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float = 1e-6
+
+
+def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [..., head_dim] for integer positions (half-split rotary layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, hd]; cos/sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(s.head_dim, eps=s.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(s.head_dim, eps=s.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        return x.view(*x.shape[:-1], n, self.s.head_dim).transpose(1, 2)  # [B, n, T, hd]
+
+    def kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values [B, Hkv, T, hd] of x at integer positions [B, T]."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.s.num_kv_heads))
+        v = self._heads(self.v_proj(x), self.s.num_kv_heads)
+        cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
+        return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype)), v
+
+    def forward(
+        self, x: Tensor, positions: Tensor, ctx_kv: tuple[Tensor, Tensor] | None, mask: Tensor | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [B, Q, d] draft tokens; ctx_kv: keys/values [B, Hkv, C, hd] placed before the draft's own;
+        mask: bool [B, Q, C + Q] (True = may attend) or None for full attention.
+        Returns the output and the draft tokens' own (k, v)."""
+        q = self.q_norm(self._heads(self.q_proj(x), self.s.num_heads))
+        cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
+        q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+        k_self, v_self = self.kv(x, positions)
+        k, v = k_self, v_self
+        if ctx_kv is not None:
+            k = torch.cat([ctx_kv[0], k_self], dim=2)
+            v = torch.cat([ctx_kv[1], v_self], dim=2)
+        groups = self.s.num_heads // self.s.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        attn_mask = None if mask is None else mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+        return self.o_proj(out), (k_self, v_self)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inner, bias=False)
+        self.up_proj = nn.Linear(d, inner, bias=False)
+        self.down_proj = nn.Linear(inner, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm attention (+ q/k RMSNorm) and SwiGLU MLP. The context enters every layer as extra
+    keys/values through the same k/v projections; it is never updated by the draft layers."""
+
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.input_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.attn = Attention(s)
+        self.post_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size)
+
+    def context_kv(self, ctx: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.attn.kv(ctx, positions)
+
+    def forward(self, x, positions, ctx_kv, mask):
+        h, own_kv = self.attn(self.input_norm(x), positions, ctx_kv, mask)
+        x = x + h
+        return x + self.mlp(self.post_norm(x)), own_kv
