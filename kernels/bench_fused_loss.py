@@ -6,7 +6,9 @@
 
 Defaults are the DSpark training shape on SmolLM2-135M: V=49152, 512 anchors x 7 positions,
 K = 576 (hidden) + 256 (head rank), D = 576. Times are medians over --iters after --warmup, with
-CUDA events on GPU; peak memory is the allocator's peak above what the inputs already hold.
+CUDA events on GPU (forward alone is timed too); peak memory is the allocator's peak during
+forward + backward above what the inputs already hold. TFLOP/s counts the GEMM work each
+variant actually does (the chunked ones recompute logits), so it measures hardware use.
 A variant that runs out of memory is recorded as such instead of aborting the table.
 """
 
@@ -21,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from dspark.kernels import chunked_draft_loss, fused_draft_loss, materialized_draft_loss, triton_available
+from dspark.kernels import fused_loss as _fused_loss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,28 +57,33 @@ def _step(fn, x, w, th, tw, labels):
     (0.1 * out.ce.sum() + 0.9 * out.tv.sum()).backward()
 
 
+def _timed(cuda, body):
+    if not cuda:
+        t0 = time.perf_counter()
+        body()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    body()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def _measure(fn, inputs, args, cuda):
     for _ in range(args.warmup):
         _step(fn, *inputs)
+    with torch.no_grad():
+        fwd = statistics.median(_timed(cuda, lambda: fn(*inputs)) for _ in range(args.iters))
     times = []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     for _ in range(args.iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _step(fn, *inputs)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            _step(fn, *inputs)
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(_timed(cuda, lambda: _step(fn, *inputs)))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-    return statistics.median(times), peak
+    return statistics.median(times), fwd, peak
 
 
 def main(argv=None):
@@ -93,11 +100,25 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=None, help="comma list (default: all available)")
+    p.add_argument(
+        "--fp32-precision", default=None, help="Triton dot precision for fp32: ieee, tf32x3, bf16x3"
+    )
+    p.add_argument(
+        "--tiles",
+        default=None,
+        help="Triton tiles for this dtype: BLOCK_N,BLOCK_V,BLOCK_K,num_warps,num_stages",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON results path")
     args = p.parse_args(argv)
 
     cuda = args.device == "cuda"
     dtype = DTYPES[args.dtype]
+    if args.fp32_precision:
+        _fused_loss.FP32_DOT_PRECISION = args.fp32_precision
+    if args.tiles:
+        names = ("BLOCK_N", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages")
+        key = dtype if dtype == torch.float32 else "half"
+        _fused_loss.GPU_TILES[key] = dict(zip(names, map(int, args.tiles.split(","))))
     inputs = _inputs(args, args.device, dtype)
     n = args.anchors * args.gamma
     # Work count (per fwd+bwd): forward recomputes both logit GEMMs twice, backward once more,
@@ -112,25 +133,38 @@ def main(argv=None):
     rows = []
     for name, fn in variants.items():
         try:
-            ms, peak = _measure(fn, inputs, args, cuda)
+            ms, fwd_ms, peak = _measure(fn, inputs, args, cuda)
             err = None
         except torch.OutOfMemoryError as exc:
-            ms, peak, err = None, None, f"OOM: {str(exc).splitlines()[0]}"
+            ms, fwd_ms, peak, err = None, None, None, f"OOM: {str(exc).splitlines()[0]}"
         if cuda:
             torch.cuda.empty_cache()
         flops = flops_materialized if name == "materialized" else flops_chunked
         rows.append(
-            dict(variant=name, median_ms=ms, peak_mib=peak, flops=flops,
-                 tflops=None if ms is None else flops / (ms * 1e-3) / 1e12, error=err)
+            dict(
+                variant=name,
+                median_ms=ms,
+                fwd_median_ms=fwd_ms,
+                peak_mib=peak,
+                flops=flops,
+                tflops=None if ms is None else flops / (ms * 1e-3) / 1e12,
+                error=err,
+            )
         )
 
-    print(f"N={n} V={args.v} K={args.k} D={args.d} dtype={args.dtype} chunk={args.chunk} device={args.device}")
-    print(f"{'variant':<14}{'median ms':>12}{'peak MiB':>12}{'TFLOP/s':>10}")
+    print(
+        f"N={n} V={args.v} K={args.k} D={args.d} dtype={args.dtype} chunk={args.chunk} device={args.device}"
+    )
+    print(f"{'variant':<14}{'fwd+bwd ms':>12}{'fwd ms':>10}{'peak MiB':>12}{'TFLOP/s':>10}")
     for r in rows:
         ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.2f}"
+        fwd = "-" if r["fwd_median_ms"] is None else f"{r['fwd_median_ms']:.2f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
-        print(f"{r['variant']:<14}{ms:>12}{peak:>12}{tf:>10}" + (f"  {r['error']}" if r["error"] else ""))
+        print(
+            f"{r['variant']:<14}{ms:>12}{fwd:>10}{peak:>12}{tf:>10}"
+            + (f"  {r['error']}" if r["error"] else "")
+        )
 
     meta = dict(
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

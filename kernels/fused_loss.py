@@ -21,7 +21,11 @@ Three implementations share that math:
   * the Triton path (``fused_draft_loss(impl="triton")``): the forward passes are single
     kernels that compute logit tiles and reduce them in registers (only per-tile row stats
     reach memory); the backward computes dz for one V chunk in a kernel and leaves the two
-    gradient GEMMs to cuBLAS.
+    gradient GEMMs to cuBLAS. float32 inputs use 3xTF32 dots (near-fp32 accuracy on tensor
+    cores; plain TF32 would cost 1e-3), 16-bit inputs plain tensor-core dots, fp32 accumulation.
+
+All return float32 (float64 for float64 inputs) per-row values; the Triton path takes float32,
+bfloat16 or float16.
 """
 
 from __future__ import annotations
@@ -34,9 +38,6 @@ from torch import Tensor
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 
 __all__ = ["DraftLoss", "materialized_draft_loss", "chunked_draft_loss", "fused_draft_loss"]
-
-IGNORE_INDEX = -100
-
 
 class DraftLoss(NamedTuple):
     ce: Tensor  # [N] float32, 0 on ignored rows
@@ -111,8 +112,10 @@ def _torch_forward_stats(x, weight, th, tw, labels, softcap, chunk):
         s_t = _cap((th @ tw[v0:v1].T).to(f["dtype"]), softcap)
         lse_d = torch.logaddexp(lse_d, torch.logsumexp(s_d, dim=1))
         lse_t = torch.logaddexp(lse_t, torch.logsumexp(s_t, dim=1))
-        rows = torch.nonzero(valid & (labels >= v0) & (labels < v1)).squeeze(1)
-        label_logit[rows] = s_d[rows, labels[rows] - v0]
+        # Masked gather instead of nonzero(): no host sync per chunk on GPU.
+        here = valid & (labels >= v0) & (labels < v1)
+        picked = s_d.gather(1, (labels - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
+        label_logit = torch.where(here, picked, label_logit)
     # Second pass: TV needs the final normalisers, so the chunk logits are recomputed.
     tv = torch.zeros(n, **f)
     msum = torch.zeros(n, **f)
@@ -131,8 +134,8 @@ def _torch_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, soft
     p_d = torch.exp(s_d - lse_d[:, None])
     p_t = torch.exp(_cap((th @ tw_c.T).to(lse_d.dtype), softcap) - lse_t[:, None])
     dz = p_d * (g_ce[:, None] + g_tv[:, None] * (torch.sign(p_d - p_t) - msum[:, None]))
-    rows = torch.nonzero((labels >= v0) & (labels < v0 + w_c.shape[0]) & (g_ce != 0)).squeeze(1)
-    dz[rows, labels[rows] - v0] -= g_ce[rows]
+    cols = torch.arange(v0, v0 + w_c.shape[0], device=x.device)
+    dz -= torch.where(labels[:, None] == cols, g_ce[:, None], 0.0)  # ignored rows have g_ce = 0
     if softcap is not None:
         dz *= 1.0 - (s_d / softcap) ** 2
     return dz.to(out_dtype)
@@ -141,18 +144,37 @@ def _torch_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, soft
 # ----------------------------------------------------------------------------- triton
 
 if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    # Triton core has no tanh. Compiled kernels use libdevice's (<= 2 ulp): the softcap scales
+    # tanh's absolute error by c (~30), so a formula built on the GPU's approximate exp and
+    # division is risky. The interpreter has no libdevice; there 2σ(2y) - 1 in numpy float32
+    # (absolute error ~1e-7) is accurate enough at test shapes.
+    _LIBDEVICE_TANH = tl.constexpr(not triton_interpreting())
 
     @triton.jit
     def _softcap(z, softcap, HAS_CAP: tl.constexpr):
         if HAS_CAP:
-            # Triton core has no tanh; tanh(y) = 2σ(2y) - 1 is exact up to ~1e-7 absolute.
-            z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
+            if _LIBDEVICE_TANH:
+                z = softcap * libdevice.tanh(z / softcap)
+            else:
+                z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
         return z
 
     @triton.jit
-    def _logit_tile(a_ptr, b_ptr, rows, cols, n_rows, n_cols, inner: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
+    def _logit_tile(
+        a_ptr,
+        b_ptr,
+        rows,
+        cols,
+        n_rows,
+        n_cols,
+        inner: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
         # [BLOCK_N, BLOCK_V] tile of a @ bᵀ for row-major a [n_rows, inner], b [n_cols, inner].
         # Loop bounds are constexpr (hidden sizes are fixed per model, so this costs no extra
         # compiles); a runtime bound also breaks the triton 3.6 interpreter under numpy >= 2.4.
@@ -165,18 +187,36 @@ if HAS_TRITON:
             k_ok = kk[None, :] < inner
             a = tl.load(a_ptr + rows[:, None] * inner + kk[None, :], mask=row_ok & k_ok, other=0.0)
             b = tl.load(b_ptr + cols[:, None] * inner + kk[None, :], mask=col_ok & k_ok, other=0.0)
-            if IEEE:  # float32 inputs: keep full precision (the default would be TF32)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
+            if PREC == "none":  # 16-bit inputs: plain tensor-core dot
                 acc = tl.dot(a, tl.trans(b), acc)
+            else:  # float32 inputs: never the default TF32 (1e-3 relative)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
         return acc
 
     @triton.jit
-    def _loss_stats_kernel(x_ptr, w_ptr, h_ptr, tw_ptr, labels_ptr,
-                           max_d_ptr, sum_d_ptr, max_t_ptr, sum_t_ptr, label_logit_ptr,
-                           N, V, K: tl.constexpr, D: tl.constexpr, softcap,
-                           HAS_CAP: tl.constexpr, IEEE_D: tl.constexpr, IEEE_T: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _loss_stats_kernel(
+        x_ptr,
+        w_ptr,
+        h_ptr,
+        tw_ptr,
+        labels_ptr,
+        max_d_ptr,
+        sum_d_ptr,
+        max_t_ptr,
+        sum_t_ptr,
+        label_logit_ptr,
+        N,
+        V,
+        K: tl.constexpr,
+        D: tl.constexpr,
+        softcap,
+        HAS_CAP: tl.constexpr,
+        PREC_D: tl.constexpr,
+        PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # Pass 1: per-(row, V-tile) max and sum-exp of both logit sets, plus the label logit.
         # axis 0 (row tiles) varies fastest so programs sharing a weight tile run together.
         pid_n = tl.program_id(0)
@@ -187,7 +227,7 @@ if HAS_TRITON:
         col_ok = cols[None, :] < V
         out = pid_v * N + rows
 
-        s_d = _logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, IEEE_D)
+        s_d = _logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, PREC_D)
         s_d = tl.where(col_ok, _softcap(s_d, softcap, HAS_CAP), float("-inf"))
         m_d = tl.max(s_d, axis=1)
         tl.store(max_d_ptr + out, m_d, mask=row_ok)
@@ -199,23 +239,47 @@ if HAS_TRITON:
         in_tile = row_ok & (lab >= pid_v * BLOCK_V) & (lab < pid_v * BLOCK_V + BLOCK_V)
         tl.store(label_logit_ptr + rows, picked, mask=in_tile)
 
-        s_t = _logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, IEEE_T)
+        s_t = _logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, PREC_T)
         s_t = tl.where(col_ok, _softcap(s_t, softcap, HAS_CAP), float("-inf"))
         m_t = tl.max(s_t, axis=1)
         tl.store(max_t_ptr + out, m_t, mask=row_ok)
         tl.store(sum_t_ptr + out, tl.sum(tl.exp(s_t - m_t[:, None]), axis=1), mask=row_ok)
 
     @triton.jit
-    def _probs_tile(x_ptr, w_ptr, h_ptr, tw_ptr, lse_d_ptr, lse_t_ptr, rows, cols, row_ok,
-                    N, V, K: tl.constexpr, D: tl.constexpr, softcap,
-                    HAS_CAP: tl.constexpr, IEEE_D: tl.constexpr, IEEE_T: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _probs_tile(
+        x_ptr,
+        w_ptr,
+        h_ptr,
+        tw_ptr,
+        lse_d_ptr,
+        lse_t_ptr,
+        rows,
+        cols,
+        row_ok,
+        N,
+        V,
+        K: tl.constexpr,
+        D: tl.constexpr,
+        softcap,
+        HAS_CAP: tl.constexpr,
+        PREC_D: tl.constexpr,
+        PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # Normalised p_d, p_t tiles (0 on padded columns) and the capped draft logits.
         col_ok = cols[None, :] < V
-        s_d = _softcap(_logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, IEEE_D),
-                       softcap, HAS_CAP)
-        s_t = _softcap(_logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, IEEE_T),
-                       softcap, HAS_CAP)
+        s_d = _softcap(
+            _logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, PREC_D),
+            softcap,
+            HAS_CAP,
+        )
+        s_t = _softcap(
+            _logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, PREC_T),
+            softcap,
+            HAS_CAP,
+        )
         lse_d = tl.load(lse_d_ptr + rows, mask=row_ok, other=0.0)
         lse_t = tl.load(lse_t_ptr + rows, mask=row_ok, other=0.0)
         p_d = tl.where(col_ok, tl.exp(s_d - lse_d[:, None]), 0.0)
@@ -223,18 +287,55 @@ if HAS_TRITON:
         return p_d, p_t, s_d
 
     @triton.jit
-    def _loss_tv_kernel(x_ptr, w_ptr, h_ptr, tw_ptr, lse_d_ptr, lse_t_ptr, tv_ptr, m_ptr,
-                        N, V, K: tl.constexpr, D: tl.constexpr, softcap,
-                        HAS_CAP: tl.constexpr, IEEE_D: tl.constexpr, IEEE_T: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _loss_tv_kernel(
+        x_ptr,
+        w_ptr,
+        h_ptr,
+        tw_ptr,
+        lse_d_ptr,
+        lse_t_ptr,
+        tv_ptr,
+        m_ptr,
+        N,
+        V,
+        K: tl.constexpr,
+        D: tl.constexpr,
+        softcap,
+        HAS_CAP: tl.constexpr,
+        PREC_D: tl.constexpr,
+        PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # Pass 2: per-(row, V-tile) partial sums of |p_d - p_t| and sign(p_d - p_t)·p_d.
         pid_n = tl.program_id(0)
         pid_v = tl.program_id(1)
         rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         row_ok = rows < N
-        p_d, p_t, _ = _probs_tile(x_ptr, w_ptr, h_ptr, tw_ptr, lse_d_ptr, lse_t_ptr, rows, cols, row_ok,
-                                  N, V, K, D, softcap, HAS_CAP, IEEE_D, IEEE_T, BLOCK_N, BLOCK_V, BLOCK_K)
+        p_d, p_t, _ = _probs_tile(
+            x_ptr,
+            w_ptr,
+            h_ptr,
+            tw_ptr,
+            lse_d_ptr,
+            lse_t_ptr,
+            rows,
+            cols,
+            row_ok,
+            N,
+            V,
+            K,
+            D,
+            softcap,
+            HAS_CAP,
+            PREC_D,
+            PREC_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_K,
+        )
         diff = p_d - p_t
         sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
         out = pid_v * N + rows
@@ -242,11 +343,31 @@ if HAS_TRITON:
         tl.store(m_ptr + out, tl.sum(sgn * p_d, axis=1), mask=row_ok)
 
     @triton.jit
-    def _loss_dz_kernel(x_ptr, w_ptr, h_ptr, tw_ptr, lse_d_ptr, lse_t_ptr, m_ptr, labels_ptr,
-                        g_ce_ptr, g_tv_ptr, dz_ptr,
-                        N, V, K: tl.constexpr, D: tl.constexpr, v0, softcap,
-                        HAS_CAP: tl.constexpr, IEEE_D: tl.constexpr, IEEE_T: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _loss_dz_kernel(
+        x_ptr,
+        w_ptr,
+        h_ptr,
+        tw_ptr,
+        lse_d_ptr,
+        lse_t_ptr,
+        m_ptr,
+        labels_ptr,
+        g_ce_ptr,
+        g_tv_ptr,
+        dz_ptr,
+        N,
+        V,
+        K: tl.constexpr,
+        D: tl.constexpr,
+        v0,
+        softcap,
+        HAS_CAP: tl.constexpr,
+        PREC_D: tl.constexpr,
+        PREC_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         # Backward: dL/dz of one vocabulary chunk into dz [N, V]. Here V is the chunk width and
         # w/tw point at the chunk's first row, so columns are chunk-local; v0 shifts the labels.
         pid_n = tl.program_id(0)
@@ -254,9 +375,28 @@ if HAS_TRITON:
         rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         row_ok = rows < N
-        p_d, p_t, s_d = _probs_tile(x_ptr, w_ptr, h_ptr, tw_ptr, lse_d_ptr, lse_t_ptr, rows, cols, row_ok,
-                                    N, V, K, D, softcap, HAS_CAP, IEEE_D, IEEE_T,
-                                    BLOCK_N, BLOCK_V, BLOCK_K)
+        p_d, p_t, s_d = _probs_tile(
+            x_ptr,
+            w_ptr,
+            h_ptr,
+            tw_ptr,
+            lse_d_ptr,
+            lse_t_ptr,
+            rows,
+            cols,
+            row_ok,
+            N,
+            V,
+            K,
+            D,
+            softcap,
+            HAS_CAP,
+            PREC_D,
+            PREC_T,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_K,
+        )
         diff = p_d - p_t
         sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
         m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
@@ -272,13 +412,30 @@ if HAS_TRITON:
         tl.store(dz_ptr + rows[:, None] * V + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
+# Tile shapes per dtype for compiled kernels (module-level so the benchmark can sweep them).
+GPU_TILES = {
+    # fp32 operands take twice the shared memory per stage: half the K depth.
+    torch.float32: dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    "half": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+
+
+# Dot precision for float32 inputs: "ieee" runs on CUDA cores (slow); "tf32x3" splits each
+# operand into two TF32 parts on the tensor cores, close to fp32 accuracy.
+FP32_DOT_PRECISION = "tf32x3"
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype != torch.float32:
+        return "none"
+    return "ieee" if triton_interpreting() else FP32_DOT_PRECISION
+
+
 def _triton_config(dtype: torch.dtype) -> dict:
     if triton_interpreting():
         # Small tiles keep the numpy interpreter fast; correctness does not depend on them.
         return dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=16)
-    if dtype == torch.float32:  # IEEE fp32 dots run on CUDA cores: smaller tiles, fewer stages
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(GPU_TILES.get(dtype, GPU_TILES["half"]))
 
 
 def _combine_lse(tile_max: Tensor, tile_sum: Tensor) -> Tensor:
@@ -292,18 +449,33 @@ def _triton_forward_stats(x, weight, th, tw, labels, softcap, chunk):
     v, d = tw.shape
     cfg = _triton_config(x.dtype)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"]))
-    flags = dict(HAS_CAP=softcap is not None, IEEE_D=x.dtype == torch.float32,
-                 IEEE_T=th.dtype == torch.float32)
+    flags = dict(HAS_CAP=softcap is not None, PREC_D=_dot_precision(x.dtype), PREC_T=_dot_precision(th.dtype))
     cap = float(softcap) if softcap is not None else 1.0
     part = torch.empty((4, grid[1], n), device=x.device, dtype=torch.float32)
     label_logit = torch.zeros(n, device=x.device, dtype=torch.float32)
-    _loss_stats_kernel[grid](x, weight, th, tw, labels, part[0], part[1], part[2], part[3], label_logit,
-                             n, v, k, d, cap, **flags, **cfg)
+    _loss_stats_kernel[grid](
+        x,
+        weight,
+        th,
+        tw,
+        labels,
+        part[0],
+        part[1],
+        part[2],
+        part[3],
+        label_logit,
+        n,
+        v,
+        k,
+        d,
+        cap,
+        **flags,
+        **cfg,
+    )
     lse_d = _combine_lse(part[0], part[1])
     lse_t = _combine_lse(part[2], part[3])
     part = torch.empty((2, grid[1], n), device=x.device, dtype=torch.float32)
-    _loss_tv_kernel[grid](x, weight, th, tw, lse_d, lse_t, part[0], part[1],
-                          n, v, k, d, cap, **flags, **cfg)
+    _loss_tv_kernel[grid](x, weight, th, tw, lse_d, lse_t, part[0], part[1], n, v, k, d, cap, **flags, **cfg)
     tv, msum = part.sum(1)
     return lse_d, lse_t, label_logit, tv, msum
 
@@ -314,10 +486,29 @@ def _triton_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, sof
     cfg = _triton_config(x.dtype)
     dz = torch.empty((n, width), device=x.device, dtype=out_dtype)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(width, cfg["BLOCK_V"]))
-    _loss_dz_kernel[grid](x, w_c, th, tw_c, lse_d, lse_t, msum, labels, g_ce, g_tv, dz,
-                          n, width, k, d, v0, float(softcap) if softcap is not None else 1.0,
-                          HAS_CAP=softcap is not None, IEEE_D=x.dtype == torch.float32,
-                          IEEE_T=th.dtype == torch.float32, **cfg)
+    _loss_dz_kernel[grid](
+        x,
+        w_c,
+        th,
+        tw_c,
+        lse_d,
+        lse_t,
+        msum,
+        labels,
+        g_ce,
+        g_tv,
+        dz,
+        n,
+        width,
+        k,
+        d,
+        v0,
+        float(softcap) if softcap is not None else 1.0,
+        HAS_CAP=softcap is not None,
+        PREC_D=_dot_precision(x.dtype),
+        PREC_T=_dot_precision(th.dtype),
+        **cfg,
+    )
     return dz
 
 
@@ -357,8 +548,9 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         for v0 in range(0, v, ctx.chunk):
             v1 = min(v, v0 + ctx.chunk)
             w_c = weight[v0:v1]
-            dz = dz_fn(x, w_c, th, tw[v0:v1], labels, v0, lse_d, lse_t, msum, g_ce, g_tv,
-                       ctx.softcap, x.dtype)
+            dz = dz_fn(
+                x, w_c, th, tw[v0:v1], labels, v0, lse_d, lse_t, msum, g_ce, g_tv, ctx.softcap, x.dtype
+            )
             if need_x:
                 grad_x += (dz @ w_c).to(acc)
             if need_w:
@@ -375,8 +567,14 @@ def _run_chunked(x, weight, target_hidden, target_weight, labels, softcap, chunk
     th = target_hidden.detach().contiguous()
     tw = target_weight.detach().contiguous()
     ce, tv = _ChunkedDraftLoss.apply(
-        x.contiguous(), weight.contiguous(), th, tw, labels.contiguous(),
-        None if softcap is None else float(softcap), int(chunk), backend,
+        x.contiguous(),
+        weight.contiguous(),
+        th,
+        tw,
+        labels.contiguous(),
+        None if softcap is None else float(softcap),
+        int(chunk),
+        backend,
     )
     return DraftLoss(ce, tv)
 

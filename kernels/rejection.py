@@ -30,7 +30,12 @@ class RejectionResult(NamedTuple):
 
 
 def rejection_verify_reference(
-    target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, lengths: Tensor, u_accept: Tensor, u_sample: Tensor
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    tokens: Tensor,
+    lengths: Tensor,
+    u_accept: Tensor,
+    u_sample: Tensor,
 ) -> RejectionResult:
     """Vectorised PyTorch reference, float32 math."""
     r, g, v = draft_probs.shape
@@ -58,9 +63,20 @@ def rejection_verify_reference(
 if HAS_TRITON:
 
     @triton.jit
-    def _verify_kernel(pt_ptr, pd_ptr, tokens_ptr, lengths_ptr, ua_ptr, us_ptr,
-                       accepted_ptr, next_ptr, flags_ptr, G: tl.constexpr, V: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _verify_kernel(
+        pt_ptr,
+        pd_ptr,
+        tokens_ptr,
+        lengths_ptr,
+        ua_ptr,
+        us_ptr,
+        accepted_ptr,
+        next_ptr,
+        flags_ptr,
+        G: tl.constexpr,
+        V: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # G and V are constexpr: fixed per run, and runtime loop bounds break the triton 3.6
         # interpreter under numpy >= 2.4.
         r = tl.program_id(0).to(tl.int64)
@@ -129,9 +145,18 @@ def _verify_triton(target_probs, draft_probs, tokens, lengths, u_accept, u_sampl
         return RejectionResult(accepted, next_token, flags.bool())
     block = 128 if triton_interpreting() else min(4096, triton.next_power_of_2(v))
     _verify_kernel[(r,)](
-        target_probs.contiguous(), draft_probs.contiguous(), tokens.contiguous(), lengths.contiguous(),
-        u_accept.float().contiguous(), u_sample.float().contiguous(),
-        accepted, next_token, flags, g, v, BLOCK=block,
+        target_probs.contiguous(),
+        draft_probs.contiguous(),
+        tokens.contiguous(),
+        lengths.contiguous(),
+        u_accept.float().contiguous(),
+        u_sample.float().contiguous(),
+        accepted,
+        next_token,
+        flags,
+        g,
+        v,
+        BLOCK=block,
     )
     return RejectionResult(accepted, next_token, flags.bool())
 
@@ -155,8 +180,9 @@ def rejection_verify(
     r, g, v = draft_probs.shape
     if target_probs.shape != (r, g + 1, v) or tokens.shape != (r, g) or lengths.shape != (r,):
         raise ValueError(
-            f"shape mismatch: target_probs {tuple(target_probs.shape)}, draft_probs {tuple(draft_probs.shape)}, "
-            f"tokens {tuple(tokens.shape)}, lengths {tuple(lengths.shape)}"
+            f"shape mismatch: target_probs {tuple(target_probs.shape)}, "
+            f"draft_probs {tuple(draft_probs.shape)}, tokens {tuple(tokens.shape)}, "
+            f"lengths {tuple(lengths.shape)}"
         )
     if uniforms is None:
         u_accept = torch.rand(r, g, generator=generator, device=draft_probs.device)

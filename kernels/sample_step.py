@@ -72,9 +72,20 @@ if HAS_TRITON:
         return z
 
     @triton.jit
-    def _sample_step_kernel(base_ptr, bias_ptr, u_ptr, tokens_ptr, probs_ptr,
-                            V: tl.constexpr, stride_base, stride_bias, temperature,
-                            HAS_BIAS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_step_kernel(
+        base_ptr,
+        bias_ptr,
+        u_ptr,
+        tokens_ptr,
+        probs_ptr,
+        V: tl.constexpr,
+        stride_base,
+        stride_bias,
+        temperature,
+        HAS_BIAS: tl.constexpr,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One program per row; every pass streams the row in BLOCK-wide pieces. V is constexpr:
         # fixed per model, and runtime loop bounds break the triton 3.6 interpreter (numpy 2.4).
         r = tl.program_id(0).to(tl.int64)
@@ -99,8 +110,10 @@ if HAS_TRITON:
             m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
             s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
             for v0 in range(0, V, BLOCK):
-                y = _load_logits(base_ptr, bias_ptr, r, v0 + lane, V, stride_base, stride_bias,
-                                 HAS_BIAS) / temperature
+                y = (
+                    _load_logits(base_ptr, bias_ptr, r, v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
+                    / temperature
+                )
                 m_new = tl.maximum(m, tl.max(y, axis=0))
                 # Guard -inf - -inf (all-masked pieces) which would give NaN.
                 scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
@@ -112,7 +125,10 @@ if HAS_TRITON:
             last = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) - 1
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
-                y = _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS) / temperature
+                y = (
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
+                    / temperature
+                )
                 p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
                 tl.store(out_row + offs, p, mask=offs < V)
                 carry = tl.max(carry + tl.cumsum(p, axis=0), axis=0)  # non-decreasing: max = end
@@ -124,7 +140,10 @@ if HAS_TRITON:
             first = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + V
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
-                y = _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS) / temperature
+                y = (
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
+                    / temperature
+                )
                 p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
                 cdf = carry + tl.cumsum(p, axis=0)
                 first = tl.minimum(first, tl.min(tl.where(cdf > threshold, offs, V), axis=0).to(tl.int64))
@@ -141,9 +160,18 @@ def _sample_step_triton(base_logits, bias, temperature, u) -> SampleStep:
     probs = torch.empty((r, v), device=base.device, dtype=torch.float32)
     block = 128 if triton_interpreting() else min(4096, triton.next_power_of_2(v))
     _sample_step_kernel[(r,)](
-        base, base if bias is None else bias, u.float().contiguous(), tokens, probs,
-        v, base.stride(0), 0 if bias is None else bias.stride(0), float(temperature),
-        HAS_BIAS=bias is not None, GREEDY=temperature == 0, BLOCK=block,
+        base,
+        base if bias is None else bias,
+        u.float().contiguous(),
+        tokens,
+        probs,
+        v,
+        base.stride(0),
+        0 if bias is None else bias.stride(0),
+        float(temperature),
+        HAS_BIAS=bias is not None,
+        GREEDY=temperature == 0,
+        BLOCK=block,
     )
     return SampleStep(tokens, probs)
 

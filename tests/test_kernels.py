@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dspark.kernels import (
     chunked_draft_loss,
     fused_draft_loss,
@@ -198,6 +197,23 @@ def valid_inverse_cdf(dist, u, tokens, eps):
     return bool(torch.all(ok & (dist.gather(1, tokens[:, None]).squeeze(1) > 0)))
 
 
+def assert_same_draws(got, ref, dist, u):
+    """Inverse-CDF draws from two summation orders: equal except where the threshold sits
+    within float32 round-off of a cdf step (at V=49152 and flat rows that is ~1% of draws)."""
+    differ = got != ref
+    assert differ.float().mean().item() <= 0.02, f"{int(differ.sum())} of {len(got)} draws differ"
+    assert valid_inverse_cdf(dist[differ], u[differ], got[differ], 1e-5)
+
+
+def test_valid_inverse_cdf_checker():
+    g = torch.Generator().manual_seed(8)
+    dist = torch.rand(32, 100, generator=g)
+    u = torch.rand(32, generator=g)
+    tokens = sample_from_reference(dist, u)
+    assert valid_inverse_cdf(dist, u, tokens, 1e-6)
+    assert not valid_inverse_cdf(dist, u, (tokens + 1).clamp_max(99), 1e-6)
+
+
 def test_sample_from_reference_matches_verify():
     if sample_from is None:
         pytest.skip("dspark.decoding.verify not available")
@@ -297,10 +313,27 @@ def test_triton_kernels_under_interpreter():
         pytest.skip("already inside the interpreter child")
     env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
     # addopts is reset so the child prints its "N passed" summary (the project's -q silences it).
-    cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-m", "not gpu and not slow", "-q",
-           "-k", "test_interp_", "-p", "no:cacheprovider", "-rs", "-W", "ignore::DeprecationWarning"]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-o",
+        "addopts=",
+        "-m",
+        "not gpu and not slow",
+        "-q",
+        "-k",
+        "test_interp_",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "-W",
+        "ignore::DeprecationWarning",
+    ]
+    proc = subprocess.run(
+        cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600
+    )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, tail
@@ -351,13 +384,21 @@ GPU_N, GPU_K, GPU_D, GPU_V = 512 * 7, 576 + 256, 576, 49152
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_gpu_fused_loss(dtype, softcap):
     prob = loss_problem(GPU_N, GPU_K, GPU_D, GPU_V, seed=20, dtype=dtype, device="cuda")
-    # Ground truth in float32 from the same (possibly bf16-rounded) inputs.
-    ref = loss_and_grads(materialized_draft_loss, *[t.float() if t.is_floating_point() else t for t in prob],
-                         softcap=softcap)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # Ground truth: float64 for fp32 inputs, float32 math on the same bf16-rounded inputs for bf16.
+    ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    ref = loss_and_grads(
+        materialized_draft_loss,
+        *[t.to(ref_dtype) if t.is_floating_point() else t for t in prob],
+        softcap=softcap,
+    )
+    # fp32: the TV gradient has sign(p_d - p_t), which flips on near-ties under any rounding
+    # change. Measured against float64 at this shape (softcap 30): Triton 7e-6, torch chunked
+    # 1.4e-5, and the fp32 materialised reference itself 2.4e-5.
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
     for impl in ("triton", "torch"):
         got = loss_and_grads(fused_draft_loss, *prob, softcap=softcap, impl=impl)
         assert_loss_close(got, ref, tol)
+    del ref
     torch.cuda.empty_cache()
 
 
@@ -371,9 +412,8 @@ def test_gpu_sample_step(temperature):
     torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
     if temperature == 0:
         assert torch.equal(got.tokens, tokens)
-    else:  # summation order differs from torch.cumsum: only boundary draws may differ
-        assert (got.tokens != tokens).sum() <= 2
-        assert valid_inverse_cdf(probs, u, got.tokens, 1e-5)
+    else:
+        assert_same_draws(got.tokens, tokens, probs, u)
 
 
 @pytest.mark.gpu
@@ -384,4 +424,10 @@ def test_gpu_rejection():
     ref = expected_verify(*case)
     assert torch.equal(got.accepted, ref.accepted)
     assert torch.equal(got.accept_flags, ref.accept_flags)
-    assert (got.next_token != ref.next_token).sum() <= 2
+    # The distribution each next token was drawn from: residual at a rejection, else p_t.
+    pt, pd, _, lengths, _, us = case
+    rows = torch.arange(pt.shape[0], device="cuda")
+    dist = pt[rows, ref.accepted]
+    resid = (dist - pd[rows, ref.accepted.clamp(max=pd.shape[1] - 1)]).clamp_min(0)
+    use = (ref.accepted < lengths) & (resid.sum(-1) > 0)
+    assert_same_draws(got.next_token, ref.next_token, torch.where(use[:, None], resid, dist), us)

@@ -18,6 +18,9 @@ from dspark.kernels.fused_loss import fused_draft_loss, materialized_draft_loss
 from .drafters.base import DraftOutput
 
 
+CPU_MATERIALIZE_BYTES = 1 << 30
+
+
 @dataclass
 class LossWeights:
     ce: float = 0.1
@@ -56,6 +59,8 @@ def draft_target_distances(x, weight, th, tw, labels, softcap, impl: str, chunk:
     th = th.to(tw.dtype)
     if x.dtype != weight.dtype:
         weight = weight.to(x.dtype)
+    if impl == "auto" and x.device.type == "cpu" and x.shape[0] * weight.shape[0] * 4 < CPU_MATERIALIZE_BYTES:
+        impl = "materialized"  # on CPU the chunked path trades 2-3x time for memory we do not need here
     if impl == "materialized":
         return materialized_draft_loss(x, weight, th, tw, labels, softcap)
     return fused_draft_loss(x, weight, th, tw, labels, softcap, chunk=chunk, impl=impl)
@@ -84,8 +89,7 @@ def block_loss(out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor
         pred = torch.sigmoid(z.detach())
         metrics.update(conf_loss=conf.detach(), conf_abs_err=(pred - c_star).abs().mean(), conf_bias=(pred - c_star).mean())
     metrics.update(acceptance_metrics(c_star, out.valid))
-    metrics["loss"] = loss
-    metrics["rows"] = int(x.shape[0])
+    metrics.update(loss=loss, rows=int(x.shape[0]), _c_star=c_star)
     return metrics
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+from .cli import user_errors
 from .config import check_train
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    check_train(cfg)
-    from .training import run_training
+    with user_errors():
+        check_train(cfg)
+        from .training import run_training
 
-    run_training(cfg)
+        run_training(cfg)
 
 
 if __name__ == "__main__":

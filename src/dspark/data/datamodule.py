@@ -1,0 +1,195 @@
+"""DraftDataModule: tokenised conversations (and optionally cached target features) as batches.
+
+Batch contract (dict):
+  input_ids    [B, T] long   right-padded with the tokenizer's pad id
+  attention_mask [B, T] long 1 on real tokens
+  loss_mask    [B, T] bool   assistant tokens (content + its end-of-turn marker)
+  lengths      [B] long      real length of each row
+  taps         [B, T, m*d]   offline mode only: cached tap features (bf16; zeros on padding)
+  last_hidden  [B, T, d]     offline mode only: cached final hidden states (bf16; zeros on padding)
+In online mode the training step computes taps/last_hidden with `Target.forward(input_ids,
+attention_mask=attention_mask)`; right padding leaves the real positions' features unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
+
+from .cache import FeatureCache
+from .io import DataError, resolve_path
+from .tokenize import TokenSplit, load_tokens
+
+log = logging.getLogger(__name__)
+
+
+def tokens_path(data_dir: str | Path, split: str) -> Path:
+    return Path(data_dir) / "tokens" / f"{split}.safetensors"
+
+
+class ConversationDataset(Dataset):
+    def __init__(self, tokens: TokenSplit, cache: FeatureCache | None = None):
+        self.tokens = tokens
+        self.cache = cache
+        self.lengths = tokens.lengths.tolist()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        ids, mask = self.tokens.sample(i)
+        item = {"input_ids": ids, "loss_mask": mask}
+        if self.cache is not None:
+            taps, last = self.cache.get(i)
+            if taps.shape[0] != ids.shape[0]:
+                raise DataError(f"cached features of sample {i} have {taps.shape[0]} positions, tokens {ids.shape[0]}")
+            item["taps"], item["last_hidden"] = taps, last
+        return item
+
+
+def collate(samples: list[dict], pad_id: int) -> dict:
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.long)
+    B, T = len(samples), int(lengths.max())
+    batch = {
+        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((B, T), dtype=torch.long),
+        "loss_mask": torch.zeros((B, T), dtype=torch.bool),
+        "lengths": lengths,
+    }
+    for key in ("taps", "last_hidden"):
+        if key in samples[0]:
+            ref = samples[0][key]
+            batch[key] = torch.zeros((B, T, ref.shape[-1]), dtype=ref.dtype)
+    for r, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][r, :n] = s["input_ids"]
+        batch["attention_mask"][r, :n] = 1
+        batch["loss_mask"][r, :n] = s["loss_mask"]
+        for key in ("taps", "last_hidden"):
+            if key in batch:
+                batch[key][r, :n] = s[key]
+    return batch
+
+
+class SeededRandomSampler(RandomSampler):
+    """A permutation fixed by (seed, epoch). Subclasses RandomSampler so Lightning sees a shuffled
+    loader (and, under DDP, swaps in a seeded DistributedSampler for it)."""
+
+    def __init__(self, data_source, seed: int = 0):
+        super().__init__(data_source)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(len(self.data_source), generator=g).tolist())
+
+
+class LengthSortedSampler(Sampler):
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+
+    def __iter__(self):
+        return iter(sorted(range(len(self.lengths)), key=lambda i: self.lengths[i]))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class BucketBatchSampler(BatchSampler):
+    """Length bucketing: take `bucket_batches` batches' worth of indices from the (shuffled) sampler,
+    sort them by length, cut into batches, and shuffle the batch order (seeded by the sampler's
+    epoch), so a batch holds similar lengths (little padding) while the epoch stays random."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, lengths: list[int] | None = None,
+                 bucket_batches: int = 16, seed: int = 0):
+        super().__init__(sampler, batch_size, drop_last)
+        if lengths is None:
+            raise ValueError("BucketBatchSampler needs the sample lengths")
+        self.lengths = lengths
+        self.bucket_batches = max(1, int(bucket_batches))
+        self.seed = int(seed)
+
+    def _batches(self) -> list[list[int]]:
+        indices = list(iter(self.sampler))
+        pool = self.batch_size * self.bucket_batches
+        batches: list[list[int]] = []
+        for start in range(0, len(indices), pool):
+            chunk = sorted(indices[start : start + pool], key=lambda i: self.lengths[i])
+            batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        epoch = getattr(self.sampler, "epoch", 0)
+        g = torch.Generator().manual_seed(self.seed * 7919 + int(epoch) + 1)
+        return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+class DraftDataModule(L.LightningDataModule):
+    """Train/val batches from a prepared `data.dir` (see dspark.prepare).
+
+    features: "online" (tokens only) or "offline" (tokens + cached target features; the cache is
+    checked against `target_fingerprint`, see cache.target_fingerprint(target))."""
+
+    def __init__(self, cfg_data, features: str = "online", target_fingerprint: dict | None = None,
+                 pad_token_id: int | None = None):
+        super().__init__()
+        if features not in ("online", "offline"):
+            raise DataError(f"features must be 'online' or 'offline', got '{features}'")
+        self.cfg = cfg_data
+        self.dir = resolve_path(cfg_data.dir)
+        self.features = features
+        self.fingerprint = target_fingerprint
+        self.pad_token_id = pad_token_id
+        self.batch_size = int(cfg_data.batch_size)
+        self.seed = int(cfg_data.get("seed", 0))
+        self.datasets: dict[str, ConversationDataset] = {}
+
+    def _load(self, split: str) -> ConversationDataset:
+        if split not in self.datasets:
+            tokens = load_tokens(tokens_path(self.dir, split))
+            if self.pad_token_id is None:
+                self.pad_token_id = int(tokens.meta["pad_token_id"])
+            cache = None
+            if self.features == "offline":
+                cache = FeatureCache(self.dir / "cache", split, self.fingerprint, tokens)
+            self.datasets[split] = ConversationDataset(tokens, cache)
+        return self.datasets[split]
+
+    def setup(self, stage: str | None = None) -> None:
+        self._load("train")
+        self._load("val")
+
+    def train_dataloader(self) -> DataLoader:
+        ds = self._load("train")
+        sampler = BucketBatchSampler(
+            SeededRandomSampler(ds, self.seed), self.batch_size, drop_last=False, lengths=ds.lengths,
+            bucket_batches=int(self.cfg.get("bucket_batches", 16)), seed=self.seed,
+        )
+        return self._loader(ds, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        ds = self._load("val")
+        # Fixed order, sorted by length: little padding, and the same batches every validation.
+        return self._loader(ds, BatchSampler(LengthSortedSampler(ds.lengths), self.batch_size, False))
+
+    def _loader(self, ds: Dataset, batch_sampler) -> DataLoader:
+        workers = int(self.cfg.get("num_workers", 0))
+        # A partial of a module-level function pickles cheaply into worker processes.
+        collate_fn = functools.partial(collate, pad_id=int(self.pad_token_id))
+        return DataLoader(ds, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=workers,
+                          persistent_workers=workers > 0)

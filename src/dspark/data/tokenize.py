@@ -1,0 +1,233 @@
+"""Chat-template tokenisation with an assistant-only loss mask.
+
+The mask comes from character spans, not from template-specific token patterns: render the
+conversation to text with the target's own template, find each assistant message's content in
+that text, and map the spans to tokens through the tokenizer's offsets. A span also covers the
+end-of-turn marker right after the content (``<|im_end|>``, ``<end_of_turn>``): the target emitted
+it to stop, so the drafter must learn to predict it too. Template text (role headers, Qwen3's empty
+``<think>`` block in non-thinking mode) stays unmasked.
+
+Truncation policy: a conversation longer than ``max_length`` tokens keeps its first ``max_length``
+tokens (right truncation; the prompt stage already dropped prompts longer than
+``max_prompt_length``, so some of the answer always survives). A sample with no assistant token
+left is dropped and counted. An answer that hit ``max_new_tokens`` (``finish == "length"``) is cut
+right after its last content token: the closing marker the template would add was never generated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .io import DataError, atomic_save_safetensors
+
+
+class TemplateError(DataError):
+    """A chat template the loss mask cannot be derived from."""
+
+
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, chat_kwargs: dict | None = None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_kwargs or {})
+    )
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    # The rendered template already holds its special tokens (bos included where the template wants it).
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_ids(tokenizer, messages: list[dict], chat_kwargs: dict | None = None) -> list[int]:
+    """Token ids the target sees before it writes the next assistant turn."""
+    return encode_text(tokenizer, render(tokenizer, messages, add_generation_prompt=True, chat_kwargs=chat_kwargs))
+
+
+def end_markers(tokenizer, eos_token_ids: Sequence[int]) -> list[str]:
+    """Strings of the target's stop tokens, longest first (so a marker is never cut short)."""
+    names = tokenizer.convert_ids_to_tokens(list(eos_token_ids))
+    return sorted({n for n in names if n}, key=len, reverse=True)
+
+
+def _locate(text: str, content: str, start: int) -> tuple[int, int] | None:
+    needle = content.strip()
+    pos = text.find(needle, start)
+    if pos >= 0:
+        return pos, pos + len(needle)
+    # Reasoning templates (Qwen3) re-render or drop a <think> block; the answer after it is still verbatim.
+    if "</think>" in needle:
+        answer = needle.rsplit("</think>", 1)[1].strip()
+        pos = text.find(answer, start) if answer else -1
+        if pos >= 0:
+            return pos, pos + len(answer)
+    return None
+
+
+def assistant_spans(text: str, messages: list[dict], markers: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """Character spans [start, end) of each non-empty assistant message in the rendered `text`.
+
+    Messages are located in order, so an answer that repeats the question matches after the question.
+    Raises TemplateError when an assistant message is not rendered verbatim."""
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, str):
+            raise TemplateError(f"message {i} ({msg.get('role')}) has non-text content; only text chats are supported")
+        if not content.strip():
+            continue
+        found = _locate(text, content, cursor)
+        if msg.get("role") != "assistant":
+            if found:  # a template may rewrite system text (Gemma folds it into the user turn): not fatal
+                cursor = found[1]
+            continue
+        if found is None:
+            raise TemplateError(
+                f"the chat template does not render assistant message {i} verbatim, so no loss mask can be derived "
+                f"from it (rendered text starts {text[:160]!r}). Use a template that emits assistant content as "
+                f"is (set target.chat_template), e.g. ChatML."
+            )
+        start, end = found
+        for marker in markers:
+            if text.startswith(marker, end):
+                end += len(marker)
+                break
+        spans.append((start, end))
+        cursor = end
+    if not spans and any(m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in messages):
+        raise TemplateError("the chat template rendered no assistant span")
+    return spans
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[bool]
+    truncated: bool = False
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    *,
+    max_length: int,
+    chat_kwargs: dict | None = None,
+    markers: Sequence[str] = (),
+    complete: bool = True,
+) -> Tokenized | None:
+    """input_ids and assistant-only loss mask of one conversation; None when no assistant token fits."""
+    text = render(tokenizer, messages, add_generation_prompt=False, chat_kwargs=chat_kwargs)
+    spans = assistant_spans(text, messages, markers if complete else ())
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [any(s < e_span and e > s_span for s_span, e_span in spans) and e > s for s, e in offsets]
+    if not complete and any(mask):
+        last = max(i for i, m in enumerate(mask) if m)
+        ids, mask = ids[: last + 1], mask[: last + 1]
+    truncated = len(ids) > max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return None
+    return Tokenized(ids, mask, truncated)
+
+
+@dataclass
+class TokenStats:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    dropped_no_assistant_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
+
+
+def tokenize_records(
+    tokenizer,
+    records: list[dict],
+    *,
+    max_length: int,
+    chat_kwargs: dict | None = None,
+    markers: Sequence[str] = (),
+    desc: str = "tokenising",
+) -> tuple[list[str], list[Tokenized], TokenStats]:
+    """Tokenise regenerated conversations ({"id", "messages", "finish"})."""
+    ids, out, stats = [], [], TokenStats()
+    for rec in tqdm(records, desc=desc, unit="conv", leave=False):
+        tok = tokenize_conversation(
+            tokenizer,
+            rec["messages"],
+            max_length=max_length,
+            chat_kwargs=chat_kwargs,
+            markers=markers,
+            complete=rec.get("finish", "stop") == "stop",
+        )
+        if tok is None:
+            stats.dropped_no_assistant_tokens += 1
+            continue
+        ids.append(rec["id"])
+        out.append(tok)
+        stats.samples += 1
+        stats.tokens += len(tok.input_ids)
+        stats.loss_tokens += sum(tok.loss_mask)
+        stats.truncated += tok.truncated
+    return ids, out, stats
+
+
+def save_tokens(path: str | Path, sample_ids: list[str], samples: list[Tokenized], meta: dict) -> None:
+    """One split as three flat tensors (ragged by `offsets`), written atomically."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    flat_ids = [t for s in samples for t in s.input_ids]
+    flat_mask = [m for s in samples for m in s.loss_mask]
+    tensors = {
+        "input_ids": torch.tensor(flat_ids, dtype=torch.int32),
+        "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+        "offsets": offsets,
+    }
+    metadata = {"ids": json.dumps(sample_ids), "meta": json.dumps(meta)}
+    atomic_save_safetensors(path, tensors, metadata)
+
+
+@dataclass
+class TokenSplit:
+    """A loaded split: sample i is input_ids[offsets[i]:offsets[i+1]]."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    offsets: torch.Tensor
+    ids: list[str]
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[a:b].long(), self.loss_mask[a:b].bool()
+
+
+def load_tokens(path: str | Path) -> TokenSplit:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"tokenised split {path} is missing: run python -m dspark.prepare for this data.dir")
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        md = f.metadata() or {}
+    return TokenSplit(
+        tensors["input_ids"], tensors["loss_mask"], tensors["offsets"], json.loads(md["ids"]), json.loads(md["meta"])
+    )

@@ -1,0 +1,546 @@
+"""The batched speculative-decoding engine (plain PyTorch; the CPU reference).
+
+One round for the R running requests:
+  1. draft    ``drafter.propose`` from each anchor (the last token the target produced, not yet in
+              its cache) -> γ tokens, their exact sampling distributions, confidence logits;
+  2. lengths  the policy picks ℓ_r <= γ from calibrated confidences c_k = σ(z_k / T_k);
+  3. verify   one target forward over [anchor, d_1..d_ℓ] per row (ragged rows padded to max ℓ + 1),
+              then lossless rejection sampling (``verify``) -> n_r accepted + one new token;
+  4. commit   the target cache keeps positions a..a+n, the drafter context gets their features,
+              and the new token becomes the next anchor at a+n+1.
+Requests stop at EOS or max_new_tokens; waiting prompts join as others finish (continuous
+batching: finished rows are dropped from both caches, new rows are prefilled and appended).
+Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
+which is the baseline and the reference of the losslessness tests.
+
+Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
+drafter's uniforms, then verify's ``u_accept [R, G]`` and ``u_sample [R]``; prefill draws one
+uniform per joining request. Uniforms are drawn on the generator's device and moved, so a CUDA
+path can keep the same streams.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..drafters.base import Shared, select_cache
+from .kv import RaggedKV, concat_draft_caches
+from .verify import probs_from_logits, sample_from, verify
+
+__all__ = [
+    "NEEDS_CONFIDENCE",
+    "NEEDS_COST",
+    "Engine",
+    "EngineResult",
+    "Generation",
+    "Request",
+    "RoundRecord",
+    "calibration_arrays",
+    "conditional_acceptance",
+    "tau",
+    "threshold_sweep",
+]
+
+# Policies that read confidences / a cost table (scheduling/policies.py); the rest are fixed-length.
+NEEDS_CONFIDENCE = {"threshold", "hardware_aware", "async_topk", "retrospective"}
+NEEDS_COST = {"hardware_aware", "async_topk", "retrospective"}
+
+
+@dataclass
+class Request:
+    prompt: Sequence[int]
+    id: Any = None
+    max_new_tokens: int | None = None  # None: the engine's default
+
+
+@dataclass
+class Generation:
+    id: Any
+    prompt_len: int
+    tokens: list[int]  # generated tokens (prompt excluded), EOS included when it ended the request
+    finish: str  # "eos" | "length"
+    rounds: int  # verification rounds (the prefill token is not a round)
+    accepted: int  # draft tokens accepted over all rounds
+
+
+@dataclass
+class RoundRecord:
+    """One request in one round. ``accepted + 1`` tokens came out of the verifier; ``emitted`` of
+    them were kept (fewer only in a request's last round, cut at EOS / max_new_tokens)."""
+
+    request: Any
+    round: int  # this request's round index (0-based)
+    step: int  # engine-wide round index
+    batch: int  # requests in this round
+    anchor_pos: int
+    drafted: int  # γ
+    proposed: int  # ℓ chosen by the policy
+    accepted: int  # n <= ℓ
+    emitted: int
+    accept_flags: list[bool]  # per verified position (length ℓ)
+    confidence_logits: list[float] | None = None  # raw z_k, all γ positions
+    confidence: list[float] | None = None  # σ(z_k / T_k): calibrated per-position c_k
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineResult:
+    generations: list[Generation]  # in request order
+    rounds: list[RoundRecord]
+    steps: list[dict] = field(default_factory=list)  # per engine round: R, verified tokens, ms
+    wall_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification round, bonus/correction token included (paper's τ)."""
+        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+
+
+@dataclass
+class _Live:
+    """A running request (row i of the batch tensors)."""
+
+    index: int  # position in the input order
+    req: Request
+    budget: int
+    tokens: list[int]
+    rounds: int = 0
+    accepted: int = 0
+    finish: str | None = None
+
+
+class Engine:
+    """Speculative decoding with ``drafter``, or target-only decoding when ``drafter`` is None.
+
+    Args:
+        target: a ``dspark.target.Target``.
+        drafter: any drafter with ``new_cache / extend_context / propose`` (None = target only).
+        policy: a ``scheduling.policies.Policy`` (default: verify the whole drafted block).
+        temperature: sampling temperature of target and drafter (0 = greedy).
+        concurrency: requests decoded together; more prompts wait in a queue.
+        max_new_tokens: default per-request budget.
+        calibration: STS temperatures [γ] for the confidence logits (a list, a tensor, a
+            ``Calibration``); None = raw σ(z). ``from_checkpoint`` reads ``calibration.json``.
+        cost: ``CostModel`` for the load-aware policies.
+        eos_token_ids: stop tokens (default: the target's); ``()`` never stops early.
+        seed / generator: the random stream (see the module docstring).
+        progress: show a progress bar over finished requests.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        policy=None,
+        *,
+        temperature: float = 1.0,
+        concurrency: int = 8,
+        max_new_tokens: int = 256,
+        calibration=None,
+        cost=None,
+        eos_token_ids: Iterable[int] | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        progress: bool = False,
+        desc: str = "decode",
+    ):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.target = target
+        self.drafter = drafter
+        self.temperature = float(temperature)
+        self.concurrency = int(concurrency)
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.generator = generator or torch.Generator().manual_seed(int(seed))
+        self.progress = progress
+        self.desc = desc
+        self.device = target.device
+        self.shared = Shared.of(target)
+        self.cost = cost
+        if policy is None:
+            from ..scheduling.policies import Fixed
+
+            policy = Fixed(None)
+        self.policy = policy
+        name = getattr(policy, "name", type(policy).__name__).lower()
+        self.has_confidence = drafter is not None and getattr(drafter, "confidence", None) is not None
+        if drafter is not None and name in NEEDS_CONFIDENCE and not self.has_confidence:
+            raise ValueError(
+                f"policy '{name}' needs per-position confidences, but drafter "
+                f"'{getattr(drafter, 'kind', '?')}' has no confidence head: use policy=fixed or policy=mtp1, "
+                f"or a DSpark drafter with confidence.enabled=true"
+            )
+        if drafter is not None and name in NEEDS_COST and cost is None:
+            raise ValueError(
+                f"policy '{name}' needs a cost model (a profiled SPS table): set policy.cost_table"
+            )
+        self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
+
+    @classmethod
+    def from_checkpoint(cls, target, drafter_dir: str | Path, policy=None, **kw) -> Engine:
+        """Load a saved drafter; its STS temperatures (``calibration.json`` in the folder) apply
+        automatically unless ``calibration`` is given."""
+        from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+        from ..drafters import load_drafter
+
+        drafter, _ = load_drafter(drafter_dir, target, device=target.device)
+        path = Path(drafter_dir) / CALIBRATION_FILENAME
+        if "calibration" not in kw and path.exists():
+            kw["calibration"] = Calibration.load(path)
+        return cls(target, drafter, policy, **kw)
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request | Sequence[int]]) -> EngineResult:
+        reqs = [r if isinstance(r, Request) else Request(prompt=list(r)) for r in requests]
+        for i, r in enumerate(reqs):
+            if r.id is None:
+                r.id = i
+            if len(r.prompt) == 0:
+                raise ValueError(f"request {r.id} has an empty prompt")
+        if hasattr(self.policy, "reset"):
+            self.policy.reset()
+        queue = deque(range(len(reqs)))
+        done: dict[int, Generation] = {}
+        rounds: list[RoundRecord] = []
+        steps: list[dict] = []
+        live: list[_Live] = []
+        kv: RaggedKV | None = None
+        dcache = None
+        anchors = anchor_pos = None  # [R] long each
+        start = time.perf_counter()
+        bar = _progress(len(reqs), self.desc, self.progress)
+        step = 0
+        with torch.inference_mode():
+            while queue or live:
+                if queue and len(live) < self.concurrency:
+                    take = [queue.popleft() for _ in range(min(self.concurrency - len(live), len(queue)))]
+                    new_live, new_kv, new_dc, first = self._prefill([reqs[i] for i in take], take)
+                    live += new_live
+                    kv = RaggedKV.concat(kv, new_kv)
+                    dcache = concat_draft_caches(dcache, new_dc) if self.drafter is not None else None
+                    pos = new_kv.length.clone()
+                    anchors = first if anchors is None else torch.cat([anchors, first])
+                    anchor_pos = pos if anchor_pos is None else torch.cat([anchor_pos, pos])
+                    kv, dcache, anchors, anchor_pos = self._retire(
+                        live, kv, dcache, anchors, anchor_pos, done, bar
+                    )
+                    continue
+                t0 = time.perf_counter()
+                recs, anchors, anchor_pos, verified = self._round(live, kv, dcache, anchors, anchor_pos, step)
+                _sync(self.device)
+                steps.append(
+                    {
+                        "step": step,
+                        "batch": len(recs),
+                        "verified": verified,
+                        "ms": 1e3 * (time.perf_counter() - t0),
+                    }
+                )
+                rounds += recs
+                step += 1
+                kv, dcache, anchors, anchor_pos = self._retire(
+                    live, kv, dcache, anchors, anchor_pos, done, bar
+                )
+                if bar is not None and rounds:
+                    bar.set_postfix(
+                        tau=f"{sum(r.accepted + 1 for r in rounds) / len(rounds):.2f}", refresh=False
+                    )
+        if bar is not None:
+            bar.close()
+        return EngineResult(
+            generations=[done[i] for i in range(len(reqs))],
+            rounds=rounds,
+            steps=steps,
+            wall_s=time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def _uniform(self, *shape: int) -> Tensor:
+        return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.device)
+
+    def _prefill(self, reqs: list[Request], order: list[int]):
+        """Run the new prompts together (right-padded), sample their first token from the target,
+        and seed their drafter context with the prompt features."""
+        n = len(reqs)
+        lens = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
+        width = int(lens.max())
+        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        for i, r in enumerate(reqs):
+            ids[i, : len(r.prompt)] = torch.as_tensor(list(r.prompt), dtype=torch.long)
+        positions = torch.arange(width, device=self.device).expand(n, -1)
+        gamma = getattr(self.drafter, "gamma", 0)
+        kv = RaggedKV.empty(self.target.model.config, n, width + gamma + 2, self.target.dtype, self.device)
+        mask = kv.plan(width, self.target.dtype)
+        out = self.target(
+            ids, positions=positions, cache=kv, attention_mask=mask, with_logits=False, use_cache=True
+        )
+        kv.commit(lens)
+        rows = torch.arange(n, device=self.device)
+        logits = self.target.lm_head(out.last_hidden[rows, lens - 1])
+        first = sample_from(probs_from_logits(logits, self.temperature), self._uniform(n))
+        dcache = None
+        if self.drafter is not None:
+            # next_tokens[r, p] = token at p + 1: the prompt shifted left, then the first sampled token.
+            nxt = torch.zeros_like(ids)
+            nxt[:, :-1] = ids[:, 1:]
+            nxt[rows, lens - 1] = first
+            valid = positions < lens[:, None]
+            dcache = self.drafter.new_cache(n, self.device)
+            self.drafter.extend_context(dcache, out.taps, positions, valid, nxt, self.shared)
+        live = []
+        for i, (r, idx) in enumerate(zip(reqs, order)):
+            budget = self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
+            item = _Live(index=idx, req=r, budget=budget, tokens=[])
+            if budget > 0:
+                self._emit(item, [int(first[i])])
+            else:
+                item.finish = "length"
+            live.append(item)
+        return live, kv, dcache, first
+
+    def _round(self, live: list[_Live], kv: RaggedKV, dcache, anchors: Tensor, anchor_pos: Tensor, step: int):
+        r = len(live)
+        device = self.device
+        conf_logits = conf = None
+        if self.drafter is not None:
+            prop = self.drafter.propose(
+                dcache, anchors, anchor_pos, self.shared, self.temperature, self.generator
+            )
+            gamma = prop.tokens.shape[1]
+            if prop.confidence_logits is not None:
+                conf_logits = prop.confidence_logits.float()
+                conf = self._calibrated(conf_logits)
+            scores = conf if conf is not None else torch.ones(r, gamma, device=device)
+            lengths = (
+                self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, gamma)
+            )
+            g = int(lengths.max())
+            drafts, draft_probs = prop.tokens[:, :g], prop.probs[:, :g]
+        else:
+            gamma = g = 0
+            lengths = torch.zeros(r, dtype=torch.long, device=device)
+            drafts = torch.zeros(r, 0, dtype=torch.long, device=device)
+            draft_probs = None
+        ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
+        positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
+        mask = kv.plan(g + 1, self.target.dtype)
+        out = self.target(ids, positions=positions, cache=kv, attention_mask=mask, use_cache=True)
+        target_probs = probs_from_logits(out.logits, self.temperature)
+        if draft_probs is None:
+            draft_probs = target_probs.new_zeros(r, 0, target_probs.shape[-1])
+        res = verify(
+            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
+        )
+        n = res.accepted
+        kv.commit(n + 1)  # the anchor and the accepted drafts; the rest is overwritten next round
+        if self.drafter is not None:
+            # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
+            nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
+            nxt[torch.arange(r, device=device), n] = res.next_token
+            valid = torch.arange(g + 1, device=device)[None, :] <= n[:, None]
+            self.drafter.extend_context(dcache, out.taps, positions, valid, nxt, self.shared)
+
+        # Python bookkeeping: one host transfer per round.
+        n_l, next_l, len_l, pos_l = n.tolist(), res.next_token.tolist(), lengths.tolist(), anchor_pos.tolist()
+        draft_l = drafts.tolist()
+        flags_l = res.accept_flags.tolist()
+        zl = conf_logits.tolist() if conf_logits is not None else None
+        cl = conf.tolist() if conf is not None else None
+        recs = []
+        for i, item in enumerate(live):
+            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
+            recs.append(
+                RoundRecord(
+                    request=item.req.id,
+                    round=item.rounds,
+                    step=step,
+                    batch=r,
+                    anchor_pos=pos_l[i],
+                    drafted=gamma,
+                    proposed=len_l[i],
+                    accepted=n_l[i],
+                    emitted=emitted,
+                    accept_flags=flags_l[i][: len_l[i]],
+                    confidence_logits=None if zl is None else zl[i],
+                    confidence=None if cl is None else cl[i],
+                )
+            )
+            item.rounds += 1
+            item.accepted += n_l[i]
+        return recs, res.next_token, anchor_pos + n + 1, r + int(lengths.sum())
+
+    def _calibrated(self, z: Tensor) -> Tensor:
+        if self.temperatures is None:
+            return torch.sigmoid(z)
+        t = self.temperatures.to(z)
+        if t.numel() != z.shape[1]:
+            raise ValueError(
+                f"calibration has {t.numel()} temperatures, the drafter proposes {z.shape[1]} tokens"
+            )
+        return torch.sigmoid(z / t)
+
+    def _emit(self, item: _Live, new: list[int]) -> int:
+        """Append tokens until EOS or the budget; returns how many were kept."""
+        kept = 0
+        for tok in new:
+            item.tokens.append(tok)
+            kept += 1
+            if tok in self.eos:
+                item.finish = "eos"
+                break
+            if len(item.tokens) >= item.budget:
+                item.finish = "length"
+                break
+        return kept
+
+    def _retire(self, live: list[_Live], kv, dcache, anchors, anchor_pos, done: dict, bar):
+        """Drop finished requests from the batch (both caches, anchors)."""
+        keep = [i for i, item in enumerate(live) if item.finish is None]
+        if len(keep) == len(live):
+            return kv, dcache, anchors, anchor_pos
+        for item in live:
+            if item.finish is not None:
+                done[item.index] = Generation(
+                    id=item.req.id,
+                    prompt_len=len(item.req.prompt),
+                    tokens=item.tokens,
+                    finish=item.finish,
+                    rounds=item.rounds,
+                    accepted=item.accepted,
+                )
+                if bar is not None:
+                    bar.update(1)
+        live[:] = [live[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        kv = kv.select(index)
+        if dcache is not None:
+            dcache = select_cache(dcache, index)
+        return kv, dcache, anchors[index], anchor_pos[index]
+
+
+def _temperatures(calibration, gamma: int | None) -> Tensor | None:
+    if calibration is None:
+        return None
+    temps = getattr(calibration, "temperatures", calibration)
+    t = torch.as_tensor(
+        list(temps) if not isinstance(temps, Tensor) else temps, dtype=torch.float32
+    ).flatten()
+    if not bool((t > 0).all()) or not all(math.isfinite(x) for x in t.tolist()):
+        raise ValueError(f"calibration temperatures must be finite and positive, got {t.tolist()}")
+    if gamma is not None and t.numel() != gamma:
+        raise ValueError(
+            f"calibration has {t.numel()} temperatures, but the drafter proposes gamma={gamma} tokens"
+        )
+    return t
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics over round records (RoundRecord objects or the dicts of rounds.jsonl)
+
+
+def _get(rec, key):
+    return rec[key] if isinstance(rec, dict) else getattr(rec, key)
+
+
+def tau(records: Iterable) -> float | None:
+    """Mean accepted + 1 per round (None without rounds)."""
+    recs = list(records)
+    return sum(_get(r, "accepted") + 1 for r in recs) / len(recs) if recs else None
+
+
+def conditional_acceptance(records: Iterable, gamma: int) -> list[float | None]:
+    """Paper Fig. 2: at draft position k, among rounds that verified position k with positions
+    1..k-1 all accepted, the fraction where k was accepted too (None where no round qualifies)."""
+    num = [0] * gamma
+    den = [0] * gamma
+    for r in records:
+        n, ell = _get(r, "accepted"), _get(r, "proposed")
+        for k in range(min(n + 1, ell, gamma)):  # 0-based k qualifies when n >= k and ell > k
+            den[k] += 1
+            num[k] += n > k
+    return [num[k] / den[k] if den[k] else None for k in range(gamma)]
+
+
+def calibration_arrays(records: Iterable) -> tuple[Tensor, Tensor, Tensor]:
+    """(confidence logits [N, γ], prefix-acceptance labels y_k = 1[n >= k], valid = k <= ℓ) from the
+    rounds that carry confidence logits: the rollout input of ``calibration.sts.fit_sts``."""
+    z, n, ell = [], [], []
+    for r in records:
+        logits = _get(r, "confidence_logits")
+        if logits is not None:
+            z.append(logits)
+            n.append(_get(r, "accepted"))
+            ell.append(_get(r, "proposed"))
+    if not z:
+        raise ValueError("no round carries confidence logits (the drafter has no confidence head)")
+    logits = torch.tensor(z, dtype=torch.float32)
+    k = torch.arange(1, logits.shape[1] + 1)
+    labels = (torch.tensor(n)[:, None] >= k).float()
+    valid = torch.tensor(ell)[:, None] >= k
+    return logits, labels, valid
+
+
+def threshold_sweep(records: Iterable, thresholds: Sequence[float], calibrated: bool = True) -> list[dict]:
+    """Paper Fig. 5, offline: for each threshold t, verify only the longest prefix whose cumulative
+    confidence Π c_i stays >= t (what the threshold policy would do) and count its accepted and
+    rejected draft tokens. Exact from recorded rounds because acceptance of position k does not
+    depend on how many positions follow it; rounds are cut at their recorded ℓ (a fixed-γ run
+    records the full block). ``calibrated`` uses σ(z/T) as recorded, else raw σ(z)."""
+    recs = [r for r in records if _get(r, "confidence_logits") is not None]
+    if not recs:
+        raise ValueError("no round carries confidences: the threshold sweep needs a confidence head")
+    if calibrated:
+        c = torch.tensor([_get(r, "confidence") for r in recs], dtype=torch.float64)
+    else:
+        c = torch.sigmoid(torch.tensor([_get(r, "confidence_logits") for r in recs], dtype=torch.float64))
+    a = torch.cumprod(c, dim=1)
+    n = torch.tensor([_get(r, "accepted") for r in recs])
+    ell = torch.tensor([_get(r, "proposed") for r in recs])
+    rows = []
+    for t in thresholds:
+        lt = torch.minimum(torch.cumprod((a >= t).long(), dim=1).sum(1), ell)
+        acc = torch.minimum(n, lt)
+        verified = int(lt.sum())
+        rows.append(
+            {
+                "threshold": float(t),
+                "accepted_per_step": float(acc.float().mean()),
+                "rejected_per_step": float((lt - acc).float().mean()),
+                "tokens_per_step": float(lt.float().mean()),
+                "acceptance_rate": float(acc.sum()) / verified if verified else None,
+                "tau": float((acc + 1).float().mean()),
+                "rounds": len(recs),
+            }
+        )
+    return rows

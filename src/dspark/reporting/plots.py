@@ -1,0 +1,150 @@
+"""Evaluation figures: position-wise conditional acceptance (paper Fig. 2) and the confidence
+threshold sweep (Fig. 5). Each writes a PNG and the JSON it plots beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless nodes and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["acceptance_by_position_plot", "threshold_sweep_plot", "write_json"]
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # strict JSON
+    if isinstance(x, Mapping):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Atomic strict-JSON write (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(obj), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _panels(n: int, width: float = 3.6, height: float = 3.0):
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def acceptance_by_position_plot(
+    curves: Mapping[str, Mapping[str, Sequence[float | None]]],
+    path: str | os.PathLike,
+    data: dict | None = None,
+) -> Path:
+    """``curves[panel][label]`` = conditional acceptance at draft positions 1..γ (None = no data):
+    one panel per domain, one line per drafter (or benchmark), as in Fig. 2. Writes ``path`` and
+    ``<stem>.json`` (``data`` if given, else the curves)."""
+    path = Path(path)
+    panels = list(curves)
+    if not panels:
+        raise ValueError("no acceptance curves to plot")
+    fig, axes = _panels(len(panels))
+    gamma = max(len(r) for panel in panels for r in curves[panel].values())
+    for ax, panel in zip(axes, panels):
+        for label, rates in curves[panel].items():
+            pts = [(k + 1, r) for k, r in enumerate(rates) if r is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label)
+        ax.set_title(panel.capitalize() if panel.islower() else panel)
+        ax.set_xlim(0.5, gamma + 0.5)
+        ax.set_xticks(range(1, gamma + 1))
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("Draft position")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("Cond. acceptance")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    write_json(path.with_suffix(".json"), data if data is not None else {"curves": curves})
+    return path
+
+
+def threshold_sweep_plot(
+    sweep: Mapping[str, Sequence[Mapping]], path: str | os.PathLike, data: dict | None = None
+) -> Path:
+    """``sweep[panel]`` = rows with ``threshold``, ``accepted_per_step``, ``rejected_per_step`` and
+    ``acceptance_rate``: stacked bars of verified draft tokens per step (accepted / rejected, hatched)
+    and the acceptance rate on a twin axis, one panel per domain (Fig. 5)."""
+    path = Path(path)
+    panels = list(sweep)
+    if not panels:
+        raise ValueError("no threshold sweep to plot")
+    fig, axes = _panels(len(panels), width=4.0)
+    rate_axes = []
+    for ax, panel in zip(axes, panels):
+        rows = sweep[panel]
+        xs = [r["threshold"] for r in rows]
+        width = 0.8 * (min(b - a for a, b in zip(xs, xs[1:])) if len(xs) > 1 else 0.1)
+        acc = [r["accepted_per_step"] for r in rows]
+        rej = [r["rejected_per_step"] for r in rows]
+        ax.bar(xs, acc, width=width, color="tab:blue", label="Accepted tokens")
+        ax.bar(
+            xs,
+            rej,
+            width=width,
+            bottom=acc,
+            color="white",
+            edgecolor="tab:red",
+            hatch="///",
+            label="Rejected tokens",
+        )
+        ax.set_xlabel("Confidence threshold")
+        ax.set_title(panel.capitalize() if panel.islower() else panel)
+        rate_ax = ax.twinx()
+        rate_axes.append(rate_ax)
+        rates = [r["acceptance_rate"] for r in rows]
+        pts = [(x, 100 * y) for x, y in zip(xs, rates) if y is not None]
+        if pts:
+            px, py = zip(*pts)
+            rate_ax.plot(px, py, color="black", marker="o", markersize=3, label="Acceptance rate")
+            for x, y in (pts[0], pts[-1]):
+                rate_ax.annotate(
+                    f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center"
+                )
+        rate_ax.set_ylim(0, 105)
+        rate_ax.set_ylabel("Acceptance rate (%)")
+    axes[0].set_ylabel("Avg. tokens per step")
+    bars, bar_labels = axes[0].get_legend_handles_labels()
+    line, line_labels = rate_axes[0].get_legend_handles_labels()
+    fig.legend(
+        bars + line,
+        bar_labels + line_labels,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    write_json(path.with_suffix(".json"), data if data is not None else {"sweep": sweep})
+    return path

@@ -1,0 +1,229 @@
+"""Drafters: information flow, sampling exactness, losses against naive loops, gradients."""
+
+import pytest
+import torch
+from conftest import load_group
+
+from dspark.drafters import Shared, TargetDims, build_drafter
+from dspark.drafters.dflash import block_targets, packed_block_mask, sample_anchors
+from dspark.objectives import LossWeights, block_loss, compute_loss, position_weights
+
+VARIANTS = [("dflash", "none"), ("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"), ("eagle3", "none")]
+
+
+def make(target, name, head, layers=1, gamma=4, rank=32):
+    d = load_group("drafter", name)
+    d.num_layers, d.block_size = layers, gamma
+    if name == "eagle3":
+        d.ttt_steps = gamma
+    torch.manual_seed(0)
+    h = load_group("head", head)
+    if head != "none":
+        h.rank = rank
+    drafter = build_drafter(TargetDims.of(target), d, h)
+    if getattr(drafter, "head", None) is not None:  # non-zero bias so the head matters in tests
+        torch.nn.init.normal_(drafter.head.W2.weight, std=0.5)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_target):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 5000, (2, 24), generator=g)
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[:, :3] = False
+    step = tiny_target(ids)
+    return ids, loss_mask, step
+
+
+@pytest.mark.parametrize("name,head", VARIANTS)
+def test_no_information_leak(tiny_target, batch, name, head):
+    """Outputs for anchor a may only depend on tokens ≤ a (block inputs) and target features < a."""
+    ids, lm, step = batch
+    drafter = make(tiny_target, name, head).eval()
+    shared = Shared.of(tiny_target)
+    anchors = torch.tensor([[5, 9, 14], [4, 10, 16]])
+    out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
+    ids2 = ids.clone()
+    ids2[:, 12:] = torch.randint(100, 5000, ids2[:, 12:].shape)
+    taps2 = step.taps.clone()
+    taps2[:, 12:] = torch.randn_like(taps2[:, 12:])
+    out2 = drafter.train_forward(taps2, ids2, lm, anchors, shared)
+    # Anchors < 12 keep identical outputs; the teacher-forced previous tokens (true tokens inside the
+    # block) are allowed to differ only where the block reaches position 12 or beyond.
+    gamma = drafter.gamma
+    for r in range(2):
+        for j, a in enumerate(anchors[r].tolist()):
+            k_ok = max(0, min(gamma, 12 - a))  # positions whose inputs all lie before 12
+            if a >= 12 or k_ok == 0:
+                continue
+            if name == "dflash":
+                k_ok = gamma if a < 12 else 0
+            torch.testing.assert_close(out.features[r, j, :k_ok], out2.features[r, j, :k_ok])
+
+
+def test_blocks_never_see_each_other(tiny_target, batch):
+    ids, lm, step = batch
+    drafter = make(tiny_target, "dflash", "none").eval()
+    shared = Shared.of(tiny_target)
+    base = drafter.train_forward(step.taps, ids, lm, torch.tensor([[5, 9], [5, 9]]), shared)
+    alone = drafter.train_forward(step.taps, ids, lm, torch.tensor([[5, -1], [5, -1]]), shared)
+    torch.testing.assert_close(base.features[:, 0], alone.features[:, 0])
+
+
+def test_packed_mask_shape_and_semantics():
+    m = packed_block_mask(torch.tensor([[2, 4]]), ctx_len=6, gamma=3)
+    assert m.shape == (1, 6, 12)
+    assert m[0, 0, :6].tolist() == [True, True, False, False, False, False]
+    assert m[0, 3, :6].tolist() == [True, True, True, True, False, False]
+    assert m[0, 0, 6:].tolist() == [True] * 3 + [False] * 3
+
+
+def test_eval_mask_is_contiguous():
+    ids = torch.arange(10)[None]
+    lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    _, labels, valid = block_targets(ids, lm, torch.tensor([[1, 7]]), 4)
+    assert valid[0, 0].tolist() == [True, True, False, False]  # label pos 4 breaks the mask
+    assert valid[0, 1].tolist() == [True, True, False, False]  # sequence ends at 9
+    assert labels[0, 0, :2].tolist() == [2, 3]
+
+
+def test_anchor_sampling_respects_mask():
+    lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    a = sample_anchors(lm, 10, torch.Generator().manual_seed(0))
+    assert sorted(x for x in a[0].tolist() if x >= 0) == [2, 3, 6]
+
+
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
+def test_sampling_probabilities_are_exact(tiny_target, head):
+    """The probs returned at position k are the softmax conditioned on the token sampled at k-1."""
+    drafter = make(tiny_target, "dspark", head).eval()
+    shared = Shared.of(tiny_target)
+    ids = torch.randint(100, 5000, (3, 12))
+    step = tiny_target(ids)
+    cache = drafter.new_cache(3, "cpu")
+    drafter.extend_context(cache, step.taps[:, :10], torch.arange(10).expand(3, -1), torch.ones(3, 10, dtype=torch.bool))
+    prop = drafter.propose(cache, ids[:, 10], torch.full((3,), 10), shared, 1.0, torch.Generator().manual_seed(1))
+    # Recompute teacher-forced with the sampled tokens as the previous tokens.
+    x = drafter.block_inputs(ids[:, 10], shared)
+    pos = 10 + torch.arange(drafter.gamma).expand(3, -1)
+    mask = torch.ones(3, drafter.gamma, 10 + drafter.gamma, dtype=torch.bool)
+    hidden = drafter.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
+    prev = torch.cat([ids[:, 10:11], prop.tokens[:, :-1]], 1)
+    feats, conf = drafter.head_features(hidden, prev)
+    logits = feats @ drafter.output_weight(shared).t()
+    torch.testing.assert_close(prop.probs, torch.softmax(logits.float(), -1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(prop.confidence_logits, conf, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(prop.probs.sum(-1), torch.ones(3, drafter.gamma), rtol=0, atol=1e-4)
+
+
+def test_rnn_state_carries(tiny_target):
+    drafter = make(tiny_target, "dspark", "rnn")
+    h = torch.randn(2, 4, tiny_target.hidden_size)
+    prev = torch.randint(0, 1000, (2, 4))
+    b1 = drafter.head.sequence(h, prev)
+    prev2 = prev.clone()
+    prev2[:, 0] += 1  # changes the state after position 0
+    b2 = drafter.head.sequence(h, prev2)
+    assert not torch.allclose(b1[:, 2], b2[:, 2])  # felt two steps later: the state carried it
+    markov = make(tiny_target, "dspark", "markov")
+    m1, m2 = markov.head.sequence(h, prev), markov.head.sequence(h, prev2)
+    torch.testing.assert_close(m1[:, 2], m2[:, 2])  # memoryless
+
+
+@pytest.mark.parametrize("name,head", [("dflash", "none"), ("dspark", "markov"), ("dspark", "rnn")])
+def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
+    ids, lm, step = batch
+    drafter = make(tiny_target, name, head)
+    shared = Shared.of(tiny_target)
+    anchors = torch.tensor([[3, 8, 20], [6, 11, -1]])
+    out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
+    w = LossWeights.from_cfg(load_group("loss", "dspark" if name == "dspark" else "dflash"))
+    w.impl = "materialized"
+    got = block_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)
+    # Naive: loop over every (sequence, anchor, k) and accumulate.
+    pw = position_weights(drafter.gamma, w.gamma_decay)
+    num = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
+    den = 0.0
+    weight = out.weight
+    for r in range(2):
+        for j, a in enumerate(anchors[r].tolist()):
+            if a < 0:
+                continue
+            for k in range(drafter.gamma):
+                t = a + k + 1
+                if t >= ids.shape[1] or not bool(lm[r, a + 1 : t + 1].all()):
+                    break
+                p_d = torch.softmax(out.features[r, j, k] @ weight.t(), -1)
+                p_t = torch.softmax(tiny_target.lm_head(step.last_hidden[r, a + k]), -1)
+                tv = (p_d - p_t).abs().sum()
+                num["ce"] += pw[k] * -torch.log(p_d[ids[r, t]])
+                num["tv"] += pw[k] * tv
+                if out.confidence_logits is not None:
+                    c = torch.sigmoid(out.confidence_logits[r, j, k])
+                    cs = (1 - tv / 2).detach()
+                    num["conf"] += pw[k] * -(cs * torch.log(c) + (1 - cs) * torch.log(1 - c))
+                den += pw[k]
+    torch.testing.assert_close(got["ce"], (num["ce"] / den).detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["tv"], (num["tv"] / den).detach(), rtol=1e-4, atol=1e-5)
+    if out.confidence_logits is not None:
+        torch.testing.assert_close(got["conf_loss"], (num["conf"] / den).detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,head", VARIANTS)
+def test_gradients_reach_exactly_trainable_params(tiny_target, batch, name, head):
+    ids, lm, step = batch
+    drafter = make(tiny_target, name, head)
+    shared = Shared.of(tiny_target)
+    out = drafter.train_forward(step.taps, ids, lm, sample_anchors(lm, 6, torch.Generator().manual_seed(0)), shared)
+    loss_name = {"dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3"}[name]
+    m = compute_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, LossWeights.from_cfg(load_group("loss", loss_name)))
+    m["loss"].backward()
+    for pname, p in drafter.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{pname} got no gradient"
+    assert all(p.grad is None for p in tiny_target.parameters())
+    assert not any(p.requires_grad for p in tiny_target.parameters())
+    names = set(dict(drafter.named_parameters()))
+    assert not any(n.startswith(("embed_tokens", "lm_head")) or ".embed_tokens" in n for n in names)
+    assert not any(p is tiny_target.embedding_weight for p in drafter.parameters())
+
+
+def test_fused_and_materialized_losses_agree(tiny_target, batch):
+    ids, lm, step = batch
+    drafter = make(tiny_target, "dspark", "markov")
+    shared = Shared.of(tiny_target)
+    anchors = sample_anchors(lm, 8, torch.Generator().manual_seed(0))
+    w = LossWeights.from_cfg(load_group("loss", "dspark"))
+    results = {}
+    for impl in ("materialized", "torch"):
+        drafter.zero_grad()
+        w.impl = impl
+        out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
+        m = block_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)
+        m["loss"].backward()
+        results[impl] = (m["loss"].detach(), drafter.head.W2.weight.grad.clone(), drafter.fc.weight.grad.clone())
+    for a, b in zip(results["materialized"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_training_raises_tau_prob(tiny_target):
+    """A few hundred steps on a short repeated text: the drafter learns the target's distributions
+    there, so the expected acceptance length τ_prob climbs well above where it started."""
+    from dspark.module import DraftingModule
+
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
+    ids = torch.tensor([tiny_target.tokenizer(text)["input_ids"][:64]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    drafter = make(tiny_target, "dspark", "markov", layers=1, gamma=4)
+    module = DraftingModule(tiny_target, drafter, LossWeights.from_cfg(load_group("loss", "dspark")), {}, num_anchors=16)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    taus = []
+    for _ in range(200):
+        m = module._step(batch)
+        opt.zero_grad()
+        m["loss"].backward()
+        opt.step()
+        taus.append(float(m["tau_prob"]))
+    start, end = sum(taus[:5]) / 5, sum(taus[-5:]) / 5
+    assert end > start + 1.0, (start, end)

