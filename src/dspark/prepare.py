@@ -104,6 +104,16 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
     target = target if target is not None else _load_target(cfg_target)
     tok, chat_kwargs = target.tokenizer, _chat_kwargs(cfg_target)
     timings: dict[str, float] = {}
+    threads = None
+    if target.device.type == "cpu":
+        import torch
+
+        from .data.regenerate import cpu_threads
+
+        threads = cpu_threads(cfg_data.get("cpu_threads", "auto"))
+        torch.set_num_threads(threads)
+        log.info("CPU generation with %d torch thread(s) (data.cpu_threads=%s)", threads,
+                 cfg_data.get("cpu_threads", "auto"))
 
     # 1. prompts (all or nothing: stats.json is written last)
     pdir = data_dir / "prompts"
@@ -172,6 +182,8 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
             "answer_tokens_per_s": round(answer_tokens / timings["answers_s"], 2) if timings["answers_s"] else None,
         },
         "offline_cache": bool(cfg_data.get("offline_cache", False)),
+        "device": str(target.device),
+        "cpu_threads": threads,
         "config": key,
     }
     atomic_write_json(data_dir / DONE, done)

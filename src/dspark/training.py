@@ -56,16 +56,21 @@ def run_training(cfg: DictConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
 
+    from .data.cache import target_fingerprint
     from .data.datamodule import DraftDataModule
     from .prepare import ensure_dataset
 
-    data_dir = ensure_dataset(cfg.data, cfg.target, target=target)
-    datamodule = DraftDataModule(cfg.data, data_dir=data_dir, offline=cfg.features == "offline", target=target)
+    data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
+    datamodule = DraftDataModule(
+        cfg.data, features=cfg.features, target_fingerprint=target_fingerprint(target),
+        pad_token_id=target.tokenizer.pad_token_id,
+    )
 
     drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.get("head"))
     module = DraftingModule(
         target, drafter, LossWeights.from_cfg(cfg.loss), OmegaConf.to_container(cfg.optim), cfg.features,
-        num_anchors=cfg.drafter.get("num_anchors"),
+        # Anchors per sequence: the data config may cap the paper's 512 for small CPU runs.
+        num_anchors=cfg.data.get("anchors_per_sequence") or cfg.drafter.get("num_anchors"),
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info("drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6)

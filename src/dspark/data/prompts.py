@@ -238,18 +238,22 @@ def magpie_prefix(tokenizer, system: str | None, chat_kwargs: dict | None = None
     return list(tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"])
 
 
+class _Enough(Exception):
+    """Stops the generation stream once enough prompts were accepted."""
+
+
 def self_generate_prompts(target, cfg_data, prompt_filter: PromptFilter, chat_kwargs: dict | None = None) -> list[dict]:
     """Magpie-style: the target writes user prompts, topic-steered by an optional system message per
-    domain (round-robin), until `num_prompts` pass the filter or `max_candidates_factor` × that many
-    candidates were sampled."""
+    domain (round-robin by weight), until `num_prompts` pass the filter or `max_candidates_factor` x
+    that many candidates were sampled. Candidates are filtered as they complete and generation stops
+    as soon as enough passed."""
     from .regenerate import Sampling, decode, generate_continuations
 
     sg = cfg_data.self_generated
     n = int(cfg_data.num_prompts)
     topics = [dict(t) for t in sg.topics] or [{"domain": "chat", "system": None}]
-    wheel = [t for t in topics for _ in range(int(t.get("weight", 1)))]
-    prefixes = {i: magpie_prefix(target.tokenizer, t.get("system"), chat_kwargs) for i, t in enumerate(topics)}
-    topic_index = {id(t): i for i, t in enumerate(topics)}
+    wheel = [i for i, t in enumerate(topics) for _ in range(int(t.get("weight", 1)))]
+    prefixes = [magpie_prefix(target.tokenizer, t.get("system"), chat_kwargs) for t in topics]
     sampling = Sampling(float(sg.temperature), float(sg.top_p), int(sg.get("top_k", 0) or 0), int(sg.max_new_tokens))
     max_candidates = int(math.ceil(n * float(sg.max_candidates_factor)))
     accepted: list[dict] = []
@@ -257,35 +261,41 @@ def self_generate_prompts(target, cfg_data, prompt_filter: PromptFilter, chat_kw
     bar = tqdm(total=n, desc="self-generating prompts", unit="prompt")
     try:
         while len(accepted) < n and drawn < max_candidates:
-            # Over-draw a little: some candidates are filtered out.
-            m = min(max_candidates - drawn, max(int(sg.batch_size), int(math.ceil((n - len(accepted)) * 1.25))))
+            # Over-draw (a share is filtered out); the stream stops early once enough passed.
+            m = min(max_candidates - drawn, max(int(sg.batch_size), 2 * (n - len(accepted))))
             chosen = [wheel[(drawn + j) % len(wheel)] for j in range(m)]
-            conts = generate_continuations(
-                target, [prefixes[topic_index[id(t)]] for t in chosen], sampling,
-                batch_size=int(sg.batch_size), seed=[cfg_data.seed, "prompts", rnd],
-                backend=str(cfg_data.get("generate_backend", "loop")),
-            )
-            for j, (t, c) in enumerate(zip(chosen, conts)):
-                if len(accepted) >= n:
-                    break
+            base = drawn
+
+            def on_result(j: int, c, chosen=chosen, base=base) -> None:
+                bar.set_postfix(candidates=base + j + 1)
                 if not c.finished:  # cut at max_new_tokens: an unfinished request
                     prompt_filter.stats.drop("unfinished")
-                    continue
-                rec = {"id": f"sg-{drawn + j:06d}", "prompt": decode(target.tokenizer, c.tokens), "system": None,
-                       "domain": t.get("domain"), "source": "self_generated"}
+                    return
+                rec = {"id": f"sg-{base + j:06d}", "prompt": decode(target.tokenizer, c.tokens), "system": None,
+                       "domain": topics[chosen[j]].get("domain"), "source": "self_generated"}
                 if prompt_filter.accept(rec):
                     accepted.append(rec)
                     bar.update(1)
+                    if len(accepted) >= n:
+                        raise _Enough
+
+            try:
+                generate_continuations(
+                    target, [prefixes[t] for t in chosen], sampling, batch_size=int(sg.batch_size),
+                    seed=[cfg_data.seed, "prompts", rnd], on_result=on_result,
+                    backend=str(cfg_data.get("generate_backend", "loop")),
+                )
+            except _Enough:
+                pass
             drawn += m
             rnd += 1
-            bar.set_postfix(drawn=drawn)
     finally:
         bar.close()
     prompt_filter.stats.counts["candidates"] = drawn
     if len(accepted) < n:
         log.warning("self-generation: only %d of %d prompts passed the filters after %d candidates (%s)",
                     len(accepted), n, drawn, dict(prompt_filter.stats.counts))
-    return accepted
+    return sorted(accepted, key=lambda r: r["id"])
 
 
 def _seeded_shuffle(records: list[dict], seed: int) -> list[dict]:

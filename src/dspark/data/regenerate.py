@@ -1,15 +1,17 @@
-"""The target answers each prompt: batched, left-padded sampling, written in resumable shards.
+"""The target answers each prompt: batched sampling, written in resumable shards.
 
 Shard k of a split holds the conversations of prompts [k*N, (k+1)*N) of that split's fixed prompt
 list and is written atomically, so after an interruption every shard on disk is complete; a rerun
-checks that each finished shard holds exactly its expected ids and skips it. Each shard samples
-with its own seed (seed, split, k), so a resumed run writes the same data as an uninterrupted one.
+checks that each finished shard holds exactly its expected ids, skips it, and answers only the
+prompts of the other shards: no sample is lost or written twice.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,17 @@ class Sampling:
             return {"do_sample": False}
         # top_k=0 disables the filter explicitly (None would let transformers apply its default of 50).
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0)}
+
+
+def cpu_threads(setting: object = "auto") -> int:
+    """Torch threads for CPU generation. "auto": one per core not already busy (one-minute load
+    average), at least one: on a shared box, OpenMP threads beyond the free cores spin against the
+    other jobs and decoding runs several times slower (measured 6x on 2 busy cores)."""
+    cores = os.cpu_count() or 1
+    if setting in (None, "auto"):
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        return max(1, min(torch.get_num_threads(), cores - int(round(busy))))
+    return max(1, int(setting))
 
 
 def _pad_id(target) -> int:
@@ -104,46 +117,125 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     return ids.gather(-1, choice).squeeze(-1)
 
 
-@torch.no_grad()
-def decode_loop(
-    model, ids: torch.Tensor, attn: torch.Tensor, limit: int, sampling: Sampling, eos: Sequence[int],
-    generator: torch.Generator | None,
-) -> list[Continuation]:
-    """Sampling with a KV cache from a left-padded batch; a row that emits a stop token leaves the
-    batch at once (its cache rows are dropped), so short answers do not pay for the longest one."""
-    from transformers import DynamicCache
+def _left_pad(prefixes: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prefixes)
+    ids = torch.full((len(prefixes), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prefixes), width), dtype=torch.long)
+    for row, p in enumerate(prefixes):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[row, width - len(p) :] = 1
+    return ids.to(device), attn.to(device)
 
-    B = ids.shape[0]
-    cache = DynamicCache(config=model.config)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    logits = out.logits[:, -1].float()
-    next_pos = pos[:, -1] + 1
-    rows = torch.arange(B)
-    stop = torch.tensor(sorted(set(eos)), device=ids.device)
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    finished = [False] * B
-    for step in range(limit):
-        nxt = sample_next(logits, sampling, generator)
-        done = torch.isin(nxt, stop)
-        for r, t, d in zip(rows.tolist(), nxt.tolist(), done.tolist()):
-            if d:
-                finished[r] = True
+
+class _Batch:
+    """The running rows of `decode_stream`: KV cache, 2-D attention mask, next positions, last logits."""
+
+    def __init__(self, model, rows: list[int], ids: torch.Tensor, attn: torch.Tensor):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
+                    use_cache=True, logits_to_keep=1)
+        self.logits = out.logits[:, -1].float()
+        self.attn, self.pos, self.rows = attn, pos[:, -1] + 1, list(rows)
+        # Rows can join a running batch only when every layer is a plain growing cache (not sliding windows).
+        self.mergeable = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def keep(self, sel: torch.Tensor) -> None:
+        self.cache.reorder_cache(sel)
+        self.attn, self.pos, self.logits = self.attn[sel], self.pos[sel], self.logits[sel]
+        self.rows = [self.rows[i] for i in sel.tolist()]
+        # Drop leading columns that are padding for every remaining row (the cache would only grow).
+        first = int(self.attn.any(0).nonzero()[0])
+        if first > 0 and self.mergeable:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.attn = self.attn[:, first:]
+
+    def merge(self, other: _Batch) -> None:
+        """Append other's rows, left-padding the shorter cache (padding is masked out)."""
+        a, b = self.attn.shape[1], other.attn.shape[1]
+        if a < b:
+            self._pad_left(b - a)
+        elif b < a:
+            other._pad_left(a - b)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+        self.attn = torch.cat([self.attn, other.attn])
+        self.pos = torch.cat([self.pos, other.pos])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows += other.rows
+
+    def _pad_left(self, n: int) -> None:
+        for layer in self.cache.layers:
+            k, v = layer.keys, layer.values
+            layer.keys = torch.cat([k.new_zeros(*k.shape[:2], n, k.shape[3]), k], dim=2)
+            layer.values = torch.cat([v.new_zeros(*v.shape[:2], n, v.shape[3]), v], dim=2)
+        self.attn = torch.cat([self.attn.new_zeros(len(self.attn), n), self.attn], dim=1)
+
+    def step(self, tokens: torch.Tensor) -> None:
+        self.attn = torch.cat([self.attn, self.attn.new_ones(len(self.attn), 1)], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.pos[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        self.logits = out.logits[:, -1].float()
+        self.pos = self.pos + 1
+
+
+@torch.no_grad()
+def decode_stream(
+    model, prefixes: Sequence[Sequence[int]], limits: Sequence[int], sampling: Sampling, eos: Sequence[int],
+    pad: int, batch_size: int, generator: torch.Generator | None,
+    on_result: Callable[[int, Continuation], None],
+) -> None:
+    """Continuous batching with a KV cache: a row that stops (a stop token, or its limit) leaves the
+    batch at once and queued prefixes take the free slots (prefilled together once a quarter of the
+    batch is free), so the batch stays full and short answers never wait for long ones. Results
+    arrive through `on_result(index, continuation)`, in completion order."""
+    device = next(model.parameters()).device
+    stop = torch.tensor(sorted(set(eos)), device=device)
+    queue = deque(range(len(prefixes)))
+    tokens: dict[int, list[int]] = {}
+    batch: _Batch | None = None
+    while queue or batch is not None:
+        free = batch_size - (len(batch) if batch else 0)
+        can_join = batch is None or (batch.mergeable and free >= max(1, batch_size // 4))
+        if queue and free > 0 and can_join:
+            new = [queue.popleft() for _ in range(min(free, len(queue)))]
+            ids, attn = _left_pad([list(prefixes[i]) for i in new], pad, device)
+            fresh = _Batch(model, new, ids, attn)
+            for i in new:
+                tokens[i] = []
+            if batch is None:
+                batch = fresh
             else:
-                tokens[r].append(t)
-        if step == limit - 1 or bool(done.all()):
-            break
-        if bool(done.any()):
-            sel = (~done).nonzero().squeeze(1)
-            cache.reorder_cache(sel)
-            rows, nxt, attn, next_pos = rows[sel.cpu()], nxt[sel], attn[sel], next_pos[sel]
-        attn = torch.cat([attn, attn.new_ones(len(nxt), 1)], dim=1)
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
-    return [Continuation(tokens[r], finished[r]) for r in range(B)]
+                batch.merge(fresh)
+        nxt = sample_next(batch.logits, sampling, generator)
+        is_stop = torch.isin(nxt, stop).tolist()
+        alive = []
+        for r, (i, t) in enumerate(zip(batch.rows, nxt.tolist())):
+            if is_stop[r]:
+                on_result(i, Continuation(tokens.pop(i), True))
+                continue
+            tokens[i].append(t)
+            if len(tokens[i]) >= limits[i]:
+                on_result(i, Continuation(tokens.pop(i), False))
+            else:
+                alive.append(r)
+        if not alive:
+            batch = None
+            continue
+        if len(alive) < len(batch):
+            sel = torch.tensor(alive, device=device)
+            batch.keep(sel)
+            nxt = nxt[sel]
+        batch.step(nxt)
 
 
 @torch.no_grad()
@@ -155,52 +247,45 @@ def generate_continuations(
     batch_size: int,
     seed: object,
     max_new_tokens: Sequence[int] | None = None,
-    on_batch: Callable[[int, int], None] | None = None,
+    on_result: Callable[[int, Continuation], None] | None = None,
     backend: str = "loop",
 ) -> list[Continuation]:
-    """Sample a continuation of every prefix from the target, in left-padded batches.
+    """Sample a continuation of every prefix from the target, with per-prefix token limits.
 
-    backend "loop" is `decode_loop` (finished rows leave the batch: about twice as fast on CPU when
-    lengths vary); "hf" is the model's own `generate` (the reference; same distribution). Prefixes
-    are batched by length (less padding); batch b samples under seed (seed, b) with its own RNG, so
-    results do not depend on anything sampled before. `max_new_tokens` (per prefix) caps a batch at
-    its smallest entry. `on_batch(sequences, new_tokens)` reports progress."""
+    backend "loop" (default) is `decode_stream`: continuous batching, several times less padding
+    and idle rows than static batches on CPU. "hf" is the model's own `generate` on left-padded
+    static batches (sorted by length), the reference implementation of the same distribution.
+    Sampling uses a generator seeded from `seed` alone (no global RNG), so a call is reproducible.
+    `on_result(index, continuation)` fires as each continuation completes (progress, shard writes)."""
     if backend not in ("loop", "hf"):
         raise DataError(f"generation backend '{backend}' is not 'loop' or 'hf'")
     model, pad, eos = target.model, _pad_id(target), list(target.eos_token_ids)
-    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
-    out: list[Continuation | None] = [None] * len(prefixes)
     device = target.device
+    limits = [sampling.max_new_tokens] * len(prefixes)
+    if max_new_tokens is not None:
+        limits = [max(1, min(sampling.max_new_tokens, int(m))) for m in max_new_tokens]
+    out: list[Continuation | None] = [None] * len(prefixes)
+
+    def record(i: int, c: Continuation) -> None:
+        out[i] = c
+        if on_result:
+            on_result(i, c)
+
+    if backend == "loop":
+        gen = torch.Generator(device=device).manual_seed(int(stable_hash(seed, 15), 16))
+        decode_stream(model, prefixes, limits, sampling, eos, pad, batch_size, gen, record)
+        return out  # type: ignore[return-value]
+    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
     for b, start in enumerate(range(0, len(order), batch_size)):
         idx = order[start : start + batch_size]
-        width = max(len(prefixes[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            p = list(prefixes[i])
-            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attn[row, width - len(p) :] = 1
-        ids, attn = ids.to(device), attn.to(device)
-        limit = sampling.max_new_tokens
-        if max_new_tokens is not None:
-            limit = max(1, min(limit, *(int(max_new_tokens[i]) for i in idx)))
-        batch_seed = int(stable_hash([seed, b], 15), 16)
-        if backend == "loop":
-            gen = torch.Generator(device=device).manual_seed(batch_seed)
-            conts = decode_loop(model, ids, attn, limit, sampling, eos, gen)
-        else:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(batch_seed)
-                seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=limit, eos_token_id=eos,
-                                      pad_token_id=pad, **sampling.generate_kwargs())
-            conts = []
-            for toks in seqs[:, width:].tolist():
-                cut = next((k for k, t in enumerate(toks) if t in eos), None)
-                conts.append(Continuation(toks[:cut] if cut is not None else toks, cut is not None))
-        for i, c in zip(idx, conts):
-            out[i] = c
-        if on_batch:
-            on_batch(len(idx), sum(len(c.tokens) + c.finished for c in conts))
+        ids, attn = _left_pad([list(prefixes[i]) for i in idx], pad, device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(int(stable_hash([seed, b], 15), 16))
+            seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=min(limits[i] for i in idx),
+                                  eos_token_id=eos, pad_token_id=pad, **sampling.generate_kwargs())
+        for i, toks in zip(idx, seqs[:, ids.shape[1] :].tolist()):
+            cut = next((k for k, t in enumerate(toks) if t in eos), None)
+            record(i, Continuation(toks[:cut] if cut is not None else toks, cut is not None))
     return out  # type: ignore[return-value]
 
 
@@ -249,8 +334,11 @@ def regenerate_split(
     backend: str = "loop",
     write_rows: Callable[[Path, list[dict]], None] = atomic_write_jsonl,
 ) -> RegenStats:
-    """Answer every prompt of one split into `out_dir/<split>-NNNNN.jsonl`; finished shards are
-    skipped (after checking they hold exactly the expected prompt ids)."""
+    """Answer every prompt of one split into `out_dir/<split>-NNNNN.jsonl`.
+
+    Finished shards are skipped (after checking they hold exactly the expected prompt ids); the
+    prompts of the others stream through one generation pass, and each shard is written the moment
+    its last answer arrives."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
@@ -271,43 +359,43 @@ def regenerate_split(
             todo.append(k)
     if stats.skipped_shards:
         log.info("%s: %d finished shard(s) found, resuming with %d", split, stats.skipped_shards, len(todo))
+    if not todo:
+        return stats
+    # Work list: (shard, position in shard) per prompt of the unfinished shards, in order.
+    work = [(k, j) for k in todo for j in range(len(shards[k]))]
+    prefixes = [prompt_ids(tok, conversation_messages(shards[k][j]), chat_kwargs) for k, j in work]
+    room = [max(1, max_length - len(p)) for p in prefixes]  # tokens past max_length would be cut anyway
+    pending = {k: [None] * len(shards[k]) for k in todo}
+    missing = {k: len(shards[k]) for k in todo}
     start = time.perf_counter()
-    bar = tqdm(total=sum(len(shards[k]) for k in todo), desc=f"answering ({split})", unit="conv")
-    try:
-        for k in todo:
-            shard = shards[k]
-            prefixes = [prompt_ids(tok, conversation_messages(p), chat_kwargs) for p in shard]
-            room = [max(1, max_length - len(p)) for p in prefixes]  # tokens past max_length would be cut anyway
+    bar = tqdm(total=len(work), desc=f"answering ({split})", unit="conv")
 
-            def progress(n: int, new_tokens: int) -> None:
-                stats.answer_tokens += new_tokens
-                bar.update(n)
-                el = time.perf_counter() - start
-                bar.set_postfix(tok_s=f"{stats.answer_tokens / max(el, 1e-9):.0f}")
-
-            conts = generate_continuations(
-                target, prefixes, sampling, batch_size=batch_size, seed=[seed, split, k],
-                max_new_tokens=room, on_batch=progress, backend=backend,
-            )
-            rows = []
-            for p, c in zip(shard, conts):
-                answer = decode(tok, c.tokens)
-                rows.append(
-                    {
-                        "id": p["id"],
-                        "split": split,
-                        "domain": p.get("domain"),
-                        "source": p.get("source"),
-                        "messages": conversation_messages(p) + [{"role": "assistant", "content": answer}],
-                        "finish": "stop" if c.finished else "length",
-                        "answer_tokens": len(c.tokens),
-                    }
-                )
-                stats.finished += c.finished
-                stats.cut_at_max_new_tokens += not c.finished
-            write_rows(shard_path(out_dir, split, k), rows)
+    def on_result(i: int, c: Continuation) -> None:
+        k, j = work[i]
+        p = shards[k][j]
+        pending[k][j] = {
+            "id": p["id"],
+            "split": split,
+            "domain": p.get("domain"),
+            "source": p.get("source"),
+            "messages": conversation_messages(p) + [{"role": "assistant", "content": decode(tok, c.tokens)}],
+            "finish": "stop" if c.finished else "length",
+            "answer_tokens": len(c.tokens),
+        }
+        stats.answer_tokens += len(c.tokens) + c.finished
+        stats.finished += c.finished
+        stats.cut_at_max_new_tokens += not c.finished
+        missing[k] -= 1
+        if missing[k] == 0:  # the shard is complete: write it now (atomically) so a crash loses little
+            write_rows(shard_path(out_dir, split, k), pending.pop(k))
             stats.written_shards += 1
-            stats.conversations += len(rows)
+            stats.conversations += len(shards[k])
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{stats.answer_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+
+    try:
+        generate_continuations(target, prefixes, sampling, batch_size=batch_size, seed=[seed, split, todo],
+                               max_new_tokens=room, on_result=on_result, backend=backend)
     finally:
         bar.close()
         stats.seconds = time.perf_counter() - start
