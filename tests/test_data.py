@@ -26,6 +26,7 @@ from dspark.data.prompts import (
 from dspark.data.regenerate import (
     Continuation,
     Sampling,
+    cpu_threads,
     generate_continuations,
     load_conversations,
     nucleus,
@@ -60,7 +61,11 @@ def data_cfg(tmp: Path, **over):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_target(target_cfg("tiny"))
+    # Fewer threads than cores when the box is busy: oversubscribed OpenMP threads crawl (see cpu_threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads("auto"))
+    yield load_target(target_cfg("tiny"))
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +122,7 @@ def test_benchmark_prompts_are_dropped(tok):
     mbpp = bm.first_turns("mbpp", BENCH)[0]
     mt_second_turn = bm.load_benchmark("mt-bench", BENCH)[0][1]
     for text in (gsm, "  " + gsm.replace(" ", "\n  ") + " ", bare_question, mbpp, mt_second_turn):
+        flt.seen.clear()  # each variant on its own (the whitespace variant is also a duplicate of the first)
         assert not flt.accept({"prompt": text}), text[:60]
     assert flt.stats.counts["benchmark"] == 5
     assert flt.accept({"prompt": "Write a poem about a lighthouse keeper and the sea."})
@@ -132,16 +138,26 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 
 
 def test_jsonl_counts_empty_and_malformed_lines_and_strict_is_fatal(tmp_path):
-    path = write_lines(tmp_path / "p.jsonl", [
-        json.dumps({"turns": ["first prompt here", "a second turn"]}),
-        "",
-        "{not json",
-        json.dumps({"turns": []}),
-        json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]}),
-        json.dumps(["a list, not an object"]),
-        "   ",
-        json.dumps({"conversations": [{"from": "human", "value": "sharegpt style"}]}),
-    ])
+    path = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"turns": ["first prompt here", "a second turn"]}),
+            "",
+            "{not json",
+            json.dumps({"turns": []}),
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Hello there"},
+                    ]
+                }
+            ),
+            json.dumps(["a list, not an object"]),
+            "   ",
+            json.dumps({"conversations": [{"from": "human", "value": "sharegpt style"}]}),
+        ],
+    )
     rows = read_prompt_jsonl(path, strict=False, stats=(stats := PromptFilter(None, 10).stats))
     assert [r["prompt"] for r in rows] == ["first prompt here", "Hello there", "sharegpt style"]
     assert rows[1]["system"] == "Be brief."
@@ -156,15 +172,21 @@ def test_degenerate_repetition_filter():
     assert is_degenerate("Tell me more " * 8)
     assert is_degenerate("What??????????????????????????????????")
     assert is_degenerate("\n".join(["print the value now"] * 6))
-    assert not is_degenerate("Write a Python function that returns the n-th Fibonacci number using memoization.")
-    assert not is_degenerate("A train leaves at 3 pm going 60 mph; another leaves at 4 pm going 80 mph. When does "
-                             "the second catch up with the first?")
+    assert not is_degenerate(
+        "Write a Python function that returns the n-th Fibonacci number using memoization."
+    )
+    assert not is_degenerate(
+        "A train leaves at 3 pm going 60 mph; another leaves at 4 pm going 80 mph. When does "
+        "the second catch up with the first?"
+    )
 
 
 def test_filter_drops_prompt_longer_than_max_length(tok):
     flt = PromptFilter(tokenizer=tok, max_prompt_tokens=64)
     assert flt.accept({"prompt": "What is the boiling point of water at sea level?"})
-    assert not flt.accept({"prompt": "Please summarise this: " + "lorem ipsum dolor sit amet consectetur " * 40})
+    assert not flt.accept(
+        {"prompt": "Please sort these numbers: " + ", ".join(str(i * 7919 % 1000) for i in range(80))}
+    )
     assert flt.stats.counts["too_long_tokens"] == 1 and flt.stats.examples["too_long_tokens"][0] > 64
     assert not flt.accept({"prompt": "what is the boiling point of water at  sea level?".capitalize()})
     assert flt.stats.counts["duplicate"] == 1
@@ -192,18 +214,27 @@ def test_magpie_prefix_stops_at_user_content(tok):
 def test_self_generation_filters_and_mixes_topics(tiny, tok, tmp_path, monkeypatch):
     """The generation itself is stubbed (a random tiny model writes no sensible prompts); what is tested is
     the Magpie plumbing: topic prefixes, unfinished/duplicate/degenerate drops, the count target."""
-    texts = iter(["What is 12 times 13?", "Write a function to sort a list.", "Tell me a joke about cats.",
-                  "What is 12 times 13?", "spam " * 40, "How do I bake bread at home?",
-                  "Solve x + 3 = 10 for x.", "Reverse a string in Python.", "What is the tallest mountain?"] * 3)
+    texts = iter(
+        [
+            "What is 12 times 13?",
+            "Write a function to sort a list.",
+            "Tell me a joke about cats.",
+            "What is 12 times 13?",
+            "spam " * 40,
+            "How do I bake bread at home?",
+            "Solve x + 3 = 10 for x.",
+            "Reverse a string in Python.",
+            "What is the tallest mountain?",
+        ]
+        * 3
+    )
     seen_prefixes = []
 
-    def fake_generate(target, prefixes, sampling, **kw):
+    def fake_generate(target, prefixes, sampling, on_result=None, **kw):
         seen_prefixes.extend(tok.decode(p) for p in prefixes)
-        out = []
         for j, _ in enumerate(prefixes):
-            text = next(texts)
-            out.append(Continuation(tok(text, add_special_tokens=False)["input_ids"], finished=j % 7 != 6))
-        return out
+            ids = tok(next(texts), add_special_tokens=False)["input_ids"]
+            on_result(j, Continuation(ids, finished=j % 7 != 6))
 
     monkeypatch.setattr("dspark.data.regenerate.generate_continuations", fake_generate)
     cfg = data_cfg(tmp_path, num_prompts=5, **{"self_generated.batch_size": 4})
@@ -213,7 +244,9 @@ def test_self_generation_filters_and_mixes_topics(tiny, tok, tmp_path, monkeypat
     assert flt.stats.counts["duplicate"] >= 1 and flt.stats.counts["repetitive"] >= 1
     assert flt.stats.counts["unfinished"] >= 1
     assert {g["domain"] for g in got} == {"math", "code", "chat"}
-    assert any("math tutor" in p for p in seen_prefixes) and any("Python programmer" in p for p in seen_prefixes)
+    assert any("math tutor" in p for p in seen_prefixes) and any(
+        "Python programmer" in p for p in seen_prefixes
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,12 +264,14 @@ QWEN3_LIKE = (
     "{%- set ns.content = m.content.split('</think>')[-1].lstrip('\\n') -%}"
     "{%- endif -%}"
     "{%- if loop.last -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + ns.reasoning + '\\n</think>\\n\\n' + ns.content + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + ns.reasoning + '\\n</think>\\n\\n' + ns.content "
+    "+ '<|im_end|>\\n' -}}"
     "{%- else -%}{{- '<|im_start|>assistant\\n' + ns.content + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )
 
@@ -277,13 +312,17 @@ def test_chatml_mask_is_exactly_assistant_content_plus_end_marker(tok):
 def test_qwen3_like_template_masks_answer_not_think_block(tok, monkeypatch):
     monkeypatch.setattr(tok, "chat_template", QWEN3_LIKE)
     kw = {"enable_thinking": False}
-    assert tok.decode(prompt_ids(tok, CONV[:1], kw)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.decode(prompt_ids(tok, CONV[:1], kw)).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     t = tokenize_conversation(tok, CONV[:2], max_length=512, chat_kwargs=kw, markers=["<|im_end|>"])
     assert masked_text(tok, t) == ["2+2 equals 4. What is 2+2? It is 4.<|im_end|>"]
     # Thinking mode: the reasoning the target wrote is its output too, and stays masked in the last turn;
     # an earlier turn's reasoning is dropped by the template and only its answer is found.
-    thought = [{"role": "user", "content": "Add 2 and 2."},
-               {"role": "assistant", "content": "<think>\n2 plus 2.\n</think>\n\nIt is 4."}]
+    thought = [
+        {"role": "user", "content": "Add 2 and 2."},
+        {"role": "assistant", "content": "<think>\n2 plus 2.\n</think>\n\nIt is 4."},
+    ]
     t = tokenize_conversation(tok, thought, max_length=512, markers=["<|im_end|>"])
     assert masked_text(tok, t) == ["<think>\n2 plus 2.\n</think>\n\nIt is 4.<|im_end|>"]
     t = tokenize_conversation(tok, thought + CONV[2:], max_length=512, markers=["<|im_end|>"])
@@ -300,7 +339,9 @@ def gemma_tokenizer():
     _, where, gguf = resolve_source(cfg, cache)
     folder = _gguf_cache_dir(Path(where) / gguf, "tokenizer", cache)
     if not (folder / "tokenizer_config.json").exists():
-        pytest.skip("Gemma tokenizer not extracted yet (load_tokenizer_only on gemma3_270m takes ~1 min once)")
+        pytest.skip(
+            "Gemma tokenizer not extracted yet (load_tokenizer_only on gemma3_270m takes ~1 min once)"
+        )
     from dspark.target import load_tokenizer_only
 
     return load_tokenizer_only(cfg, cache)[1]
@@ -311,18 +352,26 @@ def test_gemma_template_mask():
     markers = end_markers(gtok, gtok.convert_tokens_to_ids(["<end_of_turn>", "<eos>"]))
     conv = [{"role": "system", "content": "Be terse."}] + CONV
     t = tokenize_conversation(gtok, conv, max_length=512, markers=markers)
-    assert masked_text(gtok, t) == ["2+2 equals 4. What is 2+2? It is 4.<end_of_turn>", "3+3 = 6.<end_of_turn>"]
+    assert masked_text(gtok, t) == [
+        "2+2 equals 4. What is 2+2? It is 4.<end_of_turn>",
+        "3+3 = 6.<end_of_turn>",
+    ]
     prompt = prompt_ids(gtok, conv[:2])
     assert t.input_ids[: len(prompt)] == prompt and t.input_ids[0] == gtok.bos_token_id
 
 
 def test_template_without_assistant_spans_raises(tok, monkeypatch):
-    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m.role == 'user' %}"
-                        "<|im_start|>user\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+    monkeypatch.setattr(
+        tok,
+        "chat_template",
+        "{% for m in messages %}{% if m.role == 'user' %}"
+        "<|im_start|>user\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}",
+    )
     with pytest.raises(TemplateError, match="does not render assistant message 1 verbatim"):
         tokenize_conversation(tok, CONV[:2], max_length=512)
-    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n"
-                        "{% endfor %}")
+    monkeypatch.setattr(
+        tok, "chat_template", "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
+    )
     with pytest.raises(TemplateError):
         tokenize_conversation(tok, CONV[:2], max_length=512)
 
@@ -364,14 +413,20 @@ def test_decode_loop_matches_hf_generate_greedy(tiny, tok):
     prompts = ["Hi", "What is the capital of France?", "Write a poem."]
     pre = [prompt_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
     s = Sampling(temperature=0.0, max_new_tokens=12)
-    a = generate_continuations(tiny, pre, s, batch_size=3, seed=0, backend="loop")
-    b = generate_continuations(tiny, pre, s, batch_size=3, seed=0, backend="hf")
-    assert [c.tokens for c in a] == [c.tokens for c in b]
+    ref = generate_continuations(tiny, pre, s, batch_size=3, seed=0, backend="hf")
+    # batch_size 2 < 3 prompts: the third joins the running batch (cache merge with left padding).
+    for bs in (3, 2):
+        got = generate_continuations(tiny, pre, s, batch_size=bs, seed=0, backend="loop")
+        assert [c.tokens for c in got] == [c.tokens for c in ref]
     # Sampling is reproducible from the seed alone and changes with it.
     s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=8)
     x = generate_continuations(tiny, pre, s, batch_size=2, seed=1)
-    assert [c.tokens for c in x] == [c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=1)]
-    assert [c.tokens for c in x] != [c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=2)]
+    assert [c.tokens for c in x] == [
+        c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=1)
+    ]
+    assert [c.tokens for c in x] != [
+        c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=2)
+    ]
 
 
 def test_decode_loop_drops_finished_rows(tiny, tok, monkeypatch):
@@ -399,12 +454,25 @@ def test_decode_loop_drops_finished_rows(tiny, tok, monkeypatch):
             assert got[i].tokens == ref[i].tokens and not got[i].finished
 
 
-PROMPTS = [{"id": f"p{i}", "prompt": f"Question number {i}: what is {i} plus {i}?", "domain": "math"} for i in range(6)]
+PROMPTS = [
+    {"id": f"p{i}", "prompt": f"Question number {i}: what is {i} plus {i}?", "domain": "math"}
+    for i in range(6)
+]
 
 
 def regen(tiny, out_dir, **kw):
-    return regenerate_split(tiny, PROMPTS, out_dir, "train", Sampling(1.0, 1.0, 0, 6), shard_size=2, batch_size=2,
-                            seed=0, max_length=256, **kw)
+    return regenerate_split(
+        tiny,
+        PROMPTS,
+        out_dir,
+        "train",
+        Sampling(1.0, 1.0, 0, 6),
+        shard_size=2,
+        batch_size=2,
+        seed=0,
+        max_length=256,
+        **kw,
+    )
 
 
 class Interrupt(Exception):
@@ -426,16 +494,19 @@ def test_regeneration_resumes_without_duplicates(tiny, tmp_path):
     with pytest.raises(Interrupt):
         regen(tiny, part, write_rows=write_then_die)
     assert sorted(p.name for p in part.iterdir()) == ["train-00000.jsonl"]
+    first = (part / "train-00000.jsonl").read_bytes()
     stats = regen(tiny, part)
     assert stats.skipped_shards == 1 and stats.written_shards == 2 and stats.conversations == 4
+    assert (part / "train-00000.jsonl").read_bytes() == first  # the finished shard was not redone
     rows = load_conversations(part, "train")
     assert [r["id"] for r in rows] == [p["id"] for p in PROMPTS]  # each sample exactly once, in order
-    assert rows == load_conversations(full, "train")  # a resumed run writes what an uninterrupted one does
+    assert [r["id"] for r in rows] == [r["id"] for r in load_conversations(full, "train")]
     assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["finish"] in ("stop", "length")
     # A shard from another prompt list is refused rather than mixed in.
     with pytest.raises(DataError, match="refusing to mix"):
-        regenerate_split(tiny, PROMPTS[::-1], part, "train", Sampling(), shard_size=2, batch_size=2, seed=0,
-                         max_length=256)
+        regenerate_split(
+            tiny, PROMPTS[::-1], part, "train", Sampling(), shard_size=2, batch_size=2, seed=0, max_length=256
+        )
 
 
 def test_failing_write_leaves_no_half_written_shard(tiny, tmp_path):
@@ -472,13 +543,21 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
 
     lines = [json.dumps({"turns": [f"Tell me fact number {i} about the ocean."]}) for i in range(10)]
     src = write_lines(tmp_path / "src.jsonl", lines + ["", "{broken"])
-    cfg = data_cfg(tmp_path / "ds", source="jsonl", num_prompts=8, max_new_tokens=6, shard_size=4,
-                   **{"jsonl.path": str(src)})
+    cfg = data_cfg(
+        tmp_path / "ds",
+        source="jsonl",
+        num_prompts=8,
+        max_new_tokens=6,
+        shard_size=4,
+        **{"jsonl.path": str(src)},
+    )
     out = prepare_dataset(cfg, target_cfg("tiny"), target=tiny)
     done = read_done(out)
     counts = done["counts"]
     assert counts["conversations"] == 8 and counts["prompts"]["train"] == 7 and counts["prompts"]["val"] == 1
-    assert counts["prompts"]["counts"]["malformed_line"] == 1 and counts["prompts"]["counts"]["empty_line"] == 1
+    assert (
+        counts["prompts"]["counts"]["malformed_line"] == 1 and counts["prompts"]["counts"]["empty_line"] == 1
+    )
     assert done["rate"]["conversations_per_min"] > 0 and done["config"]["data"]["num_prompts"] == 8
     train = load_tokens(tokens_path(out, "train"))
     assert len(train) == 7 and train.meta["pad_token_id"] == tok_pad(tiny)

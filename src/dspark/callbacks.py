@@ -70,6 +70,7 @@ class Throughput(L.Callback):
     def __init__(self):
         self.tokens = 0
         self.samples = 0
+        self.batches = 0
         self.start = None
         self.elapsed = 0.0
 
@@ -80,11 +81,12 @@ class Throughput(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.tokens += int(batch["attention_mask"].sum())
         self.samples += int(batch["input_ids"].shape[0])
+        self.batches += 1
         self.elapsed = time.perf_counter() - self.start
         if self.elapsed > 0:
             module.log("train/tokens_per_s", self.tokens / self.elapsed, on_step=True, prog_bar=False)
 
     def summary(self) -> dict:
         e = max(self.elapsed, 1e-9)
-        return {"tokens": self.tokens, "samples": self.samples, "seconds": self.elapsed,
+        return {"tokens": self.tokens, "samples": self.samples, "batches": self.batches, "seconds": self.elapsed,
                 "tokens_per_s": self.tokens / e, "samples_per_s": self.samples / e}

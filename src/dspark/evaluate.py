@@ -118,9 +118,9 @@ def drafter_label(dconf: dict) -> str:
 def first_turns(name: str, folder) -> list[str]:
     """First user turn of each row (the paper evaluates the first turn): ``<folder>/<name>.jsonl``,
     else the hub (dspark.data.benchmarks)."""
-    from .data.benchmarks import load_benchmark
+    from .data.benchmarks import first_turns as shared_first_turns
 
-    return [turns[0] for turns in load_benchmark(name, folder) if turns]
+    return shared_first_turns(name, folder)
 
 
 def domain_map(names) -> dict[str, str]:

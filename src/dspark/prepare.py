@@ -29,12 +29,24 @@ log = logging.getLogger(__name__)
 DONE = "DONE.json"
 BUILD = "build.json"
 # Keys that change only how a finished dataset is read (or whether a cache exists), not its content.
-_READ_ONLY_KEYS = {"dir", "name", "batch_size", "num_workers", "bucket_batches", "offline_cache", "cache_max_gb",
-                   "cache_batch_size", "cache_shard_size"}
+_READ_ONLY_KEYS = {
+    "dir",
+    "name",
+    "batch_size",
+    "num_workers",
+    "bucket_batches",
+    "offline_cache",
+    "cache_max_gb",
+    "cache_batch_size",
+    "cache_shard_size",
+    "cpu_threads",
+}
 
 
 def build_key(cfg_data, cfg_target) -> dict:
-    data = OmegaConf.to_container(cfg_data, resolve=True) if isinstance(cfg_data, DictConfig) else dict(cfg_data)
+    data = (
+        OmegaConf.to_container(cfg_data, resolve=True) if isinstance(cfg_data, DictConfig) else dict(cfg_data)
+    )
     return {
         "data": {k: v for k, v in data.items() if k not in _READ_ONLY_KEYS},
         "target": {
@@ -71,7 +83,8 @@ def _check_build(data_dir: Path, key: dict) -> None:
         diff = _diff(read_json(path), key)
         if diff:
             raise DataError(
-                f"data.dir {data_dir} was prepared with another config ({'; '.join(diff[:6])}). Use another data.dir, "
+                f"data.dir {data_dir} was prepared with another config ({'; '.join(diff[:6])}). "
+                f"Use another data.dir, "
                 f"or rebuild it with python -m dspark.prepare force=true"
             )
 
@@ -88,6 +101,16 @@ def _load_target(cfg_target):
 
 def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> Path:
     """Run every missing stage into data.dir (finished stages and answer shards are reused)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _prepare(cfg_data, cfg_target, target, force)
+    finally:  # generation may lower the thread count; the caller (train) gets its own back
+        torch.set_num_threads(threads)
+
+
+def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     from .data.prompts import build_prompts
     from .data.regenerate import Sampling, load_conversations, regenerate_split
     from .data.tokenize import end_markers, save_tokens, tokenize_records
@@ -112,8 +135,11 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
 
         threads = cpu_threads(cfg_data.get("cpu_threads", "auto"))
         torch.set_num_threads(threads)
-        log.info("CPU generation with %d torch thread(s) (data.cpu_threads=%s)", threads,
-                 cfg_data.get("cpu_threads", "auto"))
+        log.info(
+            "CPU generation with %d torch thread(s) (data.cpu_threads=%s)",
+            threads,
+            cfg_data.get("cpu_threads", "auto"),
+        )
 
     # 1. prompts (all or nothing: stats.json is written last)
     pdir = data_dir / "prompts"
@@ -136,9 +162,16 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
     t = time.perf_counter()
     for s, rows in splits.items():
         regen[s] = regenerate_split(
-            target, rows, data_dir / "answers", s, sampling,
-            shard_size=int(cfg_data.get("shard_size", 64)), batch_size=int(cfg_data.get("gen_batch_size", 16)),
-            seed=int(cfg_data.seed), max_length=int(cfg_data.max_length), chat_kwargs=chat_kwargs,
+            target,
+            rows,
+            data_dir / "answers",
+            s,
+            sampling,
+            shard_size=int(cfg_data.get("shard_size", 64)),
+            batch_size=int(cfg_data.get("gen_batch_size", 16)),
+            seed=int(cfg_data.seed),
+            max_length=int(cfg_data.max_length),
+            chat_kwargs=chat_kwargs,
             backend=str(cfg_data.get("generate_backend", "loop")),
         ).as_dict()
     timings["answers_s"] = time.perf_counter() - t
@@ -149,12 +182,26 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
     markers = end_markers(tok, target.eos_token_ids)
     for s in splits:
         convs = load_conversations(data_dir / "answers", s)
-        ids, samples, st = tokenize_records(tok, convs, max_length=int(cfg_data.max_length), chat_kwargs=chat_kwargs,
-                                            markers=markers, desc=f"tokenising ({s})")
-        if not samples:
-            raise DataError(f"no {s} conversation kept an assistant token after tokenisation ({st.as_dict()})")
-        meta = {"pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]),
-                "max_length": int(cfg_data.max_length), "target": cfg_target.name, "end_markers": markers}
+        ids, samples, st = tokenize_records(
+            tok,
+            convs,
+            max_length=int(cfg_data.max_length),
+            chat_kwargs=chat_kwargs,
+            markers=markers,
+            desc=f"tokenising ({s})",
+        )
+        if not samples and (s == "train" or convs):
+            raise DataError(
+                f"no {s} conversation kept an assistant token after tokenisation ({st.as_dict()})"
+            )
+        meta = {
+            "pad_token_id": int(
+                tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+            ),
+            "max_length": int(cfg_data.max_length),
+            "target": cfg_target.name,
+            "end_markers": markers,
+        }
         save_tokens(data_dir / "tokens" / f"{s}.safetensors", ids, samples, meta)
         token_stats[s] = st.as_dict()
     timings["tokenize_s"] = time.perf_counter() - t
@@ -178,8 +225,11 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
         # Rates of this run (a resumed run counts only what it generated itself).
         "rate": {
             "conversations_per_min": round(60 * sum(r["conversations"] for r in regen.values()) / gen_s, 2)
-            if gen_s else None,
-            "answer_tokens_per_s": round(answer_tokens / timings["answers_s"], 2) if timings["answers_s"] else None,
+            if gen_s
+            else None,
+            "answer_tokens_per_s": round(answer_tokens / timings["answers_s"], 2)
+            if timings["answers_s"]
+            else None,
         },
         "offline_cache": bool(cfg_data.get("offline_cache", False)),
         "device": str(target.device),
@@ -187,8 +237,15 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
         "config": key,
     }
     atomic_write_json(data_dir / DONE, done)
-    log.info("dataset ready at %s: %d conversations (train %d / val %d) in %.0fs; %s", data_dir, convs,
-             token_stats["train"]["samples"], token_stats["val"]["samples"], timings["total_s"], done["rate"])
+    log.info(
+        "dataset ready at %s: %d conversations (train %d / val %d) in %.0fs; %s",
+        data_dir,
+        convs,
+        token_stats["train"]["samples"],
+        token_stats["val"]["samples"],
+        timings["total_s"],
+        done["rate"],
+    )
     return data_dir
 
 
@@ -199,8 +256,11 @@ def build_offline_cache(cfg_data, target, data_dir: Path) -> dict:
 
     splits = {s: load_tokens(tokens_path(data_dir, s)) for s in ("train", "val")}
     return build_cache(
-        target, splits, data_dir / "cache",
-        batch_size=int(cfg_data.get("cache_batch_size", 8)), shard_size=int(cfg_data.get("cache_shard_size", 64)),
+        target,
+        splits,
+        data_dir / "cache",
+        batch_size=int(cfg_data.get("cache_batch_size", 8)),
+        shard_size=int(cfg_data.get("cache_shard_size", 64)),
         max_gb=float(cfg_data.get("cache_max_gb", 20)),
     )
 
@@ -239,8 +299,10 @@ def main(cfg: DictConfig) -> None:
     else:  # finished stages are reused; an already finished data.dir only gains a missing cache
         path = ensure_dataset(cfg.data, cfg.target)
     done = read_done(path)
-    print(f"dataset ready: {path}  ({done['counts']['conversations']} conversations, "
-          f"{done['timings']['total_s']:.0f}s, {done['rate']})")
+    print(
+        f"dataset ready: {path}  ({done['counts']['conversations']} conversations, "
+        f"{done['timings']['total_s']:.0f}s, {done['rate']})"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,12 +22,15 @@ from .target import load_target
 log = logging.getLogger(__name__)
 
 
-def build_logger(cfg: DictConfig, out_dir: Path, run_name: str, full_cfg: DictConfig):
+def build_logger(cfg: DictConfig, out_dir: Path, run_name: str, full_cfg: DictConfig, resumed_at: int | None = None):
+    """A resumed run logs into its own sub-folder (`logs/resumed-<step>/`) so the first part of the
+    run's metrics is never overwritten."""
     name = cfg.name
+    version = "" if resumed_at is None else f"resumed-{resumed_at}"
     if name == "csv":
-        return L.pytorch.loggers.CSVLogger(out_dir, name="logs", version="")
+        return L.pytorch.loggers.CSVLogger(out_dir, name="logs", version=version)
     if name == "tensorboard":
-        return L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version="")
+        return L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version=version)
     if name == "wandb":
         try:
             import wandb  # noqa: F401
@@ -47,7 +51,8 @@ def trainer_kwargs(cfg: DictConfig) -> dict:
     keys = ("accelerator", "devices", "strategy", "num_nodes", "precision", "max_steps", "max_epochs",
             "val_check_interval", "limit_val_batches", "log_every_n_steps", "gradient_clip_val",
             "accumulate_grad_batches", "limit_train_batches", "check_val_every_n_epoch")
-    return {k: t[k] for k in keys if k in t and t[k] is not None}
+    nullable = {"check_val_every_n_epoch"}  # None is meaningful there: validate by global step
+    return {k: t[k] for k in keys if k in t and (t[k] is not None or k in nullable)}
 
 
 def run_training(cfg: DictConfig) -> dict:
@@ -86,17 +91,19 @@ def run_training(cfg: DictConfig) -> dict:
     ]
     if cfg.callbacks.get("calibration", True) and getattr(drafter, "confidence", None) is not None:
         callbacks.insert(0, CalibrationCallback())
+    last = ckpt_dir / "last.ckpt"
+    resume = last if cfg.resume and last.exists() else None
+    resumed_at = None
+    if resume:
+        resumed_at = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"])
+        log.info("resuming from %s (step %d)", resume, resumed_at)
     trainer = L.Trainer(
         **trainer_kwargs(cfg.trainer),
-        logger=build_logger(cfg.logger, out_dir, cfg.run_name, cfg),
+        logger=build_logger(cfg.logger, out_dir, cfg.run_name, cfg, resumed_at),
         callbacks=callbacks,
         default_root_dir=out_dir,
         enable_model_summary=False,
     )
-    last = ckpt_dir / "last.ckpt"
-    resume = last if cfg.resume and last.exists() else None
-    if resume:
-        log.info("resuming from %s", resume)
     OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)

@@ -40,7 +40,9 @@ HUB_SUITES = {
     "gsm8k": HubSuite("openai/gsm8k", "main", "test", lambda r: [f"{r['question']}\n{MATH_SUFFIX}"]),
     "math500": HubSuite("HuggingFaceH4/MATH-500", None, "test", lambda r: [f"{r['problem']}\n{MATH_SUFFIX}"]),
     "aime25": HubSuite("MathArena/aime_2025", None, "train", lambda r: [f"{r['problem']}\n{MATH_SUFFIX}"]),
-    "humaneval": HubSuite("openai/openai_humaneval", None, "test", lambda r: [f"{CODE_PREFIX}{r['prompt']}\n```"]),
+    "humaneval": HubSuite(
+        "openai/openai_humaneval", None, "test", lambda r: [f"{CODE_PREFIX}{r['prompt']}\n```"]
+    ),
     "mbpp": HubSuite("google-research-datasets/mbpp", "sanitized", "test", lambda r: [r["prompt"]]),
     "mt-bench": HubSuite("HuggingFaceH4/mt_bench_prompts", None, "train", lambda r: list(r["prompt"])),
 }
@@ -67,7 +69,8 @@ def _load_from_hub(name: str) -> list[list[str]]:
     except ImportError:
         raise DataError(
             f"benchmark '{name}' is not in the local benchmark folder and loading it from the hub needs the "
-            f"'datasets' package: pip install datasets (or set benchmark_dir to a folder of turns-JSONL files)"
+            f"'datasets' package: pip install datasets (or set benchmark_dir to a folder of "
+            f"turns-JSONL files)"
         ) from None
     try:
         ds = datasets.load_dataset(suite.dataset, suite.config, split=suite.split)
@@ -89,7 +92,9 @@ def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool
             return _read_turns_file(path)
     if name not in HUB_SUITES:
         known = sorted(set(HUB_SUITES) | set(available_benchmarks(benchmark_dir)))
-        raise DataError(f"unknown benchmark '{name}': not in {benchmark_dir} and not a hub suite; known: {known}")
+        raise DataError(
+            f"unknown benchmark '{name}': not in {benchmark_dir} and not a hub suite; known: {known}"
+        )
     if not hub:
         raise DataError(f"benchmark '{name}' is not in {benchmark_dir} and hub loading is off")
     return _load_from_hub(name)
@@ -102,7 +107,9 @@ def available_benchmarks(benchmark_dir: str | Path | None) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
 
 
-def first_turns(name: str, benchmark_dir: str | Path | None = None, max_prompts: int | None = None) -> list[str]:
+def first_turns(
+    name: str, benchmark_dir: str | Path | None = None, max_prompts: int | None = None
+) -> list[str]:
     """First user turn of each row (speculative-decoding evaluation uses the first turn only)."""
     rows = [turns[0] for turns in load_benchmark(name, benchmark_dir) if turns]
     return rows[:max_prompts] if max_prompts else rows
@@ -125,8 +132,9 @@ def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None
     folder = resolve_path(benchmark_dir)
     if not folder.is_dir():
         raise DataError(
-            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under the working directory and the "
-            f"project root): training prompts must be checked against the benchmarks. Point it at a folder of "
+            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under the working directory "
+            f"and the project root): training prompts must be checked against the benchmarks. Point it "
+            f"at a folder of "
             f"turns-JSONL files, or set data.benchmark_dir=null to skip decontamination (not recommended)."
         )
     keys: set[str] = set()

@@ -64,8 +64,9 @@ def check_manifest(manifest: dict, expected: dict, where: Path) -> None:
     if diff:
         detail = "; ".join(f"{k}: cache has {a!r}, target has {b!r}" for k, (a, b) in diff.items())
         raise CacheMismatch(
-            f"the offline cache at {where} was built for another target ({detail}). Rebuild it for this target "
-            f"(delete {where} and run python -m dspark.prepare data.offline_cache=true with this target), or use "
+            f"the offline cache at {where} was built for another target ({detail}). Rebuild it for "
+            f"this target (delete {where} and run python -m dspark.prepare data.offline_cache=true "
+            f"with this target), or use "
             f"features=online."
         )
 
@@ -89,13 +90,16 @@ def build_cache(
     fp = target_fingerprint(target)
     total_tokens = sum(int(s.offsets[-1]) for s in splits.values())
     est = estimate_bytes(total_tokens, fp)
-    msg = (f"offline cache: {total_tokens} tokens x {bytes_per_token(fp)} B/token "
-           f"({len(fp['layer_ids'])} taps + last hidden, d={fp['hidden_size']}, bf16) ~ {est / 1e9:.2f} GB")
+    msg = (
+        f"offline cache: {total_tokens} tokens x {bytes_per_token(fp)} B/token "
+        f"({len(fp['layer_ids'])} taps + last hidden, d={fp['hidden_size']}, bf16) ~ {est / 1e9:.2f} GB"
+    )
     print(msg, flush=True)
     log.info(msg)
     if est > float(max_gb) * 1e9:
         raise DataError(
-            f"{msg}: more than data.cache_max_gb={max_gb}. Raise data.cache_max_gb, use fewer prompts or a shorter "
+            f"{msg}: more than data.cache_max_gb={max_gb}. Raise data.cache_max_gb, use fewer prompts "
+            f"or a shorter "
             f"max_length, or train with features=online."
         )
     manifest_path = cache_dir / MANIFEST
@@ -103,17 +107,27 @@ def build_cache(
     if manifest_path.exists():
         old = read_json(manifest_path)
         check_manifest(old, fp, cache_dir)
-        stale = [n for n in splits if old.get("splits", {}).get(n, {}).get("tokens") not in (None, digests[n])]
+        stale = [
+            n for n in splits if old.get("splits", {}).get(n, {}).get("tokens") not in (None, digests[n])
+        ]
         if stale:
-            raise CacheMismatch(f"the cache at {cache_dir} was built from other tokens for {stale}; delete it to rebuild")
+            raise CacheMismatch(
+                f"the cache at {cache_dir} was built from other tokens for {stale}; delete it to rebuild"
+            )
     manifest = {
         "version": 1,
         "complete": False,
         "target": fp,
         "dtype": "bfloat16",
-        "splits": {n: {"num_samples": len(s), "tokens": digests[n], "shard_size": shard_size,
-                       "shards": [shard_file(n, k) for k in range(-(-len(s) // shard_size))]}
-                   for n, s in splits.items()},
+        "splits": {
+            n: {
+                "num_samples": len(s),
+                "tokens": digests[n],
+                "shard_size": shard_size,
+                "shards": [shard_file(n, k) for k in range(-(-len(s) // shard_size))],
+            }
+            for n, s in splits.items()
+        },
         "estimated_bytes": est,
     }
     atomic_write_json(manifest_path, manifest)  # written first so a resumed build is checked against it
@@ -141,9 +155,13 @@ def build_cache(
                     step = target(ids.to(device), attention_mask=attn.to(device), with_logits=False)
                     for r, (i, s) in enumerate(zip(idx, seqs)):
                         tensors[f"taps.{i}"] = step.taps[r, : len(s)].to(CACHE_DTYPE).cpu().contiguous()
-                        tensors[f"last_hidden.{i}"] = step.last_hidden[r, : len(s)].to(CACHE_DTYPE).cpu().contiguous()
+                        tensors[f"last_hidden.{i}"] = (
+                            step.last_hidden[r, : len(s)].to(CACHE_DTYPE).cpu().contiguous()
+                        )
                     bar.update(sum(len(s) for s in seqs))
-                atomic_save_safetensors(cache_dir / fname, tensors, {"split": name, "first": str(lo), "last": str(hi)})
+                atomic_save_safetensors(
+                    cache_dir / fname, tensors, {"split": name, "first": str(lo), "last": str(hi)}
+                )
     finally:
         bar.close()
     manifest["complete"] = True
@@ -154,24 +172,31 @@ def build_cache(
 class FeatureCache:
     """Read side: opened lazily (per worker), checked against the target fingerprint and the tokens."""
 
-    def __init__(self, cache_dir: str | Path, split: str, expected: dict | None, tokens: TokenSplit | None = None):
+    def __init__(
+        self, cache_dir: str | Path, split: str, expected: dict | None, tokens: TokenSplit | None = None
+    ):
         self.dir = Path(cache_dir)
         path = self.dir / MANIFEST
         if not path.exists():
             raise DataError(
-                f"no offline cache at {self.dir}: build it with python -m dspark.prepare data.offline_cache=true "
+                f"no offline cache at {self.dir}: build it with python -m dspark.prepare "
+                f"data.offline_cache=true "
                 f"(same target and data), or train with features=online"
             )
         manifest = read_json(path)
         if not manifest.get("complete"):
-            raise DataError(f"the offline cache at {self.dir} is incomplete: rerun python -m dspark.prepare to finish it")
+            raise DataError(
+                f"the offline cache at {self.dir} is incomplete: rerun python -m dspark.prepare to finish it"
+            )
         if expected is not None:
             check_manifest(manifest, expected, self.dir)
         if split not in manifest["splits"]:
             raise DataError(f"the offline cache at {self.dir} has no '{split}' split")
         info = manifest["splits"][split]
         if tokens is not None and info["tokens"] != tokens_digest(tokens):
-            raise CacheMismatch(f"the offline cache at {self.dir} was built from other tokens than {split}; rebuild it")
+            raise CacheMismatch(
+                f"the offline cache at {self.dir} was built from other tokens than {split}; rebuild it"
+            )
         self.manifest = manifest
         self.split = split
         self.shard_size = int(info["shard_size"])

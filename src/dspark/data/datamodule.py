@@ -47,7 +47,9 @@ class ConversationDataset(Dataset):
         if self.cache is not None:
             taps, last = self.cache.get(i)
             if taps.shape[0] != ids.shape[0]:
-                raise DataError(f"cached features of sample {i} have {taps.shape[0]} positions, tokens {ids.shape[0]}")
+                raise DataError(
+                    f"cached features of sample {i} have {taps.shape[0]} positions, tokens {ids.shape[0]}"
+                )
             item["taps"], item["last_hidden"] = taps, last
         return item
 
@@ -109,8 +111,15 @@ class BucketBatchSampler(BatchSampler):
     sort them by length, cut into batches, and shuffle the batch order (seeded by the sampler's
     epoch), so a batch holds similar lengths (little padding) while the epoch stays random."""
 
-    def __init__(self, sampler, batch_size: int, drop_last: bool, lengths: list[int] | None = None,
-                 bucket_batches: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        sampler,
+        batch_size: int,
+        drop_last: bool,
+        lengths: list[int] | None = None,
+        bucket_batches: int = 16,
+        seed: int = 0,
+    ):
         super().__init__(sampler, batch_size, drop_last)
         if lengths is None:
             raise ValueError("BucketBatchSampler needs the sample lengths")
@@ -143,11 +152,22 @@ class DraftDataModule(L.LightningDataModule):
     """Train/val batches from a prepared `data.dir` (see dspark.prepare).
 
     features: "online" (tokens only) or "offline" (tokens + cached target features; the cache is
-    checked against `target_fingerprint`, see cache.target_fingerprint(target))."""
+    checked against `target_fingerprint`, see cache.target_fingerprint(target)).
+    With `cfg_target` given, Lightning's `prepare_data` (local rank 0 only) builds a missing dataset
+    through `dspark.prepare.ensure_dataset`, using `target` when passed (else it loads one)."""
 
-    def __init__(self, cfg_data, features: str = "online", target_fingerprint: dict | None = None,
-                 pad_token_id: int | None = None):
+    def __init__(
+        self,
+        cfg_data,
+        features: str = "online",
+        target_fingerprint: dict | None = None,
+        pad_token_id: int | None = None,
+        cfg_target=None,
+        target=None,
+    ):
         super().__init__()
+        self.cfg_target = cfg_target
+        self._target = target
         if features not in ("online", "offline"):
             raise DataError(f"features must be 'online' or 'offline', got '{features}'")
         self.cfg = cfg_data
@@ -170,6 +190,12 @@ class DraftDataModule(L.LightningDataModule):
             self.datasets[split] = ConversationDataset(tokens, cache)
         return self.datasets[split]
 
+    def prepare_data(self) -> None:
+        if self.cfg_target is not None:
+            from ..prepare import ensure_dataset
+
+            ensure_dataset(self.cfg, self.cfg_target, target=self._target, features=self.features)
+
     def setup(self, stage: str | None = None) -> None:
         self._load("train")
         self._load("val")
@@ -177,8 +203,12 @@ class DraftDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         ds = self._load("train")
         sampler = BucketBatchSampler(
-            SeededRandomSampler(ds, self.seed), self.batch_size, drop_last=False, lengths=ds.lengths,
-            bucket_batches=int(self.cfg.get("bucket_batches", 16)), seed=self.seed,
+            SeededRandomSampler(ds, self.seed),
+            self.batch_size,
+            drop_last=False,
+            lengths=ds.lengths,
+            bucket_batches=int(self.cfg.get("bucket_batches", 16)),
+            seed=self.seed,
         )
         return self._loader(ds, sampler)
 
@@ -191,5 +221,10 @@ class DraftDataModule(L.LightningDataModule):
         workers = int(self.cfg.get("num_workers", 0))
         # A partial of a module-level function pickles cheaply into worker processes.
         collate_fn = functools.partial(collate, pad_id=int(self.pad_token_id))
-        return DataLoader(ds, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=workers,
-                          persistent_workers=workers > 0)
+        return DataLoader(
+            ds,
+            batch_sampler=batch_sampler,
+            collate_fn=collate_fn,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )

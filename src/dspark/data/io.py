@@ -64,7 +64,7 @@ def read_json(path: str | Path) -> Any:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Strict reader for files this pipeline wrote itself (user input goes through prompts.read_prompt_jsonl)."""
+    """Strict reader for files this pipeline wrote itself (user files: prompts.read_prompt_jsonl)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -7,6 +7,7 @@ answers them, and evaluation likewise drafts for first turns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -181,19 +182,26 @@ def read_prompt_jsonl(path: str | Path, strict: bool = False, stats: PromptStats
             if reason:
                 if strict:
                     raise DataError(
-                        f"{path}:{n}: {reason.replace('_', ' ')} (expected a JSON object with a non-empty 'turns' or "
+                        f"{path}:{n}: {reason.replace('_', ' ')} (expected a JSON object with a non-empty "
+                        f"'turns' or "
                         f"'messages' list); set data.strict=false to skip and count such lines"
                     )
                 stats.drop(reason, n)
                 continue
             text, system = parsed
             row_domain = row.get("domain") if isinstance(row, dict) else None
-            out.append({"id": f"{path.stem}:{n}", "prompt": text, "system": system, "domain": row_domain,
-                        "source": "jsonl"})
+            out.append(
+                {
+                    "id": f"{path.stem}:{n}",
+                    "prompt": text,
+                    "system": system,
+                    "domain": row_domain,
+                    "source": "jsonl",
+                }
+            )
     bad = {k: stats.counts[k] for k in ("empty_line", "malformed_line") if stats.counts[k]}
     if bad:
-        log.warning("%s: skipped %s (first lines: %s)", path, bad,
-                    {k: stats.examples.get(k) for k in bad})
+        log.warning("%s: skipped %s (first lines: %s)", path, bad, {k: stats.examples.get(k) for k in bad})
     return out
 
 
@@ -212,7 +220,8 @@ def load_hub_prompts(cfg_hub) -> list[dict]:
         ds = datasets.load_dataset(name, cfg_hub.get("config"), split=cfg_hub.get("split", "train"))
     except Exception as err:  # offline / not found / auth: many exception types
         raise DataError(
-            f"could not load '{name}' from the Hugging Face hub ({err.__class__.__name__}: {err}). This machine may "
+            f"could not load '{name}' from the Hugging Face hub ({err.__class__.__name__}: {err}). "
+            f"This machine may "
             f"not reach the hub: use data=jsonl with a local file, or data=quick (self-generated prompts)."
         ) from err
     field_name = cfg_hub.get("field")
@@ -220,8 +229,15 @@ def load_hub_prompts(cfg_hub) -> list[dict]:
     for i, row in enumerate(tqdm(ds, desc=f"reading {name}", unit="row", leave=False)):
         parsed = row_to_prompt(row, field_name)
         if parsed:
-            out.append({"id": f"{name}:{i}", "prompt": parsed[0], "system": parsed[1],
-                        "domain": row.get("category") or row.get("domain"), "source": "hub"})
+            out.append(
+                {
+                    "id": f"{name}:{i}",
+                    "prompt": parsed[0],
+                    "system": parsed[1],
+                    "domain": row.get("category") or row.get("domain"),
+                    "source": "hub",
+                }
+            )
     if not out:
         raise DataError(f"no usable prompts in {name}: set data.hub.field to the column holding the prompt")
     return out
@@ -231,10 +247,14 @@ def magpie_prefix(tokenizer, system: str | None, chat_kwargs: dict | None = None
     """The template up to where a user message's content begins (Magpie): what the target continues
     with a user prompt of its own."""
     sentinel = "\x00MAGPIE\x00"
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": sentinel}
+    ]
     text = render(tokenizer, msgs, add_generation_prompt=False, chat_kwargs=chat_kwargs)
     if sentinel not in text:
-        raise DataError("the chat template does not render user content verbatim: cannot self-generate prompts")
+        raise DataError(
+            "the chat template does not render user content verbatim: cannot self-generate prompts"
+        )
     return list(tokenizer(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"])
 
 
@@ -242,7 +262,9 @@ class _Enough(Exception):
     """Stops the generation stream once enough prompts were accepted."""
 
 
-def self_generate_prompts(target, cfg_data, prompt_filter: PromptFilter, chat_kwargs: dict | None = None) -> list[dict]:
+def self_generate_prompts(
+    target, cfg_data, prompt_filter: PromptFilter, chat_kwargs: dict | None = None
+) -> list[dict]:
     """Magpie-style: the target writes user prompts, topic-steered by an optional system message per
     domain (round-robin by weight), until `num_prompts` pass the filter or `max_candidates_factor` x
     that many candidates were sampled. Candidates are filtered as they complete and generation stops
@@ -254,7 +276,9 @@ def self_generate_prompts(target, cfg_data, prompt_filter: PromptFilter, chat_kw
     topics = [dict(t) for t in sg.topics] or [{"domain": "chat", "system": None}]
     wheel = [i for i, t in enumerate(topics) for _ in range(int(t.get("weight", 1)))]
     prefixes = [magpie_prefix(target.tokenizer, t.get("system"), chat_kwargs) for t in topics]
-    sampling = Sampling(float(sg.temperature), float(sg.top_p), int(sg.get("top_k", 0) or 0), int(sg.max_new_tokens))
+    sampling = Sampling(
+        float(sg.temperature), float(sg.top_p), int(sg.get("top_k", 0) or 0), int(sg.max_new_tokens)
+    )
     max_candidates = int(math.ceil(n * float(sg.max_candidates_factor)))
     accepted: list[dict] = []
     drawn, rnd = 0, 0
@@ -267,34 +291,47 @@ def self_generate_prompts(target, cfg_data, prompt_filter: PromptFilter, chat_kw
             base = drawn
 
             def on_result(j: int, c, chosen=chosen, base=base) -> None:
-                bar.set_postfix(candidates=base + j + 1)
+                prompt_filter.stats.counts["candidates_done"] += 1
+                bar.set_postfix(candidates=prompt_filter.stats.counts["candidates_done"])
                 if not c.finished:  # cut at max_new_tokens: an unfinished request
                     prompt_filter.stats.drop("unfinished")
                     return
-                rec = {"id": f"sg-{base + j:06d}", "prompt": decode(target.tokenizer, c.tokens), "system": None,
-                       "domain": topics[chosen[j]].get("domain"), "source": "self_generated"}
+                rec = {
+                    "id": f"sg-{base + j:06d}",
+                    "prompt": decode(target.tokenizer, c.tokens),
+                    "system": None,
+                    "domain": topics[chosen[j]].get("domain"),
+                    "source": "self_generated",
+                }
                 if prompt_filter.accept(rec):
                     accepted.append(rec)
                     bar.update(1)
                     if len(accepted) >= n:
                         raise _Enough
 
-            try:
+            with contextlib.suppress(_Enough):
                 generate_continuations(
-                    target, [prefixes[t] for t in chosen], sampling, batch_size=int(sg.batch_size),
-                    seed=[cfg_data.seed, "prompts", rnd], on_result=on_result,
+                    target,
+                    [prefixes[t] for t in chosen],
+                    sampling,
+                    batch_size=int(sg.batch_size),
+                    seed=[cfg_data.seed, "prompts", rnd],
+                    on_result=on_result,
                     backend=str(cfg_data.get("generate_backend", "loop")),
                 )
-            except _Enough:
-                pass
             drawn += m
             rnd += 1
     finally:
         bar.close()
-    prompt_filter.stats.counts["candidates"] = drawn
+    prompt_filter.stats.counts["candidates_drawn"] = drawn
     if len(accepted) < n:
-        log.warning("self-generation: only %d of %d prompts passed the filters after %d candidates (%s)",
-                    len(accepted), n, drawn, dict(prompt_filter.stats.counts))
+        log.warning(
+            "self-generation: only %d of %d prompts passed the filters after %d candidates (%s)",
+            len(accepted),
+            n,
+            drawn,
+            dict(prompt_filter.stats.counts),
+        )
     return sorted(accepted, key=lambda r: r["id"])
 
 
@@ -333,7 +370,9 @@ def max_prompt_tokens(cfg_data) -> int:
     return min(int(limit), int(cfg_data.max_length) - 1)
 
 
-def build_prompts(cfg_data, tokenizer, target=None, chat_kwargs: dict | None = None) -> tuple[list[dict], list[dict], PromptStats]:
+def build_prompts(
+    cfg_data, tokenizer, target=None, chat_kwargs: dict | None = None
+) -> tuple[list[dict], list[dict], PromptStats]:
     """Prompts of the configured source, filtered, decontaminated, capped at num_prompts and split."""
     source = cfg_data.get("source", "self_generated")
     if source not in SOURCES:

@@ -52,7 +52,12 @@ class Sampling:
         if self.temperature <= 0:
             return {"do_sample": False}
         # top_k=0 disables the filter explicitly (None would let transformers apply its default of 50).
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0)}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": max(self.top_k, 0),
+        }
 
 
 def cpu_threads(setting: object = "auto") -> int:
@@ -71,40 +76,44 @@ def _pad_id(target) -> int:
     return int(tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0])
 
 
-# Rows whose nucleus fits in this many top tokens skip the full-vocabulary sort (exact either way).
-_NUCLEUS_PREFILTER = 512
+# Candidate widths tried before a full-vocabulary sort: a row whose nucleus ends inside the top w
+# tokens is exact already, so only the flat rows pay for a wider search (the sort of 49k logits per
+# row dominated CPU sampling at temperature 1).
+_NUCLEUS_WIDTHS = (512, 4096)
 
 
 def nucleus(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p filtering of probabilities [n, V], as transformers' warpers do it (top-p on the
     distribution renormalised over the top-k set; a token is kept while the mass before it < top_p).
-    Returns unnormalised kept weights and their token ids, [n, K] each (zero weight = dropped).
-
-    Fast path: take the top 512 first; a row whose nucleus ends inside them is exact already, only the
-    other rows pay for a full sort."""
-    V = probs.shape[-1]
+    Returns unnormalised kept weights and their token ids, [n, K] each (zero weight = dropped)."""
+    n, V = probs.shape
     k = top_k if 0 < top_k < V else V
-    m = min(k, _NUCLEUS_PREFILTER)
     if top_p >= 1.0 and k == V:
         return probs, torch.arange(V, device=probs.device).expand_as(probs)
-    vals, idx = probs.topk(m, dim=-1)
-    if m < k:  # the prefilter is not the whole top-k set
-        covered = vals.sum(-1) >= top_p if k == V else torch.zeros(len(vals), dtype=torch.bool, device=probs.device)
-        if not bool(covered.all()):
-            full_vals, full_idx = probs.sort(dim=-1, descending=True)
-            full_vals, full_idx = full_vals[:, :k], full_idx[:, :k]
-            pad = k - m
-            vals = torch.cat([vals, vals.new_zeros(len(vals), pad)], -1)
-            idx = torch.cat([idx, idx.new_zeros(len(idx), pad)], -1)
-            redo = ~covered
-            vals[redo], idx[redo] = full_vals[redo], full_idx[redo]
+    widths = [w for w in _NUCLEUS_WIDTHS if w < k] + [k]
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, vals, ids)
+    todo = torch.arange(n, device=probs.device)
+    for w in widths:
+        sub = probs[todo]
+        vals, ids = sub.topk(w, dim=-1) if w < V else sub.sort(dim=-1, descending=True)
+        # A narrower search is exact when no top-k renormalisation is needed and it holds top_p mass.
+        done = vals.sum(-1) >= top_p if (w < k and k == V) else torch.full_like(todo, w == k, dtype=torch.bool)
+        if bool(done.any()):
+            found.append((todo[done], vals[done], ids[done]))
+            todo = todo[~done]
+        if len(todo) == 0:
+            break
+    width = max(v.shape[1] for _, v, _ in found)
+    vals = probs.new_zeros(n, width)
+    ids = torch.zeros(n, width, dtype=torch.long, device=probs.device)
+    for rows, v, i in found:
+        vals[rows, : v.shape[1]], ids[rows, : i.shape[1]] = v, i
     if top_p < 1.0:
         dist = vals / vals.sum(-1, keepdim=True)  # renormalised over the top-k set
-        before = dist.cumsum(-1) - dist
-        keep = before < top_p
+        keep = (dist.cumsum(-1) - dist) < top_p
         keep[:, 0] = True
         vals = vals * keep
-    return vals, idx
+    return vals, ids
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -137,8 +146,14 @@ class _Batch:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self.logits = out.logits[:, -1].float()
         self.attn, self.pos, self.rows = attn, pos[:, -1] + 1, list(rows)
         # Rows can join a running batch only when every layer is a plain growing cache (not sliding windows).
@@ -182,16 +197,27 @@ class _Batch:
 
     def step(self, tokens: torch.Tensor) -> None:
         self.attn = torch.cat([self.attn, self.attn.new_ones(len(self.attn), 1)], dim=1)
-        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.pos[:, None],
-                         past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.attn,
+            position_ids=self.pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.logits = out.logits[:, -1].float()
         self.pos = self.pos + 1
 
 
 @torch.no_grad()
 def decode_stream(
-    model, prefixes: Sequence[Sequence[int]], limits: Sequence[int], sampling: Sampling, eos: Sequence[int],
-    pad: int, batch_size: int, generator: torch.Generator | None,
+    model,
+    prefixes: Sequence[Sequence[int]],
+    limits: Sequence[int],
+    sampling: Sampling,
+    eos: Sequence[int],
+    pad: int,
+    batch_size: int,
+    generator: torch.Generator | None,
     on_result: Callable[[int, Continuation], None],
 ) -> None:
     """Continuous batching with a KV cache: a row that stops (a stop token, or its limit) leaves the
@@ -281,8 +307,14 @@ def generate_continuations(
         ids, attn = _left_pad([list(prefixes[i]) for i in idx], pad, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(int(stable_hash([seed, b], 15), 16))
-            seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=min(limits[i] for i in idx),
-                                  eos_token_id=eos, pad_token_id=pad, **sampling.generate_kwargs())
+            seqs = model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=min(limits[i] for i in idx),
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **sampling.generate_kwargs(),
+            )
         for i, toks in zip(idx, seqs[:, ids.shape[1] :].tolist()):
             cut = next((k for k, t in enumerate(toks) if t in eos), None)
             record(i, Continuation(toks[:cut] if cut is not None else toks, cut is not None))
@@ -314,7 +346,9 @@ class RegenStats:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["conversations_per_min"] = round(60 * self.conversations / self.seconds, 2) if self.seconds else None
+        d["conversations_per_min"] = (
+            round(60 * self.conversations / self.seconds, 2) if self.seconds else None
+        )
         d["answer_tokens_per_s"] = round(self.answer_tokens / self.seconds, 2) if self.seconds else None
         return d
 
@@ -394,8 +428,16 @@ def regenerate_split(
         bar.set_postfix(tok_s=f"{stats.answer_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
 
     try:
-        generate_continuations(target, prefixes, sampling, batch_size=batch_size, seed=[seed, split, todo],
-                               max_new_tokens=room, on_result=on_result, backend=backend)
+        generate_continuations(
+            target,
+            prefixes,
+            sampling,
+            batch_size=batch_size,
+            seed=[seed, split, todo],
+            max_new_tokens=room,
+            on_result=on_result,
+            backend=backend,
+        )
     finally:
         bar.close()
         stats.seconds = time.perf_counter() - start

@@ -31,7 +31,9 @@ class TemplateError(DataError):
     """A chat template the loss mask cannot be derived from."""
 
 
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, chat_kwargs: dict | None = None) -> str:
+def render(
+    tokenizer, messages: list[dict], *, add_generation_prompt: bool, chat_kwargs: dict | None = None
+) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_kwargs or {})
     )
@@ -44,7 +46,9 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 def prompt_ids(tokenizer, messages: list[dict], chat_kwargs: dict | None = None) -> list[int]:
     """Token ids the target sees before it writes the next assistant turn."""
-    return encode_text(tokenizer, render(tokenizer, messages, add_generation_prompt=True, chat_kwargs=chat_kwargs))
+    return encode_text(
+        tokenizer, render(tokenizer, messages, add_generation_prompt=True, chat_kwargs=chat_kwargs)
+    )
 
 
 def end_markers(tokenizer, eos_token_ids: Sequence[int]) -> list[str]:
@@ -77,7 +81,9 @@ def assistant_spans(text: str, messages: list[dict], markers: Sequence[str] = ()
     for i, msg in enumerate(messages):
         content = msg.get("content")
         if not isinstance(content, str):
-            raise TemplateError(f"message {i} ({msg.get('role')}) has non-text content; only text chats are supported")
+            raise TemplateError(
+                f"message {i} ({msg.get('role')}) has non-text content; only text chats are supported"
+            )
         if not content.strip():
             continue
         found = _locate(text, content, cursor)
@@ -87,8 +93,9 @@ def assistant_spans(text: str, messages: list[dict], markers: Sequence[str] = ()
             continue
         if found is None:
             raise TemplateError(
-                f"the chat template does not render assistant message {i} verbatim, so no loss mask can be derived "
-                f"from it (rendered text starts {text[:160]!r}). Use a template that emits assistant content as "
+                f"the chat template does not render assistant message {i} verbatim, so no loss mask can "
+                f"be derived from it (rendered text starts {text[:160]!r}). Use a template that emits "
+                f"assistant content as "
                 f"is (set target.chat_template), e.g. ChatML."
             )
         start, end = found
@@ -98,7 +105,9 @@ def assistant_spans(text: str, messages: list[dict], markers: Sequence[str] = ()
                 break
         spans.append((start, end))
         cursor = end
-    if not spans and any(m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in messages):
+    if not spans and any(
+        m.get("role") == "assistant" and str(m.get("content", "")).strip() for m in messages
+    ):
         raise TemplateError("the chat template rendered no assistant span")
     return spans
 
@@ -229,5 +238,9 @@ def load_tokens(path: str | Path) -> TokenSplit:
     with safe_open(str(path), framework="pt") as f:
         md = f.metadata() or {}
     return TokenSplit(
-        tensors["input_ids"], tensors["loss_mask"], tensors["offsets"], json.loads(md["ids"]), json.loads(md["meta"])
+        tensors["input_ids"],
+        tensors["loss_mask"],
+        tensors["offsets"],
+        json.loads(md["ids"]),
+        json.loads(md["meta"]),
     )

@@ -13,6 +13,11 @@ batching: finished rows are dropped from both caches, new rows are prefilled and
 Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
 which is the baseline and the reference of the losslessness tests.
 
+For the CUDA fast path (a later issue) the shape is already there: ``RaggedKV`` keeps a fixed-layout
+buffer (slot == position, crop == set the length), so a static-capacity version can capture CUDA
+graphs per token-batch bucket; the round's host syncs are ``int(lengths.max())`` (the verify width)
+and the Python bookkeeping after verification.
+
 Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
 drafter's uniforms, then verify's ``u_accept [R, G]`` and ``u_sample [R]``; prefill draws one
 uniform per joining request. Uniforms are drawn on the generator's device and moved, so a CUDA
@@ -358,7 +363,7 @@ class Engine:
             valid = torch.arange(g + 1, device=device)[None, :] <= n[:, None]
             self.drafter.extend_context(dcache, out.taps, positions, valid, nxt, self.shared)
 
-        # Python bookkeeping: one host transfer per round.
+        # Python bookkeeping (host copies once per round, after verification).
         n_l, next_l, len_l, pos_l = n.tolist(), res.next_token.tolist(), lengths.tolist(), anchor_pos.tolist()
         draft_l = drafts.tolist()
         flags_l = res.accept_flags.tolist()

@@ -1,0 +1,57 @@
+"""python -m dspark.report runs=<folder or glob> [axis=<config key>] [logger=wandb|tensorboard]
+
+Static ablation dashboard from run folders (training runs, evaluation folders, multirun dirs):
+index.html with τ per benchmark, position-wise acceptance, ECE raw vs after STS, loss curves and
+the sweep axis, plus PNG figures and markdown tables. See docs/sweeps.md."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from .cli import user_errors
+
+log = logging.getLogger(__name__)
+
+
+def run_report(cfg: DictConfig) -> Path:
+    from .reporting.dashboard import build_dashboard, publish
+    from .reporting.runs import find_runs
+
+    spec = OmegaConf.to_container(cfg.runs) if OmegaConf.is_list(cfg.runs) else str(cfg.runs)
+    runs = find_runs(spec)
+    if not runs:
+        raise FileNotFoundError(f"runs={spec}: no run folder (config.yaml) or evaluation (results.json) found")
+    out = Path(cfg.out_dir)
+    index = build_dashboard(runs, out, title=cfg.title, axis=cfg.get("axis"), source=f"runs={spec}")
+    log.info("dashboard of %d runs: %s", len(runs), index)
+    if cfg.get("logger") is not None and cfg.logger.name != "csv":
+        # The logger's own run (offline by default for W&B) gets the dashboard's figures and tables.
+        from .training import build_logger
+
+        logger = build_logger(cfg.logger, out, cfg.title, cfg)
+        figures = sorted((out / "figures").glob("*.png"))
+        tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted((out / "tables").glob("*.md"))}
+        publish([logger], figures, tables)
+        if cfg.logger.name == "wandb":
+            logger.experiment.finish()
+    return index
+
+
+@hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="report")
+def main(cfg: DictConfig) -> None:
+    from .config import ConfigError
+    from .reporting.runs import AxisError
+
+    with user_errors():
+        try:
+            print(run_report(cfg))
+        except AxisError as err:
+            raise ConfigError(str(err)) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Training runs and evaluation folders read back from disk, and the sweep axis found among them.
+
+Everything here works offline from files the pipeline writes:
+  run folder   config.yaml (resolved), summary.json, logs/metrics.csv (or tb/ event files),
+               drafter/{config.json, calibration_report.json}
+  eval folder  results.json, calibration.json, meta.json (its `drafter_dir` links it to a run)
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+__all__ = ["AxisError", "Evaluation", "Run", "find_runs", "flatten", "SweepAxis", "sweep_axis"]
+
+# Folders inside a run that never hold runs or evaluations: not worth walking.
+_SKIP_DIRS = {".hydra", "checkpoints", "drafter", "logs", "tb", "wandb", "figures", "tables", "report", "__pycache__"}
+_MAX_DEPTH = 4
+
+
+def _read_json(path: Path) -> Any:
+    # Python's json reads the NaN that summary.json / calibration_report.json may hold.
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _finite(v) -> float | None:
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}; lists stay leaves (as tuples, so they compare and hash)."""
+    out: dict[str, Any] = {}
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(cfg, (list, tuple)):
+        out[prefix[:-1]] = tuple(cfg)
+    else:
+        out[prefix[:-1]] = cfg
+    return out
+
+
+@dataclass
+class Evaluation:
+    path: Path
+    results: dict
+    calibration: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        """What distinguishes two evaluations of one drafter: policy, γ and temperature."""
+        pol = self.results.get("policy") or {}
+        name = pol.get("name", "?") if isinstance(pol, dict) else str(pol)
+        gamma = pol.get("gamma") if isinstance(pol, dict) else None
+        g = f" γ={gamma}" if gamma is not None else ""
+        return f"{name}{g} T={self.results.get('temperature')}"
+
+    def drafter_dir(self) -> Path | None:
+        d = self.meta.get("drafter_dir")
+        if not d:
+            return None
+        p = Path(d)
+        return (p if p.is_absolute() else Path.cwd() / p).resolve()
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    summary: dict = field(default_factory=dict)
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    calibration: dict | None = None  # drafter/calibration_report.json (validation, fitted in training)
+    evaluations: list[Evaluation] = field(default_factory=list)
+    label: str = ""
+
+    @property
+    def flat(self) -> dict[str, Any]:
+        return flatten(self.config)
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("run_name") or self.summary.get("run_name") or self.path.name)
+
+    def final(self, key: str) -> float | None:
+        """The metric at the end of training: summary.json, else the last logged value."""
+        v = _finite((self.summary.get("final") or {}).get(key))
+        if v is None and self.curves.get(key):
+            v = _finite(self.curves[key][-1][1])
+        return v
+
+    def calibration_summary(self) -> dict | None:
+        """Per-position ECE raw / after STS: from an evaluation when there is one (measured on real
+        decoding rounds), else the validation report written at training time."""
+        for ev in self.evaluations:
+            if ev.calibration and ev.calibration.get("per_position"):
+                return {**ev.calibration, "source": f"evaluation ({ev.path.name})"}
+        if self.calibration and self.calibration.get("per_position"):
+            return {**self.calibration, "source": "validation (training)"}
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+def _is_run_dir(d: Path) -> bool:
+    return (d / "config.yaml").is_file() and any(
+        (d / p).exists() for p in ("summary.json", "logs/metrics.csv", "drafter/config.json", "tb")
+    )
+
+
+def _is_eval_dir(d: Path) -> bool:
+    return (d / "results.json").is_file()
+
+
+def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(step, value)] from the CSV logger, else TensorBoard event files (when installed).
+    W&B offline runs keep their history in a binary file: log with csv too to get curves here."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    path = run_dir / "logs" / "metrics.csv"
+    if path.is_file():
+        with open(path, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                step = row.get("step")
+                if not step:
+                    continue
+                for key, value in row.items():
+                    v = _finite(value) if key not in ("step", "epoch") else None
+                    if v is not None:
+                        curves.setdefault(key, []).append((int(float(step)), v))
+        return curves
+    tb = run_dir / "tb"
+    if tb.is_dir():
+        try:
+            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        except ImportError:
+            return curves
+        acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            curves[tag] = [(int(e.step), float(e.value)) for e in acc.Scalars(tag) if math.isfinite(e.value)]
+    return curves
+
+
+def read_evaluation(d: Path) -> Evaluation:
+    cal = d / "calibration.json"
+    meta = d / "meta.json"
+    return Evaluation(
+        path=d,
+        results=_read_json(d / "results.json"),
+        calibration=_read_json(cal) if cal.is_file() else None,
+        meta=_read_json(meta) if meta.is_file() else {},
+    )
+
+
+def read_run(d: Path) -> Run:
+    config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=False)
+    summary = _read_json(d / "summary.json") if (d / "summary.json").is_file() else {}
+    cal = d / "drafter" / "calibration_report.json"
+    run = Run(
+        path=d, config=config, summary=summary, curves=read_curves(d),
+        calibration=_read_json(cal) if cal.is_file() else None,
+    )
+    # Evaluations written inside the run folder (e.g. hydra.run.dir=<run>/eval).
+    for res in sorted(d.glob("*/results.json")) + sorted(d.glob("*/*/results.json")):
+        if not set(res.relative_to(d).parts[:-1]) & _SKIP_DIRS:
+            run.evaluations.append(read_evaluation(res.parent))
+    return run
+
+
+def _run_from_evaluation(ev: Evaluation) -> Run:
+    """A run for an evaluation folder given on its own: its training run when the drafter folder
+    still sits in one, else the drafter's config.json, else only what results.json says."""
+    ddir = ev.drafter_dir()
+    if ddir is not None and _is_run_dir(ddir.parent):
+        return read_run(ddir.parent)
+    config: dict = {"drafter": {"name": ev.results.get("drafter")}, "target": {"name": ev.results.get("target")}}
+    if ddir is not None and (ddir / "config.json").is_file():
+        dc = _read_json(ddir / "config.json")
+        config = {k: dc[k] for k in ("drafter", "head", "target") if k in dc}
+        config["target"] = {"name": (dc.get("target") or {}).get("name")}
+        config["run_name"] = ev.results.get("drafter")
+    # Keyed by the drafter folder, so several evaluations of one drafter make one run.
+    return Run(path=ddir if ddir is not None else ev.path, config=config)
+
+
+def _walk(d: Path, depth: int, runs: list[Path], evals: list[Path]) -> None:
+    if _is_run_dir(d):
+        runs.append(d)
+    elif _is_eval_dir(d):
+        evals.append(d)
+    elif depth < _MAX_DEPTH:
+        for child in sorted(p for p in d.iterdir() if p.is_dir() and p.name not in _SKIP_DIRS):
+            _walk(child, depth + 1, runs, evals)
+
+
+def _patterns(spec: str | Sequence[str]) -> list[str]:
+    if isinstance(spec, str):
+        return [s for s in (x.strip() for x in spec.split(",")) if s]
+    return [str(s) for s in spec]
+
+
+def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
+    """Runs named by folders or globs (a list, or one string with commas). A folder may be a run,
+    an evaluation, or any folder above them (a Hydra multirun dir, outputs/train). Evaluation folders
+    join the run whose drafter they evaluated, whether they sit inside it, next to it, or elsewhere."""
+    run_dirs: list[Path] = []
+    eval_dirs: list[Path] = []
+    for pat in _patterns(spec):
+        pat = os.path.expanduser(pat)
+        matches = sorted(glob.glob(pat)) if glob.has_magic(pat) else [pat]
+        if not glob.has_magic(pat) and not Path(pat).exists():
+            raise FileNotFoundError(f"runs: no such folder {pat}")
+        for m in matches:
+            if Path(m).is_dir():
+                _walk(Path(m).resolve(), 0, run_dirs, eval_dirs)
+
+    runs: dict[Path, Run] = {d: read_run(d) for d in dict.fromkeys(run_dirs)}
+    # Evaluations next to a run (in its parent folder or one level below) join it when they point
+    # at its drafter; unlike the folders named in `spec`, a stray neighbour never becomes a run.
+    neighbours: list[Path] = []
+    for d in list(runs):
+        for res in [*d.parent.glob("*/results.json"), *d.parent.glob("*/*/results.json")]:
+            if d not in res.parents and res.parent not in eval_dirs:
+                neighbours.append(res.parent)
+    for d in dict.fromkeys([*eval_dirs, *neighbours]):
+        if any(d == r or r in d.parents for r in runs):
+            continue  # inside a run: read_run has it
+        ev = read_evaluation(d)
+        ddir = ev.drafter_dir()
+        owner = ddir.parent if ddir is not None else None
+        if owner in runs:
+            runs[owner].evaluations.append(ev)
+        elif d in eval_dirs:
+            run = _run_from_evaluation(ev)
+            key = run.path.resolve()
+            run = runs.setdefault(key, run)
+            if all(e.path != ev.path for e in run.evaluations):
+                run.evaluations.append(ev)
+    return list(runs.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# the sweep axis
+
+# Keys that differ between runs without being an experimental choice.
+_IGNORE_PREFIXES = ("hydra.", "logger.", "callbacks.", "dims.")
+_IGNORE_KEYS = {"out_dir", "run_name", "resume", "global_step", "target.fingerprint", "data.num_workers"}
+_IGNORE_SUFFIXES = ("_dir", ".dir", ".path", "cache_dir", "progress")
+# Preferred axes and series labels, most telling first (ties in the number of distinct values).
+PRIORITY = (
+    "head.rank", "drafter.block_size", "drafter.num_layers", "head.name", "drafter.name",
+    "target.name", "loss.tv", "loss.ce", "seed",
+)
+# Series labels read best as "dflash" / "dspark rnn": the drafter, then its head.
+SERIES_FIRST = ("drafter.name", "head.name", "target.name")
+# Natural order of categorical values (weakest to strongest sequential modelling).
+CATEGORY_ORDER = {
+    "head.name": ("none", "markov", "gated", "rnn"),
+    "drafter.name": ("eagle3", "dflash", "dspark"),
+}
+
+
+def _ignored(key: str) -> bool:
+    return key in _IGNORE_KEYS or key.startswith(_IGNORE_PREFIXES) or key.endswith(_IGNORE_SUFFIXES)
+
+
+def _prio(key: str) -> int:
+    return PRIORITY.index(key) if key in PRIORITY else len(PRIORITY)
+
+
+def _determined(key: str, by: Sequence[str], flats: Sequence[dict]) -> bool:
+    """True when `key`'s value is a function of the values of `by` across these runs."""
+    seen: dict[tuple, Any] = {}
+    for f in flats:
+        k = tuple(repr(f.get(b)) for b in by)
+        if seen.setdefault(k, repr(f.get(key))) != repr(f.get(key)):
+            return False
+    return True
+
+
+def is_numeric(values: Iterable[Any]) -> bool:
+    vals = list(values)
+    return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+
+class AxisError(ValueError):
+    """axis=<key> names a key that not every run's config has."""
+
+
+@dataclass
+class SweepAxis:
+    key: str | None                     # config key on the x-axis (None: nothing differs)
+    series: list[str]                   # further keys that split runs into lines
+    differing: list[str]                # every experimental key that differs
+
+    def value(self, run: Run) -> Any:
+        return run.flat.get(self.key) if self.key else None
+
+    def series_label(self, run: Run) -> str:
+        f = run.flat  # names speak for themselves ("dflash"); numbers need their key ("rank=64")
+        return " ".join(str(f.get(k)) if k.endswith(".name") else f"{k.split('.')[-1]}={f.get(k)}"
+                        for k in self.series)
+
+    def order(self, runs: Sequence[Run]) -> list[Run]:
+        """Runs sorted along the axis (numbers ascending, known categories in their natural order)."""
+        if not self.key:
+            return sorted(runs, key=lambda r: r.name)
+        vals = [self.value(r) for r in runs]
+        if is_numeric(vals):
+            return sorted(runs, key=lambda r: (self.series_label(r), self.value(r)))
+        known = CATEGORY_ORDER.get(self.key, ())
+        rank = {v: i for i, v in enumerate(known)}
+        return sorted(runs, key=lambda r: (rank.get(self.value(r), len(rank)), str(self.value(r)),
+                                           self.series_label(r)))
+
+
+def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
+    """The config key that varies across runs, and the keys that split runs into lines.
+
+    Keys that determine each other (drafter=dflash brings head none, rank 0 and its loss weights)
+    form one factor. The axis is the factor with the most levels (a rank sweep also flips head.name
+    between none and markov, but the rank has more levels and explains it); on a tie, a knob swept on
+    its own beats a bundle of co-varying keys (block size over drafter in a DFlash-vs-DSpark
+    comparison). Keys the axis does not explain become series, names first; keys explained by the
+    axis and the series already kept are dropped."""
+    flats = [r.flat for r in runs]
+    if not flats:
+        return SweepAxis(None, [], [])
+    common = set(flats[0]).intersection(*flats[1:])
+    differing = sorted(
+        (k for k in common if not _ignored(k) and len({repr(f[k]) for f in flats}) > 1),
+        key=lambda k: (_prio(k), k),
+    )
+    if prefer:
+        if prefer not in common:
+            raise AxisError(f"axis={prefer}: no such config key in every run (have e.g. {sorted(common)[:8]})")
+        key = prefer
+    elif differing:
+        def levels(k: str) -> int:
+            return len({repr(f[k]) for f in flats})
+
+        def factor_size(k: str) -> int:
+            return sum(_determined(k, [o], flats) and _determined(o, [k], flats) for o in differing)
+
+        key = max(differing, key=lambda k: (levels(k), -factor_size(k), -_prio(k)))
+    else:
+        return SweepAxis(None, [], [])
+    series: list[str] = []
+    for k in sorted(differing, key=lambda k: (SERIES_FIRST.index(k) if k in SERIES_FIRST else 9, _prio(k), k)):
+        if k != key and not _determined(k, [key, *series], flats):
+            series.append(k)
+    return SweepAxis(key, series, differing)
+
+
+def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
+    """Short, unique labels: the axis value (and series) when there is an axis, else the run name."""
+    for r in runs:
+        if axis.key:
+            short = axis.key.split(".")[-1]
+            parts = [f"{short}={axis.value(r)}"] + ([axis.series_label(r)] if axis.series else [])
+            r.label = " ".join(parts)
+        else:
+            r.label = r.name
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.label] = counts.get(r.label, 0) + 1
+    seen: dict[str, int] = {}
+    for r in runs:
+        if counts[r.label] > 1:  # repeated settings (e.g. seeds not varied): tell them apart by folder
+            seen[r.label] = seen.get(r.label, 0) + 1
+            r.label = f"{r.label} #{seen[r.label]}"

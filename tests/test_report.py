@@ -1,0 +1,222 @@
+"""The ablation dashboard: run discovery and sweep-axis detection on synthetic folders (fast), then a
+dashboard from two real tiny runs (head.rank 4 vs 8, each evaluated inside its folder), the
+`python -m dspark.report` CLI, a W&B offline run with no network, and a headless Chromium look."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BENCHMARKS, ROOT
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from dspark.reporting.dashboard import SECTIONS, build_dashboard, md_to_html, publish_run
+from dspark.reporting.runs import AxisError, find_runs, label_runs, sweep_axis
+
+SMOKE = ["experiment=cpu_smoke", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic folders
+
+
+def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", **extra) -> Path:
+    cfg = {"run_name": f"{drafter}-{head}", "out_dir": str(d), "seed": 0,
+           "drafter": {"name": drafter, "block_size": block, "num_layers": 1},
+           "head": {"name": head, "rank": rank}, "loss": {"tv": 0.0 if drafter == "dflash" else 0.9},
+           "data": {"dir": str(d / "data")}, "target": {"name": "tiny"}, **extra}
+    d.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(cfg), d / "config.yaml")
+    final = {"val/tau_prob": 1.0 + rank / 512, "val/loss": 2.0 - rank / 512, "val/c_star_1": 0.5, "val/c_star_2": 0.4}
+    (d / "summary.json").write_text(json.dumps({"run_name": cfg["run_name"], "global_step": 2, "final": final}))
+    (d / "logs").mkdir()
+    (d / "logs" / "metrics.csv").write_text("epoch,step,train/loss,val/loss\n0,0,3.0,\n0,1,2.5,\n0,1,,2.4\n")
+    (d / "drafter").mkdir()
+    (d / "drafter" / "config.json").write_text(json.dumps({"drafter": cfg["drafter"], "head": cfg["head"],
+                                                           "target": {"name": "tiny"}}))
+    return d
+
+
+def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0) -> Path:
+    d.mkdir(parents=True)
+    res = {"target": "tiny", "drafter": "dspark-markov", "temperature": 1.0, "policy": {"name": "fixed", "gamma": 7},
+           "benchmarks": {"gsm8k": {"tau": tau, "rounds": 3, "new_tokens": 6, "accept_rate_by_position": [0.5, None]},
+                          "mt-bench": {"tau": tau + 0.5, "rounds": 3, "new_tokens": 7,
+                                       "accept_rate_by_position": [0.6, 0.3]}},
+           "macro": {"math": tau, "chat": tau + 0.5, "all": tau + 0.25}}
+    (d / "results.json").write_text(json.dumps(res))
+    (d / "calibration.json").write_text(json.dumps({"per_position": [
+        {"position": 1, "ece_raw": 0.3, "ece_sts": 0.1, "auroc": 0.7},
+        {"position": 2, "ece_raw": 0.2, "ece_sts": float("nan"), "auroc": None}], "ece_raw_mean": 0.25}))
+    if drafter_dir is not None:
+        (d / "meta.json").write_text(json.dumps({"drafter_dir": str(drafter_dir)}))
+    return d
+
+
+def test_rank_sweep_axis_puts_head_none_at_rank_zero(tmp_path):
+    fake_run(tmp_path / "a", head="none", rank=0)
+    for r in (512, 32):
+        fake_run(tmp_path / f"r{r}", rank=r)
+    runs = find_runs(str(tmp_path))
+    axis = sweep_axis(runs)
+    assert axis.key == "head.rank" and axis.series == []  # head.name follows from the rank
+    assert [axis.value(r) for r in axis.order(runs)] == [0, 32, 512]
+
+
+def test_head_type_axis_and_series(tmp_path):
+    for h in ("rnn", "none", "markov"):
+        fake_run(tmp_path / h, head=h, rank=0 if h == "none" else 256)
+    runs = find_runs(str(tmp_path))
+    axis = sweep_axis(runs)
+    assert axis.key == "head.name"
+    assert [axis.value(r) for r in axis.order(runs)] == ["none", "markov", "rnn"]
+
+    # Block size across two drafters: γ on the x-axis, one line per drafter, loss weights dropped.
+    mixed = tmp_path / "mixed"
+    for g in (4, 8):
+        fake_run(mixed / f"dflash{g}", head="none", rank=0, block=g, drafter="dflash")
+        fake_run(mixed / f"dspark{g}", block=g)
+    runs = find_runs(str(mixed))
+    axis = sweep_axis(runs)
+    assert axis.key == "drafter.block_size" and axis.series == ["drafter.name"], axis
+    label_runs(runs, axis)
+    assert len({r.label for r in runs}) == 4
+    with pytest.raises(AxisError):
+        sweep_axis(runs, prefer="no.such.key")
+
+
+def test_evaluations_join_their_runs(tmp_path):
+    run = fake_run(tmp_path / "train" / "a", rank=64)
+    fake_eval(run / "eval", run / "drafter")                          # inside
+    fake_eval(tmp_path / "train" / "a_eval_t0", run / "drafter", 3)   # next to it
+    elsewhere = fake_eval(tmp_path / "evaluate" / "x", run / "drafter", 4)
+    orphan = fake_eval(tmp_path / "evaluate" / "orphan", tmp_path / "gone" / "drafter", 5)
+
+    runs = find_runs(str(tmp_path / "train" / "a"))
+    assert len(runs) == 1 and len(runs[0].evaluations) == 2
+    runs = find_runs([str(run), str(tmp_path / "evaluate" / "*")])
+    by_path = {r.path: r for r in runs}
+    assert len(by_path[run.resolve()].evaluations) == 3
+    assert any(e.path == elsewhere.resolve() for e in by_path[run.resolve()].evaluations)
+    lone = [r for r in runs if r.path != run.resolve()]
+    assert len(lone) == 1 and lone[0].evaluations[0].path == orphan.resolve()  # an evaluation given directly
+    # Given only the evaluation, its training run comes with it.
+    only = find_runs(str(elsewhere))
+    assert only[0].path == run.resolve() and only[0].summary["global_step"] == 2
+    with pytest.raises(FileNotFoundError):
+        find_runs(str(tmp_path / "missing"))
+
+
+def test_synthetic_dashboard_and_markdown(tmp_path):
+    for r in (8, 64):
+        run = fake_run(tmp_path / "runs" / f"r{r}", rank=r)
+        fake_eval(run / "eval", run / "drafter", tau=1 + r / 32)
+    index = build_dashboard(find_runs(str(tmp_path / "runs")), tmp_path / "out", title="t")
+    page = index.read_text()
+    for key in SECTIONS:
+        assert f'id="{key}"' in page
+    for fig in ("sweep_axis", "tau_by_benchmark", "acceptance_by_position", "calibration", "loss_curves"):
+        assert f"figures/{fig}.png" in page and (tmp_path / "out" / "figures" / f"{fig}.png").stat().st_size > 5000
+    tau = (tmp_path / "out" / "tables" / "tau.md").read_text()
+    assert "rank=8" in tau and "rank=64" in tau and "**3.25**" in tau  # best macro bold
+    html = md_to_html("| a | b |\n|---|---|\n| x\\|y | **1** |\n")
+    assert "<td>x|y</td>" in html and "<b>1</b>" in html
+
+
+# ----------------------------------------------------------------------------------------------
+# real tiny runs
+
+
+def _train(overrides: list[str]) -> None:
+    from dspark.training import run_training
+
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    run_training(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    """Two real runs on the tiny target that differ in head.rank, each evaluated into <run>/eval."""
+    from dspark import evaluate
+
+    base = tmp_path_factory.mktemp("sweep")
+    for rank in (4, 8):
+        run = base / "runs" / f"rank{rank}"
+        _train([*SMOKE, f"head.rank={rank}", f"data.dir={base / 'data'}", f"out_dir={run}"])
+        with initialize_config_module("dspark.conf", version_base="1.3"):
+            ecfg = compose("evaluate", overrides=[
+                "target=tiny", f"drafter_dir={run / 'drafter'}", f"out_dir={run / 'eval'}",
+                "benchmarks=[gsm8k,mt-bench]", "max_prompts=1", "max_new_tokens=8", "progress=false",
+                f"benchmark_dir={BENCHMARKS}"])
+        evaluate.run(ecfg)
+    return base
+
+
+def test_dashboard_from_two_tiny_runs(tiny_sweep, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dspark.report", f"runs={tiny_sweep / 'runs'}", f"hydra.run.dir={tmp_path}",
+         "title=tiny rank sweep"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    page = (tmp_path / "index.html").read_text()
+    data = json.loads((tmp_path / "dashboard.json").read_text())
+    assert data["axis"] == "head.rank" and [r["axis_value"] for r in data["runs"]] == [4, 8]
+    for key in SECTIONS:
+        sec = data["sections"][key]
+        assert f'id="{key}"' in page
+        assert sec["figures"] or key == "runs", (key, sec["notes"])
+        assert sec["tables"], key
+        for fig in sec["figures"]:
+            assert (tmp_path / fig).stat().st_size > 5000
+    assert "rank=4" in page and "rank=8" in page and "<img" in page
+    tau = (tmp_path / "tables" / "tau.md").read_text()
+    assert "GSM8K" in tau and "MT-Bench" in tau
+    # The sweeps' metric is one that training logs.
+    summary = json.loads((tiny_sweep / "runs" / "rank4" / "summary.json").read_text())
+    for path in (ROOT / "sweeps").glob("*.yaml"):
+        import yaml
+
+        assert yaml.safe_load(path.read_text())["metric"]["name"] in summary["final"], path.name
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        pytest.skip("no chromium for the screenshot")
+    shot = tmp_path / "screenshot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1400,2400", (tmp_path / "index.html").as_uri()],
+                   capture_output=True, timeout=60)
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(shot)
+    assert img.shape[0] >= 2000 and img[..., :3].std() > 0.05  # a rendered page, not a blank one
+
+
+def test_wandb_offline_run_writes_its_folder(tiny_sweep, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)           # offline must be the default
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # any network attempt would fail
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    run = tmp_path / "run"
+    from lightning.pytorch.loggers import WandbLogger
+
+    try:
+        _train([*SMOKE, "trainer.max_steps=1", "trainer.limit_val_batches=0", "head.rank=4", "logger=wandb",
+                "logger.group=test", "logger.tags=[smoke]", f"data.dir={tiny_sweep / 'data'}", f"out_dir={run}"])
+        assert wandb.run is not None and wandb.run.settings.mode == "offline"
+        assert wandb.run.group == "test" and wandb.run.config["head"]["rank"] == 4
+        publish_run([WandbLogger()], run)  # reuses the live run: figures and tables of this run
+    finally:
+        wandb.finish()
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    media = offline[0] / "files" / "media"
+    assert list(media.rglob("*.png")) and list(media.rglob("*.table.json"))
+    assert (run / "summary.json").is_file() and (run / "report" / "index.html").is_file()

@@ -1,0 +1,75 @@
+"""End-to-end training on the tiny target: the Lightning loop, checkpoints, export, resume."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from dspark.drafters import load_drafter
+from dspark.training import run_training
+
+
+def cfg_for(out_dir, data_dir, *overrides):
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "experiment=cpu_smoke",
+                f"out_dir={out_dir}",
+                f"data.dir={data_dir}",
+                "data.num_prompts=12",
+                "data.max_new_tokens=12",
+                "data.val_fraction=0.25",
+                "data.batch_size=2",
+                "trainer.val_check_interval=2",
+                "trainer.limit_val_batches=1",
+                "trainer.log_every_n_steps=1",
+                "callbacks.checkpoint_every_n_steps=2",
+                *overrides,
+            ],
+        )
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data") / "smoke"
+
+
+def test_train_export_and_resume(tmp_path, data_dir):
+    out = tmp_path / "run"
+    first = run_training(cfg_for(out, data_dir, "trainer.max_steps=2"))
+    assert first["global_step"] == 2
+    assert (out / "checkpoints" / "last.ckpt").exists()
+    assert {"model.safetensors", "config.json", "calibration.json"} <= {p.name for p in (out / "drafter").iterdir()}
+    # A later run in the same folder resumes from the saved step instead of starting over.
+    second = run_training(cfg_for(out, data_dir, "trainer.max_steps=4"))
+    assert second["global_step"] == 4
+    assert second["throughput"]["batches"] == 2  # only the two remaining steps ran
+    assert (out / "logs" / "resumed-2" / "metrics.csv").exists()  # the first part's log is kept
+    drafter, config = load_drafter(out / "drafter")
+    assert config["global_step"] == 4 and config["drafter"]["name"] == "dspark"
+    metrics = (out / "logs" / "metrics.csv").read_text().splitlines()[0]
+    for key in ("train/ce", "train/tv", "train/conf_loss", "train/tau_prob", "train/c_star_1", "train/conf_bias"):
+        assert key in metrics
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["throughput"]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_other_drafters_train(tmp_path, data_dir, drafter):
+    out = tmp_path / drafter
+    result = run_training(cfg_for(out, data_dir, f"drafter={drafter}", "trainer.max_steps=2", "head=none"))
+    assert result["global_step"] == 2
+    assert torch.isfinite(torch.tensor(result["final"]["train/loss"]))
+    _, config = load_drafter(out / "drafter")
+    assert config["drafter"]["name"] == drafter
+    assert not (out / "drafter" / "calibration.json").exists()  # no confidence head, nothing to calibrate
+
+
+def test_checkpoint_excludes_target(tmp_path, data_dir):
+    out = tmp_path / "ckpt"
+    run_training(cfg_for(out, data_dir, "trainer.max_steps=1"))
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+    assert state and all(k.startswith("drafter.") for k in state)
