@@ -52,7 +52,10 @@ def test_drafter_defaults_choose_head_and_loss():
 def test_cli_composes_qwen3_14b_without_network():
     out = subprocess.run(
         [sys.executable, "-m", "dspark.train", "target=qwen3_14b", "head=rnn", "--cfg", "job"],
-        capture_output=True, text=True, timeout=120, env={"HF_HUB_OFFLINE": "1", "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
     )
     assert out.returncode == 0, out.stderr
     assert "Qwen/Qwen3-14B" in out.stdout and "name: rnn" in out.stdout
@@ -82,7 +85,10 @@ def test_unknown_keys_and_names_fail_in_hydra(override):
 
 def test_cli_config_error_is_a_clear_message():
     out = subprocess.run(
-        [sys.executable, "-m", "dspark.train", "drafter=dflash", "head=rnn"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dspark.train", "drafter=dflash", "head=rnn"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode != 0
     assert "drafter=dflash has no sequential head" in out.stderr

@@ -42,13 +42,38 @@ def dataset(tiny, tmp_path_factory):
     from dspark.prepare import prepare_dataset
 
     tmp = tmp_path_factory.mktemp("ds")
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
     rows = [{"turns": [f"Prompt {i}: " + " ".join(words[: 1 + (i * 5) % 12])]} for i in range(24)]
     (tmp / "src.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = OmegaConf.load(ROOT / "conf" / "data" / "quick.yaml")
-    over = {"dir": str(tmp / "data"), "source": "jsonl", "jsonl": {"path": str(tmp / "src.jsonl")},
-            "num_prompts": 24, "val_fraction": 0.25, "max_new_tokens": 10, "shard_size": 8, "benchmark_dir": None,
-            "offline_cache": True, "cache_shard_size": 5, "cache_batch_size": 4, "batch_size": 3, "bucket_batches": 2}
+    over = {
+        "dir": str(tmp / "data"),
+        "source": "jsonl",
+        "jsonl": {"path": str(tmp / "src.jsonl")},
+        "num_prompts": 24,
+        "val_fraction": 0.25,
+        "max_new_tokens": 10,
+        "shard_size": 8,
+        "benchmark_dir": None,
+        "offline_cache": True,
+        "cache_shard_size": 5,
+        "cache_batch_size": 4,
+        "batch_size": 3,
+        "bucket_batches": 2,
+    }
     cfg = OmegaConf.merge(cfg, over)
     prepare_dataset(cfg, target_cfg("tiny"), target=tiny)
     return cfg
@@ -118,12 +143,14 @@ def test_offline_features_equal_online(tiny, dataset):
         )
         assert not batch["taps"][~real].any()
 
-        def target_loss(last_hidden):
+        def target_loss(last_hidden, batch=batch):
             logits = tiny.lm_head(last_hidden.to(tiny.dtype))[:, :-1]
             mask = batch["loss_mask"][:, 1:]
             return torch.nn.functional.cross_entropy(logits[mask], batch["input_ids"][:, 1:][mask])
 
-        torch.testing.assert_close(target_loss(batch["last_hidden"]), target_loss(online.last_hidden), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(
+            target_loss(batch["last_hidden"]), target_loss(online.last_hidden), rtol=1e-2, atol=1e-2
+        )
 
 
 def test_cache_from_another_target_is_refused(tiny, dataset):

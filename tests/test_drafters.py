@@ -8,7 +8,13 @@ from dspark.drafters import Shared, TargetDims, build_drafter
 from dspark.drafters.dflash import block_targets, packed_block_mask, sample_anchors
 from dspark.objectives import LossWeights, block_loss, compute_loss, position_weights
 
-VARIANTS = [("dflash", "none"), ("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"), ("eagle3", "none")]
+VARIANTS = [
+    ("dflash", "none"),
+    ("dspark", "markov"),
+    ("dspark", "gated"),
+    ("dspark", "rnn"),
+    ("eagle3", "none"),
+]
 
 
 def make(target, name, head, layers=1, gamma=4, rank=32):
@@ -102,8 +108,12 @@ def test_sampling_probabilities_are_exact(tiny_target, head):
     ids = torch.randint(100, 5000, (3, 12))
     step = tiny_target(ids)
     cache = drafter.new_cache(3, "cpu")
-    drafter.extend_context(cache, step.taps[:, :10], torch.arange(10).expand(3, -1), torch.ones(3, 10, dtype=torch.bool))
-    prop = drafter.propose(cache, ids[:, 10], torch.full((3,), 10), shared, 1.0, torch.Generator().manual_seed(1))
+    drafter.extend_context(
+        cache, step.taps[:, :10], torch.arange(10).expand(3, -1), torch.ones(3, 10, dtype=torch.bool)
+    )
+    prop = drafter.propose(
+        cache, ids[:, 10], torch.full((3,), 10), shared, 1.0, torch.Generator().manual_seed(1)
+    )
     # Recompute teacher-forced with the sampled tokens as the previous tokens.
     x = drafter.block_inputs(ids[:, 10], shared)
     pos = 10 + torch.arange(drafter.gamma).expand(3, -1)
@@ -175,9 +185,17 @@ def test_gradients_reach_exactly_trainable_params(tiny_target, batch, name, head
     ids, lm, step = batch
     drafter = make(tiny_target, name, head)
     shared = Shared.of(tiny_target)
-    out = drafter.train_forward(step.taps, ids, lm, sample_anchors(lm, 6, torch.Generator().manual_seed(0)), shared)
+    out = drafter.train_forward(
+        step.taps, ids, lm, sample_anchors(lm, 6, torch.Generator().manual_seed(0)), shared
+    )
     loss_name = {"dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3"}[name]
-    m = compute_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, LossWeights.from_cfg(load_group("loss", loss_name)))
+    m = compute_loss(
+        out,
+        step.last_hidden,
+        tiny_target.lm_head_weight,
+        None,
+        LossWeights.from_cfg(load_group("loss", loss_name)),
+    )
     m["loss"].backward()
     for pname, p in drafter.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{pname} got no gradient"
@@ -201,7 +219,11 @@ def test_fused_and_materialized_losses_agree(tiny_target, batch):
         out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
         m = block_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)
         m["loss"].backward()
-        results[impl] = (m["loss"].detach(), drafter.head.W2.weight.grad.clone(), drafter.fc.weight.grad.clone())
+        results[impl] = (
+            m["loss"].detach(),
+            drafter.head.W2.weight.grad.clone(),
+            drafter.fc.weight.grad.clone(),
+        )
     for a, b in zip(results["materialized"], results["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
@@ -213,9 +235,15 @@ def test_training_raises_tau_prob(tiny_target):
 
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
     ids = torch.tensor([tiny_target.tokenizer(text)["input_ids"][:64]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+    }
     drafter = make(tiny_target, "dspark", "markov", layers=1, gamma=4)
-    module = DraftingModule(tiny_target, drafter, LossWeights.from_cfg(load_group("loss", "dspark")), {}, num_anchors=16)
+    module = DraftingModule(
+        tiny_target, drafter, LossWeights.from_cfg(load_group("loss", "dspark")), {}, num_anchors=16
+    )
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     torch.manual_seed(0)
     taus = []

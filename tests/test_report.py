@@ -16,7 +16,16 @@ from omegaconf import OmegaConf
 from dspark.reporting.dashboard import SECTIONS, build_dashboard, md_to_html, publish_run
 from dspark.reporting.runs import AxisError, find_runs, label_runs, sweep_axis
 
-SMOKE = ["experiment=cpu_smoke", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+# Seconds, not minutes: 2 steps, one validation batch, a dozen short prompts.
+SMOKE = [
+    "experiment=cpu_smoke",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.num_prompts=12",
+    "data.max_new_tokens=16",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -24,40 +33,74 @@ SMOKE = ["experiment=cpu_smoke", "trainer.max_steps=2", "trainer.val_check_inter
 
 
 def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", **extra) -> Path:
-    cfg = {"run_name": f"{drafter}-{head}", "out_dir": str(d), "seed": 0,
-           "drafter": {"name": drafter, "block_size": block, "num_layers": 1},
-           "head": {"name": head, "rank": rank}, "loss": {"tv": 0.0 if drafter == "dflash" else 0.9},
-           "data": {"dir": str(d / "data")}, "target": {"name": "tiny"}, **extra}
+    cfg = {
+        "run_name": f"{drafter}-{head}",
+        "out_dir": str(d),
+        "seed": 0,
+        "drafter": {"name": drafter, "block_size": block, "num_layers": 1},
+        "head": {"name": head, "rank": rank},
+        "loss": {"tv": 0.0 if drafter == "dflash" else 0.9},
+        "data": {"dir": str(d / "data")},
+        "target": {"name": "tiny"},
+        **extra,
+    }
     d.mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(cfg), d / "config.yaml")
-    final = {"val/tau_prob": 1.0 + rank / 512, "val/loss": 2.0 - rank / 512, "val/c_star_1": 0.5, "val/c_star_2": 0.4}
-    (d / "summary.json").write_text(json.dumps({"run_name": cfg["run_name"], "global_step": 2, "final": final}))
+    final = {
+        "val/tau_prob": 1.0 + rank / 512,
+        "val/loss": 2.0 - rank / 512,
+        "val/c_star_1": 0.5,
+        "val/c_star_2": 0.4,
+    }
+    (d / "summary.json").write_text(
+        json.dumps({"run_name": cfg["run_name"], "global_step": 2, "final": final})
+    )
     (d / "logs").mkdir()
     (d / "logs" / "metrics.csv").write_text("epoch,step,train/loss,val/loss\n0,0,3.0,\n0,1,2.5,\n0,1,,2.4\n")
     (d / "drafter").mkdir()
-    (d / "drafter" / "config.json").write_text(json.dumps({"drafter": cfg["drafter"], "head": cfg["head"],
-                                                           "target": {"name": "tiny"}}))
+    (d / "drafter" / "config.json").write_text(
+        json.dumps({"drafter": cfg["drafter"], "head": cfg["head"], "target": {"name": "tiny"}})
+    )
     return d
 
 
 def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0) -> Path:
     d.mkdir(parents=True)
-    res = {"target": "tiny", "drafter": "dspark-markov", "temperature": 1.0, "policy": {"name": "fixed", "gamma": 7},
-           "benchmarks": {"gsm8k": {"tau": tau, "rounds": 3, "new_tokens": 6, "accept_rate_by_position": [0.5, None]},
-                          "mt-bench": {"tau": tau + 0.5, "rounds": 3, "new_tokens": 7,
-                                       "accept_rate_by_position": [0.6, 0.3]}},
-           "macro": {"math": tau, "chat": tau + 0.5, "all": tau + 0.25}}
+    res = {
+        "target": "tiny",
+        "drafter": "dspark-markov",
+        "temperature": 1.0,
+        "policy": {"name": "fixed", "gamma": 7},
+        "benchmarks": {
+            "gsm8k": {"tau": tau, "rounds": 3, "new_tokens": 6, "accept_rate_by_position": [0.5, None]},
+            "mt-bench": {
+                "tau": tau + 0.5,
+                "rounds": 3,
+                "new_tokens": 7,
+                "accept_rate_by_position": [0.6, 0.3],
+            },
+        },
+        "macro": {"math": tau, "chat": tau + 0.5, "all": tau + 0.25},
+    }
     (d / "results.json").write_text(json.dumps(res))
-    (d / "calibration.json").write_text(json.dumps({"per_position": [
-        {"position": 1, "ece_raw": 0.3, "ece_sts": 0.1, "auroc": 0.7},
-        {"position": 2, "ece_raw": 0.2, "ece_sts": float("nan"), "auroc": None}], "ece_raw_mean": 0.25}))
+    (d / "calibration.json").write_text(
+        json.dumps(
+            {
+                "per_position": [
+                    {"position": 1, "ece_raw": 0.3, "ece_sts": 0.1, "auroc": 0.7},
+                    {"position": 2, "ece_raw": 0.2, "ece_sts": float("nan"), "auroc": None},
+                ],
+                "ece_raw_mean": 0.25,
+            }
+        )
+    )
     if drafter_dir is not None:
         (d / "meta.json").write_text(json.dumps({"drafter_dir": str(drafter_dir)}))
     return d
 
 
 def test_rank_sweep_axis_puts_head_none_at_rank_zero(tmp_path):
-    fake_run(tmp_path / "a", head="none", rank=0)
+    fake_run(tmp_path / "a", head="none", rank=32)  # a preset's rank, ignored without a head
     for r in (512, 32):
         fake_run(tmp_path / f"r{r}", rank=r)
     runs = find_runs(str(tmp_path))
@@ -90,8 +133,8 @@ def test_head_type_axis_and_series(tmp_path):
 
 def test_evaluations_join_their_runs(tmp_path):
     run = fake_run(tmp_path / "train" / "a", rank=64)
-    fake_eval(run / "eval", run / "drafter")                          # inside
-    fake_eval(tmp_path / "train" / "a_eval_t0", run / "drafter", 3)   # next to it
+    fake_eval(run / "eval", run / "drafter")  # inside
+    fake_eval(tmp_path / "train" / "a_eval_t0", run / "drafter", 3)  # next to it
     elsewhere = fake_eval(tmp_path / "evaluate" / "x", run / "drafter", 4)
     orphan = fake_eval(tmp_path / "evaluate" / "orphan", tmp_path / "gone" / "drafter", 5)
 
@@ -119,7 +162,10 @@ def test_synthetic_dashboard_and_markdown(tmp_path):
     for key in SECTIONS:
         assert f'id="{key}"' in page
     for fig in ("sweep_axis", "tau_by_benchmark", "acceptance_by_position", "calibration", "loss_curves"):
-        assert f"figures/{fig}.png" in page and (tmp_path / "out" / "figures" / f"{fig}.png").stat().st_size > 5000
+        assert (
+            f"figures/{fig}.png" in page
+            and (tmp_path / "out" / "figures" / f"{fig}.png").stat().st_size > 5000
+        )
     tau = (tmp_path / "out" / "tables" / "tau.md").read_text()
     assert "rank=8" in tau and "rank=64" in tau and "**3.25**" in tau  # best macro bold
     html = md_to_html("| a | b |\n|---|---|\n| x\\|y | **1** |\n")
@@ -148,19 +194,37 @@ def tiny_sweep(tmp_path_factory):
         run = base / "runs" / f"rank{rank}"
         _train([*SMOKE, f"head.rank={rank}", f"data.dir={base / 'data'}", f"out_dir={run}"])
         with initialize_config_module("dspark.conf", version_base="1.3"):
-            ecfg = compose("evaluate", overrides=[
-                "target=tiny", f"drafter_dir={run / 'drafter'}", f"out_dir={run / 'eval'}",
-                "benchmarks=[gsm8k,mt-bench]", "max_prompts=1", "max_new_tokens=8", "progress=false",
-                f"benchmark_dir={BENCHMARKS}"])
+            ecfg = compose(
+                "evaluate",
+                overrides=[
+                    "target=tiny",
+                    f"drafter_dir={run / 'drafter'}",
+                    f"out_dir={run / 'eval'}",
+                    "benchmarks=[gsm8k,mt-bench]",
+                    "max_prompts=1",
+                    "max_new_tokens=4",
+                    "progress=false",
+                    f"benchmark_dir={BENCHMARKS}",
+                ],
+            )
         evaluate.run(ecfg)
     return base
 
 
 def test_dashboard_from_two_tiny_runs(tiny_sweep, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "dspark.report", f"runs={tiny_sweep / 'runs'}", f"hydra.run.dir={tmp_path}",
-         "title=tiny rank sweep"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "dspark.report",
+            f"runs={tiny_sweep / 'runs'}",
+            f"hydra.run.dir={tmp_path}",
+            "title=tiny rank sweep",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     page = (tmp_path / "index.html").read_text()
@@ -187,9 +251,20 @@ def test_dashboard_from_two_tiny_runs(tiny_sweep, tmp_path):
     if chromium is None:
         pytest.skip("no chromium for the screenshot")
     shot = tmp_path / "screenshot.png"
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1400,2400", (tmp_path / "index.html").as_uri()],
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            "--window-size=1400,2400",
+            (tmp_path / "index.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     import matplotlib.image as mpimg
 
     img = mpimg.imread(shot)
@@ -198,7 +273,7 @@ def test_dashboard_from_two_tiny_runs(tiny_sweep, tmp_path):
 
 def test_wandb_offline_run_writes_its_folder(tiny_sweep, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    monkeypatch.delenv("WANDB_MODE", raising=False)           # offline must be the default
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline must be the default
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # any network attempt would fail
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -208,8 +283,19 @@ def test_wandb_offline_run_writes_its_folder(tiny_sweep, tmp_path, monkeypatch):
     from lightning.pytorch.loggers import WandbLogger
 
     try:
-        _train([*SMOKE, "trainer.max_steps=1", "trainer.limit_val_batches=0", "head.rank=4", "logger=wandb",
-                "logger.group=test", "logger.tags=[smoke]", f"data.dir={tiny_sweep / 'data'}", f"out_dir={run}"])
+        _train(
+            [
+                *SMOKE,
+                "trainer.max_steps=1",
+                "trainer.val_check_interval=1",
+                "head.rank=4",
+                "logger=wandb",
+                "logger.group=test",
+                "logger.tags=[smoke]",
+                f"data.dir={tiny_sweep / 'data'}",
+                f"out_dir={run}",
+            ]
+        )
         assert wandb.run is not None and wandb.run.settings.mode == "offline"
         assert wandb.run.group == "test" and wandb.run.config["head"]["rank"] == 4
         publish_run([WandbLogger()], run)  # reuses the live run: figures and tables of this run
@@ -220,3 +306,47 @@ def test_wandb_offline_run_writes_its_folder(tiny_sweep, tmp_path, monkeypatch):
     media = offline[0] / "files" / "media"
     assert list(media.rglob("*.png")) and list(media.rglob("*.table.json"))
     assert (run / "summary.json").is_file() and (run / "report" / "index.html").is_file()
+
+
+def test_tensorboard_runs_give_loss_curves(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = fake_run(tmp_path / "tbrun", rank=16)
+    (run / "logs" / "metrics.csv").unlink()
+    writer = SummaryWriter(str(run / "tb"))
+    for step, loss in enumerate((3.0, 2.0, 1.5)):
+        writer.add_scalar("train/loss", loss, step)
+    writer.close()
+    (curves,) = [r.curves for r in find_runs(str(run))]
+    assert [v for _, v in curves["train/loss"]] == [3.0, 2.0, 1.5]
+
+
+def test_report_publishes_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dspark.report import run_report
+
+    for r in (8, 64):
+        fake_run(tmp_path / "runs" / f"r{r}", rank=r)
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose(
+            "report",
+            overrides=[f"runs={tmp_path / 'runs'}", f"out_dir={tmp_path / 'out'}", "logger=tensorboard"],
+        )
+    index = run_report(cfg)
+    assert index.is_file()
+    acc = EventAccumulator(str(tmp_path / "out" / "tb"))
+    acc.Reload()
+    assert "report/sweep_axis" in acc.Tags()["images"] and "report/runs/text_summary" in acc.Tags()["tensors"]
+
+
+def test_resumed_runs_stitch_their_logs(tmp_path):
+    """A resumed run logs into logs/resumed-<step>/: one curve, the later part winning from its step."""
+    run = fake_run(tmp_path / "r", rank=8)
+    (run / "logs" / "metrics.csv").write_text("epoch,step,train/loss\n0,0,3.0\n0,1,2.5\n0,2,9.9\n")
+    (run / "logs" / "resumed-2").mkdir()
+    (run / "logs" / "resumed-2" / "metrics.csv").write_text("epoch,step,train/loss\n0,2,2.2\n0,3,2.0\n")
+    (curves,) = [r.curves for r in find_runs(str(run))]
+    assert curves["train/loss"] == [(0, 3.0), (1, 2.5), (2, 2.2), (3, 2.0)]

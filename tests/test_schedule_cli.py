@@ -299,7 +299,17 @@ def test_cli_errors_are_one_line(tmp_path):
         run(_cfg(["mode=measured", f"out_dir={tmp_path / 'o'}"]))
 
 
-def test_measured_mode_tiny_target(tiny_target, tmp_path):
+@pytest.fixture
+def one_thread():
+    # On a shared 2-core box, two intra-op threads competing with other jobs make each tiny
+    # forward 10-30x slower (threads spin waiting for a descheduled peer); one thread does not.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
     from dspark.drafters import TargetDims, build_drafter, save_drafter
     from dspark.schedule import run
 

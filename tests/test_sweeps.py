@@ -26,7 +26,7 @@ def fixed_args(sweep: dict) -> list[str]:
     cmd = [str(c) for c in sweep["command"]]
     i = cmd.index("dspark.train")
     assert cmd[i - 1] == "-m", cmd
-    return [c for c in cmd[i + 1:] if not (c.startswith("${") and c.endswith("}"))]
+    return [c for c in cmd[i + 1 :] if not (c.startswith("${") and c.endswith("}"))]
 
 
 def grid(sweep: dict) -> list[list[str]]:

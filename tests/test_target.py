@@ -61,7 +61,9 @@ def test_smollm2_loads_fast_and_matches_generate(smollm2_target):
 
 
 def test_chat_template_present(smollm2_target):
-    text = smollm2_target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = smollm2_target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -75,7 +77,13 @@ def test_evenly_spaced_taps_match_published_choices():
 
 @pytest.mark.parametrize(
     "ids,match",
-    [([3, 2], "strictly increasing"), ([1, 1], "strictly increasing"), ([1, 29], "final layer"), ([-2, 3], "out of range"), ([], "empty")],
+    [
+        ([3, 2], "strictly increasing"),
+        ([1, 1], "strictly increasing"),
+        ([1, 29], "final layer"),
+        ([-2, 3], "out of range"),
+        ([], "empty"),
+    ],
 )
 def test_bad_taps(ids, match):
     with pytest.raises(TargetError, match=match):

@@ -42,7 +42,9 @@ def test_train_export_and_resume(tmp_path, data_dir):
     first = run_training(cfg_for(out, data_dir, "trainer.max_steps=2"))
     assert first["global_step"] == 2
     assert (out / "checkpoints" / "last.ckpt").exists()
-    assert {"model.safetensors", "config.json", "calibration.json"} <= {p.name for p in (out / "drafter").iterdir()}
+    assert {"model.safetensors", "config.json", "calibration.json"} <= {
+        p.name for p in (out / "drafter").iterdir()
+    }
     # A later run in the same folder resumes from the saved step instead of starting over.
     second = run_training(cfg_for(out, data_dir, "trainer.max_steps=4"))
     assert second["global_step"] == 4
@@ -51,7 +53,14 @@ def test_train_export_and_resume(tmp_path, data_dir):
     drafter, config = load_drafter(out / "drafter")
     assert config["global_step"] == 4 and config["drafter"]["name"] == "dspark"
     metrics = (out / "logs" / "metrics.csv").read_text().splitlines()[0]
-    for key in ("train/ce", "train/tv", "train/conf_loss", "train/tau_prob", "train/c_star_1", "train/conf_bias"):
+    for key in (
+        "train/ce",
+        "train/tv",
+        "train/conf_loss",
+        "train/tau_prob",
+        "train/c_star_1",
+        "train/conf_bias",
+    ):
         assert key in metrics
     summary = json.loads((out / "summary.json").read_text())
     assert summary["throughput"]["tokens_per_s"] > 0

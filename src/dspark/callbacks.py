@@ -49,12 +49,16 @@ class DrafterExport(L.Callback):
         if not trainer.is_global_zero:
             return
         extra = {"global_step": int(trainer.global_step)}
-        save_drafter(module.drafter, self.folder, self.drafter_cfg, self.head_cfg, module.target.describe(), extra)
+        save_drafter(
+            module.drafter, self.folder, self.drafter_cfg, self.head_cfg, module.target.describe(), extra
+        )
         if getattr(module, "calibration", None) is not None:
             module.calibration.save(self.folder / "calibration.json")
             report = getattr(module, "calibration_report", None)
             if report is not None:
-                (self.folder / "calibration_report.json").write_text(json.dumps(report, indent=2, default=float))
+                (self.folder / "calibration_report.json").write_text(
+                    json.dumps(report, indent=2, default=float)
+                )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every == 0:
@@ -88,5 +92,11 @@ class Throughput(L.Callback):
 
     def summary(self) -> dict:
         e = max(self.elapsed, 1e-9)
-        return {"tokens": self.tokens, "samples": self.samples, "batches": self.batches, "seconds": self.elapsed,
-                "tokens_per_s": self.tokens / e, "samples_per_s": self.samples / e}
+        return {
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "batches": self.batches,
+            "seconds": self.elapsed,
+            "tokens_per_s": self.tokens / e,
+            "samples_per_s": self.samples / e,
+        }

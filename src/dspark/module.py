@@ -50,7 +50,9 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
 
 
 class DraftingModule(L.LightningModule):
-    def __init__(self, target, drafter, loss: LossWeights, optim: dict, features: str = "online", num_anchors=None):
+    def __init__(
+        self, target, drafter, loss: LossWeights, optim: dict, features: str = "online", num_anchors=None
+    ):
         super().__init__()
         object.__setattr__(self, "target", target)  # not a registered submodule, on purpose
         self.drafter = drafter
@@ -77,7 +79,9 @@ class DraftingModule(L.LightningModule):
         loss_mask = batch["loss_mask"]
         anchors = sample_anchors(loss_mask, self.num_anchors, generator).to(loss_mask.device)
         out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)
-        metrics = compute_loss(out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights)
+        metrics = compute_loss(
+            out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights
+        )
         metrics["_out"] = out
         return metrics
 
@@ -126,7 +130,10 @@ class DraftingModule(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(
-            params, lr=self.optim["lr"], weight_decay=self.optim["weight_decay"], betas=tuple(self.optim["betas"])
+            params,
+            lr=self.optim["lr"],
+            weight_decay=self.optim["weight_decay"],
+            betas=tuple(self.optim["betas"]),
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         sched = torch.optim.lr_scheduler.LambdaLR(

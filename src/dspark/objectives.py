@@ -17,7 +17,6 @@ from dspark.kernels.fused_loss import fused_draft_loss, materialized_draft_loss
 
 from .drafters.base import DraftOutput
 
-
 CPU_MATERIALIZE_BYTES = 1 << 30
 
 
@@ -49,7 +48,9 @@ def _rows(out: DraftOutput, target_hidden: Tensor):
     valid = out.valid
     b, a, g = valid.shape
     idx = out.target_positions.flatten(1)  # [B, A·γ]
-    th = torch.gather(target_hidden, 1, idx[..., None].expand(-1, -1, target_hidden.shape[-1])).view(b, a, g, -1)
+    th = torch.gather(target_hidden, 1, idx[..., None].expand(-1, -1, target_hidden.shape[-1])).view(
+        b, a, g, -1
+    )
     k = torch.arange(g, device=valid.device).expand(b, a, g)
     return out.features[valid], th[valid], out.labels[valid], k[valid]
 
@@ -66,7 +67,9 @@ def draft_target_distances(x, weight, th, tw, labels, softcap, impl: str, chunk:
     return fused_draft_loss(x, weight, th, tw, labels, softcap, chunk=chunk, impl=impl)
 
 
-def block_loss(out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights) -> dict:
+def block_loss(
+    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
+) -> dict:
     """DFlash / DSpark loss and its diagnostics. Returns a dict with 'loss' and float metrics."""
     x, th, labels, k = _rows(out, target_hidden)
     gamma = out.valid.shape[-1]
@@ -87,7 +90,11 @@ def block_loss(out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor
         conf = (pw * bce).sum() / norm
         loss = loss + w.confidence * conf
         pred = torch.sigmoid(z.detach())
-        metrics.update(conf_loss=conf.detach(), conf_abs_err=(pred - c_star).abs().mean(), conf_bias=(pred - c_star).mean())
+        metrics.update(
+            conf_loss=conf.detach(),
+            conf_abs_err=(pred - c_star).abs().mean(),
+            conf_bias=(pred - c_star).mean(),
+        )
     metrics.update(acceptance_metrics(c_star, out.valid))
     metrics.update(loss=loss, rows=int(x.shape[0]), _c_star=c_star)
     return metrics
@@ -110,7 +117,9 @@ def acceptance_metrics(c_star_rows: Tensor, valid: Tensor) -> dict:
     return out
 
 
-def eagle3_loss(out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights) -> dict:
+def eagle3_loss(
+    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
+) -> dict:
     """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i."""
     x, th, labels, k = _rows(out, target_hidden)
     if x.shape[0] == 0:
@@ -131,7 +140,12 @@ def eagle3_loss(out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tenso
     with torch.no_grad():
         tv = (logp_d.exp() - p_t).abs().sum(-1)
         ce = -logp_d.gather(1, labels[:, None]).squeeze(1)
-    metrics = {"loss": loss, "kl": kl.detach().mean(), "ce": (sw * ce).sum() / sw.sum(), "tv": (sw * tv).sum() / sw.sum()}
+    metrics = {
+        "loss": loss,
+        "kl": kl.detach().mean(),
+        "ce": (sw * ce).sum() / sw.sum(),
+        "tv": (sw * tv).sum() / sw.sum(),
+    }
     metrics.update(acceptance_metrics((1 - 0.5 * tv).clamp(0, 1), out.valid))
     metrics["rows"] = int(x.shape[0])
     return metrics
@@ -143,4 +157,11 @@ def compute_loss(out: DraftOutput, target_hidden, target_lm_weight, softcap, w: 
     return block_loss(out, target_hidden, target_lm_weight, softcap, w)
 
 
-__all__ = ["LossWeights", "position_weights", "block_loss", "eagle3_loss", "compute_loss", "acceptance_metrics"]
+__all__ = [
+    "LossWeights",
+    "position_weights",
+    "block_loss",
+    "eagle3_loss",
+    "compute_loss",
+    "acceptance_metrics",
+]

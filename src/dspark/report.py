@@ -24,20 +24,26 @@ def run_report(cfg: DictConfig) -> Path:
     spec = OmegaConf.to_container(cfg.runs) if OmegaConf.is_list(cfg.runs) else str(cfg.runs)
     runs = find_runs(spec)
     if not runs:
-        raise FileNotFoundError(f"runs={spec}: no run folder (config.yaml) or evaluation (results.json) found")
+        raise FileNotFoundError(
+            f"runs={spec}: no run folder (config.yaml) or evaluation (results.json) found"
+        )
     out = Path(cfg.out_dir)
     index = build_dashboard(runs, out, title=cfg.title, axis=cfg.get("axis"), source=f"runs={spec}")
     log.info("dashboard of %d runs: %s", len(runs), index)
     if cfg.get("logger") is not None and cfg.logger.name != "csv":
         # The logger's own run (offline by default for W&B) gets the dashboard's figures and tables.
+        from lightning.pytorch.loggers import WandbLogger
+
         from .training import build_logger
 
-        logger = build_logger(cfg.logger, out, cfg.title, cfg)
+        built = build_logger(cfg.logger, out, cfg.title, cfg)
+        loggers = built if isinstance(built, list) else [built]  # build_logger may add the CSV logger
         figures = sorted((out / "figures").glob("*.png"))
         tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted((out / "tables").glob("*.md"))}
-        publish([logger], figures, tables)
-        if cfg.logger.name == "wandb":
-            logger.experiment.finish()
+        publish(loggers, figures, tables)
+        for lg in loggers:
+            if isinstance(lg, WandbLogger):
+                lg.experiment.finish()  # flush now: the report process may live on (tests, notebooks)
     return index
 
 

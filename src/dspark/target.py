@@ -96,14 +96,18 @@ class Target(nn.Module):
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
         if not 0 <= int(mask_token_id) < self.vocab_size:
-            raise TargetError(f"target.mask_token_id {mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+            raise TargetError(
+                f"target.mask_token_id {mask_token_id} outside the vocabulary [0, {self.vocab_size})"
+            )
         self.mask_token_id = int(mask_token_id)
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         self._captured: dict[int, Tensor] = {}
         base = model.base_model
         self._embedding = base.embed_tokens
         self._hooks = [self._embedding.register_forward_hook(self._capture(-1))]
-        self._hooks += [base.layers[i].register_forward_hook(self._capture(i)) for i in self.layer_ids if i >= 0]
+        self._hooks += [
+            base.layers[i].register_forward_hook(self._capture(i)) for i in self.layer_ids if i >= 0
+        ]
 
     def _capture(self, layer: int):
         def hook(_module, _inputs, output):
@@ -220,7 +224,9 @@ def _single_gguf(folder: Path, gguf_file: str | None) -> Path | None:
         return path if path.exists() else None
     found = sorted(folder.glob("*.gguf"))
     if len(found) > 1:
-        raise TargetError(f"{folder} holds several .gguf files {[p.name for p in found]}: set target.gguf_file")
+        raise TargetError(
+            f"{folder} holds several .gguf files {[p.name for p in found]}: set target.gguf_file"
+        )
     return found[0] if found else None
 
 
@@ -233,7 +239,9 @@ def assemble_chunked_gguf(parts: Sequence[str], file_name: str, sha256: str | No
     for package in parts:
         found = sorted((find_package_dir(package) / "data").glob(f"{file_name}.part*"))
         if len(found) != 1:
-            raise TargetError(f"package {package} should hold exactly one chunk of {file_name}, found {found}")
+            raise TargetError(
+                f"package {package} should hold exactly one chunk of {file_name}, found {found}"
+            )
         chunks.append(found[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
@@ -327,9 +335,9 @@ def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
     except OSError as err:
         if kind == "hub":
             raise TargetError(
-                f"could not load '{where}' from the Hugging Face hub ({err.__class__.__name__}). This machine "
-                f"may have no access to the hub: download it elsewhere and point target.path at the local "
-                f"folder, or use an offline target (target=smollm2_135m)."
+                f"could not load '{where}' from the Hugging Face hub ({err.__class__.__name__}). This "
+                f"machine may have no access to the hub: download it elsewhere and point target.path at "
+                f"the local folder, or use an offline target (target=smollm2_135m)."
             ) from err
         raise
     _fix_special_tokens(tok, cfg)

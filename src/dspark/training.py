@@ -22,35 +22,57 @@ from .target import load_target
 log = logging.getLogger(__name__)
 
 
-def build_logger(cfg: DictConfig, out_dir: Path, run_name: str, full_cfg: DictConfig, resumed_at: int | None = None):
-    """A resumed run logs into its own sub-folder (`logs/resumed-<step>/`) so the first part of the
-    run's metrics is never overwritten."""
+def build_logger(
+    cfg: DictConfig, out_dir: Path, run_name: str, full_cfg: DictConfig, resumed_at: int | None = None
+):
+    """Loggers for a run. A CSV log is always kept (`logs/metrics.csv`, what the dashboard reads);
+    a resumed run logs into its own sub-folder (`logs/resumed-<step>/`) so nothing is overwritten."""
     name = cfg.name
     version = "" if resumed_at is None else f"resumed-{resumed_at}"
+    csv_logger = L.pytorch.loggers.CSVLogger(out_dir, name="logs", version=version)
     if name == "csv":
-        return L.pytorch.loggers.CSVLogger(out_dir, name="logs", version=version)
+        return [csv_logger]
     if name == "tensorboard":
-        return L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version=version)
+        return [L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version=version), csv_logger]
     if name == "wandb":
         try:
             import wandb  # noqa: F401
         except ImportError as err:
             raise ImportError("logger=wandb needs wandb: pip install 'dspark[wandb]'") from err
-        os.environ.setdefault("WANDB_MODE", cfg.get("mode") or "offline")
+        # WANDB_MODE wins over the config; offline unless someone asks for online.
+        mode = os.environ.get("WANDB_MODE") or cfg.get("mode") or "offline"
         logger = L.pytorch.loggers.WandbLogger(
-            project=cfg.project, group=cfg.get("group"), tags=list(cfg.get("tags") or []),
-            name=cfg.get("run_name") or run_name, save_dir=str(out_dir),
+            project=cfg.project,
+            group=cfg.get("group"),
+            tags=list(cfg.get("tags") or []),
+            name=cfg.get("run_name") or run_name,
+            save_dir=str(out_dir),
+            mode=mode,
         )
         logger.log_hyperparams(OmegaConf.to_container(full_cfg, resolve=True))
-        return logger
+        return [logger, csv_logger]
     raise ValueError(f"logger.name '{name}' is not one of csv, wandb, tensorboard")
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict:
     t = OmegaConf.to_container(cfg, resolve=True)
-    keys = ("accelerator", "devices", "strategy", "num_nodes", "precision", "max_steps", "max_epochs",
-            "val_check_interval", "limit_val_batches", "log_every_n_steps", "gradient_clip_val",
-            "accumulate_grad_batches", "limit_train_batches", "check_val_every_n_epoch")
+    keys = (
+        "accelerator",
+        "devices",
+        "strategy",
+        "num_nodes",
+        "precision",
+        "max_steps",
+        "max_epochs",
+        "val_check_interval",
+        "limit_val_batches",
+        "log_every_n_steps",
+        "gradient_clip_val",
+        "accumulate_grad_batches",
+        "limit_train_batches",
+        "check_val_every_n_epoch",
+        "max_time",
+    )
     nullable = {"check_val_every_n_epoch"}  # None is meaningful there: validate by global step
     return {k: t[k] for k in keys if k in t and (t[k] is not None or k in nullable)}
 
@@ -67,18 +89,26 @@ def run_training(cfg: DictConfig) -> dict:
 
     data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
     datamodule = DraftDataModule(
-        cfg.data, features=cfg.features, target_fingerprint=target_fingerprint(target),
+        cfg.data,
+        features=cfg.features,
+        target_fingerprint=target_fingerprint(target),
         pad_token_id=target.tokenizer.pad_token_id,
     )
 
     drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.get("head"))
     module = DraftingModule(
-        target, drafter, LossWeights.from_cfg(cfg.loss), OmegaConf.to_container(cfg.optim), cfg.features,
+        target,
+        drafter,
+        LossWeights.from_cfg(cfg.loss),
+        OmegaConf.to_container(cfg.optim),
+        cfg.features,
         # Anchors per sequence: the data config may cap the paper's 512 for small CPU runs.
         num_anchors=cfg.data.get("anchors_per_sequence") or cfg.drafter.get("num_anchors"),
     )
     n_params = sum(p.numel() for p in drafter.parameters())
-    log.info("drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6)
+    log.info(
+        "drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6
+    )
 
     throughput = Throughput()
     ckpt_dir = out_dir / "checkpoints"
@@ -120,5 +150,9 @@ def run_training(cfg: DictConfig) -> dict:
         "data_dir": str(data_dir),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.logger.name != "csv" and trainer.is_global_zero:
+        from .reporting.dashboard import publish_run
+
+        publish_run(trainer.loggers, out_dir)  # figures and tables to W&B / TensorBoard
     log.info("done: %s", json.dumps({k: summary[k] for k in ("global_step", "wall_seconds")}))
     return summary

@@ -8,6 +8,8 @@ prompts of the other shards: no sample is lost or written twice.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import time
@@ -97,7 +99,9 @@ def nucleus(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> tuple[to
         sub = probs[todo]
         vals, ids = sub.topk(w, dim=-1) if w < V else sub.sort(dim=-1, descending=True)
         # A narrower search is exact when no top-k renormalisation is needed and it holds top_p mass.
-        done = vals.sum(-1) >= top_p if (w < k and k == V) else torch.full_like(todo, w == k, dtype=torch.bool)
+        done = (
+            vals.sum(-1) >= top_p if (w < k and k == V) else torch.full_like(todo, w == k, dtype=torch.bool)
+        )
         if bool(done.any()):
             found.append((todo[done], vals[done], ids[done]))
             todo = todo[~done]
@@ -136,6 +140,107 @@ def _left_pad(prefixes: list[list[int]], pad: int, device) -> tuple[torch.Tensor
     return ids.to(device), attn.to(device)
 
 
+class _GrowingLayer:
+    """Mixin for a transformers DynamicLayer: append new keys/values into spare capacity (doubled when
+    full) instead of `torch.cat`-ing the whole cache at every step. At batch 64 that per-step copy
+    and its page faults cost more than the matmuls on CPU. `keys`/`values` stay views of the buffer;
+    anything that replaces them (row selection, cropping) simply triggers a fresh buffer."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        held = self.keys.dim() == 4
+        length = self.keys.shape[-2] if held else 0
+        buf = getattr(self, "_buf", None)
+        if (
+            buf is None
+            or not held
+            or self.keys.data_ptr() != buf[0].data_ptr()
+            or self.keys.shape[:2] != buf[0].shape[:2]
+            or self.keys.stride() != buf[0].stride()
+            or length + n > buf[0].shape[2]
+        ):
+            cap = max(64, 2 * (length + n))
+            shape = (*key_states.shape[:2], cap, key_states.shape[-1])
+            buf = (key_states.new_empty(shape), value_states.new_empty(shape))
+            if length:
+                buf[0][:, :, :length], buf[1][:, :, :length] = self.keys, self.values
+            self._buf = buf
+        buf[0][:, :, length : length + n] = key_states
+        buf[1][:, :, length : length + n] = value_states
+        self.keys, self.values = buf[0][:, :, : length + n], buf[1][:, :, : length + n]
+        return self.keys, self.values
+
+
+@functools.cache
+def _growing_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    return type("GrowingDynamicLayer", (_GrowingLayer, DynamicLayer), {})
+
+
+def _grown(layer):
+    """The same layer with in-place appends (a plain DynamicLayer only; sliding windows are left alone)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return _growing_class()() if type(layer) is DynamicLayer else layer
+
+
+def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA for one decoding step without materialising repeated KV heads. transformers' SDPA path
+    copies every KV head n_rep times whenever a padding mask is present (`repeat_kv`), which at batch
+    64 is most of the step's time on CPU. With one query token, the n_rep query heads that share a
+    KV head are folded into the query axis instead: exact, and each KV head is read once."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n_rep = int(getattr(module, "num_key_value_groups", 1))
+    B, H, q, D = query.shape
+    plain = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+    if (
+        n_rep == 1
+        or q != 1
+        or not plain
+        or kwargs.get("position_bias") is not None
+        or key.shape[1] * n_rep != H
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # repeat_kv maps query head h to KV head h // n_rep: viewing query as [B, Hkv, n_rep, D] is that grouping.
+    folded = query.reshape(B, key.shape[1], n_rep, D)
+    mask = attention_mask
+    if mask is not None:
+        mask = mask.expand(B, 1, n_rep, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+_ATTN_NAME = "dspark_gqa_decode"
+
+
+@contextlib.contextmanager
+def fast_decoding(model):
+    """Run `model` with `gqa_decode_attention` (registered once under its own name, with the SDPA mask
+    builder) and restore its attention implementation afterwards; models that refuse it run as is."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_ATTN_NAME, gqa_decode_attention)
+    AttentionMaskInterface.register(_ATTN_NAME, sdpa_mask)
+    before = model.config._attn_implementation
+    try:
+        if before == "sdpa":
+            model.set_attn_implementation(_ATTN_NAME)
+    except (ValueError, ImportError, AttributeError) as err:  # an architecture without attention dispatch
+        log.debug("fast decoding attention unavailable: %s", err)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != before:
+            model.set_attn_implementation(before)
+
+
 class _Batch:
     """The running rows of `decode_stream`: KV cache, 2-D attention mask, next positions, last logits."""
 
@@ -145,6 +250,7 @@ class _Batch:
 
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        self.cache.layers = [_grown(layer) for layer in self.cache.layers]
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = model(
             input_ids=ids,
@@ -157,7 +263,9 @@ class _Batch:
         self.logits = out.logits[:, -1].float()
         self.attn, self.pos, self.rows = attn, pos[:, -1] + 1, list(rows)
         # Rows can join a running batch only when every layer is a plain growing cache (not sliding windows).
-        self.mergeable = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        self.mergeable = all(
+            isinstance(layer, _GrowingLayer) or type(layer) is DynamicLayer for layer in self.cache.layers
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -165,7 +273,7 @@ class _Batch:
     def keep(self, sel: torch.Tensor) -> None:
         self.cache.reorder_cache(sel)
         self.attn, self.pos, self.logits = self.attn[sel], self.pos[sel], self.logits[sel]
-        self.rows = [self.rows[i] for i in sel.tolist()]
+        self.rows = [self.rows[i] for i in sel.tolist()]  # None marks a stopped row
         # Drop leading columns that are padding for every remaining row (the cache would only grow).
         first = int(self.attn.any(0).nonzero()[0])
         if first > 0 and self.mergeable:
@@ -220,16 +328,23 @@ def decode_stream(
     generator: torch.Generator | None,
     on_result: Callable[[int, Continuation], None],
 ) -> None:
-    """Continuous batching with a KV cache: a row that stops (a stop token, or its limit) leaves the
-    batch at once and queued prefixes take the free slots (prefilled together once a quarter of the
-    batch is free), so the batch stays full and short answers never wait for long ones. Results
-    arrive through `on_result(index, continuation)`, in completion order."""
+    """Continuous batching with a KV cache: queued prefixes take the slots of rows that stopped (a
+    stop token, or their limit), so the batch stays full and short answers never wait for long ones.
+    Stopped rows are dropped lazily, once a quarter of the batch has stopped: dropping rows and
+    admitting new ones both copy the whole cache, which per finished row would cost more than the
+    idle rows do. Results arrive through `on_result(index, continuation)`, in completion order."""
     device = next(model.parameters()).device
     stop = torch.tensor(sorted(set(eos)), device=device)
     queue = deque(range(len(prefixes)))
     tokens: dict[int, list[int]] = {}
     batch: _Batch | None = None
     while queue or batch is not None:
+        if batch is not None:
+            alive = [r for r, i in enumerate(batch.rows) if i is not None]
+            if not alive:
+                batch = None
+            elif len(batch) - len(alive) >= max(1, len(batch) // 4):
+                batch.keep(torch.tensor(alive, device=device))
         free = batch_size - (len(batch) if batch else 0)
         can_join = batch is None or (batch.mergeable and free >= max(1, batch_size // 4))
         if queue and free > 0 and can_join:
@@ -242,26 +357,23 @@ def decode_stream(
                 batch = fresh
             else:
                 batch.merge(fresh)
+        if batch is None:
+            continue
         nxt = sample_next(batch.logits, sampling, generator)
         is_stop = torch.isin(nxt, stop).tolist()
-        alive = []
         for r, (i, t) in enumerate(zip(batch.rows, nxt.tolist())):
+            if i is None:  # a stopped row waiting to be dropped
+                continue
             if is_stop[r]:
                 on_result(i, Continuation(tokens.pop(i), True))
+                batch.rows[r] = None
                 continue
             tokens[i].append(t)
             if len(tokens[i]) >= limits[i]:
                 on_result(i, Continuation(tokens.pop(i), False))
-            else:
-                alive.append(r)
-        if not alive:
-            batch = None
-            continue
-        if len(alive) < len(batch):
-            sel = torch.tensor(alive, device=device)
-            batch.keep(sel)
-            nxt = nxt[sel]
-        batch.step(nxt)
+                batch.rows[r] = None
+        if any(i is not None for i in batch.rows):
+            batch.step(nxt)
 
 
 @torch.no_grad()
@@ -299,7 +411,8 @@ def generate_continuations(
 
     if backend == "loop":
         gen = torch.Generator(device=device).manual_seed(int(stable_hash(seed, 15), 16))
-        decode_stream(model, prefixes, limits, sampling, eos, pad, batch_size, gen, record)
+        with fast_decoding(model):
+            decode_stream(model, prefixes, limits, sampling, eos, pad, batch_size, gen, record)
         return out  # type: ignore[return-value]
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
     for b, start in enumerate(range(0, len(order), batch_size)):

@@ -18,8 +18,18 @@ from .dspark import DSparkDrafter
 from .eagle3 import Eagle3Drafter
 
 __all__ = [
-    "BlockDrafter", "DSparkDrafter", "Eagle3Drafter", "DraftCache", "DraftOutput", "Proposal", "Shared",
-    "TargetDims", "build_drafter", "save_drafter", "load_drafter", "DrafterCheckpointError",
+    "BlockDrafter",
+    "DSparkDrafter",
+    "Eagle3Drafter",
+    "DraftCache",
+    "DraftOutput",
+    "Proposal",
+    "Shared",
+    "TargetDims",
+    "build_drafter",
+    "save_drafter",
+    "load_drafter",
+    "DrafterCheckpointError",
 ]
 
 WEIGHTS = "model.safetensors"
@@ -45,7 +55,9 @@ def _plain(cfg):
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
 
 
-def save_drafter(drafter, folder: str | Path, drafter_cfg, head_cfg, target_info: dict, extra: dict | None = None):
+def save_drafter(
+    drafter, folder: str | Path, drafter_cfg, head_cfg, target_info: dict, extra: dict | None = None
+):
     """safetensors weights + JSON config, each written atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -81,8 +93,9 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
         for field, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
             if getattr(dims, field) != theirs:
                 raise DrafterCheckpointError(
-                    f"drafter {folder} was built for a target with {field}={getattr(dims, field)}, but target "
-                    f"{target.name} has {field}={theirs}: evaluate it with the target it was trained for "
+                    f"drafter {folder} was built for a target with {field}={getattr(dims, field)}, but "
+                    f"target {target.name} has {field}={theirs}: evaluate it with the target it was trained "
+                    f"for "
                     f"({config.get('target', {}).get('name', 'unknown')})"
                 )
         if dims.num_taps != len(target.layer_ids):
@@ -90,6 +103,10 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
                 f"drafter {folder} reads {dims.num_taps} tap layers, target {target.name} is configured with "
                 f"{len(target.layer_ids)}: set target.layer_ids={config.get('target', {}).get('layer_ids')}"
             )
-    drafter = build_drafter(dims, OmegaConf.create(config["drafter"]), OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}))
+    drafter = build_drafter(
+        dims,
+        OmegaConf.create(config["drafter"]),
+        OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}),
+    )
     drafter.load_state_dict(load_file(folder / WEIGHTS, device=str(device)))
     return drafter.to(device).eval(), config

@@ -146,7 +146,9 @@ class BlockDrafter(nn.Module):
         return empty_cache(self.layers, r, ref)
 
     @torch.no_grad()
-    def extend_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, valid: Tensor, next_tokens=None, shared=None):
+    def extend_context(
+        self, cache: DraftCache, taps: Tensor, positions: Tensor, valid: Tensor, next_tokens=None, shared=None
+    ):
         """Append committed target features [R, N, m·d] at positions [R, N] (valid: prefix mask)."""
         ctx = self.context(taps)
         append_kv(cache, [layer.context_kv(ctx, positions) for layer in self.layers], valid)
@@ -170,7 +172,9 @@ class BlockDrafter(nn.Module):
         mask = torch.cat([sees_ctx, torch.ones(r, self.gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(r, self.gamma, -1)
         hidden = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
-        u = torch.rand(r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device)
+        u = torch.rand(
+            r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
+        )
         tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u.to(device))
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
 

@@ -18,7 +18,9 @@ class DSparkDrafter(BlockDrafter):
     def __init__(self, dims: TargetDims, cfg, head_cfg):
         super().__init__(dims, cfg)
         name = head_cfg.name if head_cfg is not None else "none"
-        self.head = HEADS[name](dims.vocab_size, dims.hidden_size, int(head_cfg.rank)) if name != "none" else None
+        self.head = (
+            HEADS[name](dims.vocab_size, dims.hidden_size, int(head_cfg.rank)) if name != "none" else None
+        )
         conf = cfg.get("confidence") or {}
         self.confidence = None
         if conf.get("enabled", True):

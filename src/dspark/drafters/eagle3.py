@@ -13,7 +13,17 @@ import torch
 from torch import Tensor, nn
 
 from ..decoding.verify import probs_from_logits, sample_from
-from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims, append_kv, empty_cache, layer_shape, output_logits
+from .base import (
+    DraftCache,
+    DraftOutput,
+    Proposal,
+    Shared,
+    TargetDims,
+    append_kv,
+    empty_cache,
+    layer_shape,
+    output_logits,
+)
 from .dflash import _init_linear, block_targets
 from .layers import DraftLayer
 
@@ -76,7 +86,10 @@ class Eagle3Drafter(nn.Module):
             ctx = None
             if i:
                 ctx = [
-                    (torch.cat([kv_steps[j][li][0] for j in range(i)], 2), torch.cat([kv_steps[j][li][1] for j in range(i)], 2))
+                    (
+                        torch.cat([kv_steps[j][li][0] for j in range(i)], 2),
+                        torch.cat([kv_steps[j][li][1] for j in range(i)], 2),
+                    )
                     for li in range(len(self.layers))
                 ]
             mask = ttt_mask(t, i, input_ids.device).expand(b, -1, -1)
@@ -104,7 +117,9 @@ class Eagle3Drafter(nn.Module):
         return cache
 
     @torch.no_grad()
-    def extend_context(self, cache: DraftCache, taps, positions, valid, next_tokens, shared: Shared | None = None):
+    def extend_context(
+        self, cache: DraftCache, taps, positions, valid, next_tokens, shared: Shared | None = None
+    ):
         """Committed features at positions p..p+n-1 and the tokens at p+1..p+n: step-0 entries at
         p+1..p+n, whose last output (the anchor's) seeds the next chain."""
         r, n = next_tokens.shape
@@ -121,10 +136,14 @@ class Eagle3Drafter(nn.Module):
         cache.extra["last"] = torch.where(has[:, None], g[torch.arange(r), last], cache.extra["last"])
 
     @torch.no_grad()
-    def propose(self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None) -> Proposal:
+    def propose(
+        self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None
+    ) -> Proposal:
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
-        u = torch.rand(r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device)
+        u = torch.rand(
+            r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
+        )
         u = u.to(device)
         g = cache.extra["last"]
         c = cache.k[0].shape[2]

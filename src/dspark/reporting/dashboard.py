@@ -12,6 +12,7 @@ Lightning loggers (W&B images/tables, TensorBoard images/text).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
@@ -25,6 +26,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .plots import acceptance_by_position_plot, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
@@ -71,6 +73,9 @@ def _colors(n: int) -> list:
 
 
 def _save(fig, path: Path) -> Path:
+    for ax in fig.axes:  # "1e-6 + 1.0051" offsets hide the values a reader compares
+        with contextlib.suppress(AttributeError):  # log or categorical axes have no offset
+            ax.ticklabel_format(axis="y", useOffset=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -96,28 +101,67 @@ def _eval_rows(runs: Sequence[Run]) -> list[tuple[Run, object, str]]:
     """(run, evaluation, label) for every evaluation; the tag joins the label only when evaluations
     of the runs differ in policy / temperature."""
     tags = {ev.tag for r in runs for ev in r.evaluations}
-    return [(r, ev, f"{r.label} [{ev.tag}]" if len(tags) > 1 else r.label) for r in runs for ev in r.evaluations]
+    return [
+        (r, ev, f"{r.label} [{ev.tag}]" if len(tags) > 1 else r.label) for r in runs for ev in r.evaluations
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
 # sections: each returns (figures, tables, notes)
 
 
+def _short(text: str, n: int = 60) -> str:
+    # Multirun job folders are named after every override: keep both ends, readable in a table.
+    return text if len(text) <= n else f"{text[: n // 2 - 1]}…{text[-(n // 2) :]}"
+
+
 def _section_runs(runs, axis: SweepAxis, out: Path):
-    header = ["run", "drafter", "head", "rank", "γ", "layers", "target", "steps", "params (M)",
-              "wall (s)", "val/loss", "val/tau_prob", "ECE raw", "ECE STS", "evals", "folder"]
+    root = Path(os.path.commonpath([str(r.path) for r in runs]))
+    if len(runs) == 1:
+        root = root.parent
+    header = [
+        "run",
+        "drafter",
+        "head",
+        "rank",
+        "γ",
+        "layers",
+        "target",
+        "steps",
+        "params (M)",
+        "wall (s)",
+        "val/loss",
+        "val/tau_prob",
+        "val ECE raw",
+        "val ECE STS",
+        "evals",
+        "folder",
+    ]
     rows = []
     for r in runs:
         f = r.flat
         params = r.summary.get("trainable_parameters")
-        rows.append([
-            r.label, f.get("drafter.name"), f.get("head.name"), f.get("head.rank"), f.get("drafter.block_size"),
-            f.get("drafter.num_layers"), f.get("target.name"), r.summary.get("global_step"),
-            params / 1e6 if params else None, r.summary.get("wall_seconds"),
-            r.final("val/loss"), r.final("val/tau_prob"), r.final("val/ece_raw_mean"), r.final("val/ece_sts_mean"),
-            len(r.evaluations), os.path.relpath(r.path, out),
-        ])
-    notes = []
+        rows.append(
+            [
+                r.label,
+                f.get("drafter.name"),
+                f.get("head.name"),
+                f.get("head.rank"),
+                f.get("drafter.block_size"),
+                f.get("drafter.num_layers"),
+                f.get("target.name"),
+                r.summary.get("global_step"),
+                params / 1e6 if params else None,
+                r.summary.get("wall_seconds"),
+                r.final("val/loss"),
+                r.final("val/tau_prob"),
+                r.final("val/ece_raw_mean"),
+                r.final("val/ece_sts_mean"),
+                len(r.evaluations),
+                _short(os.path.relpath(r.path, root)),
+            ]
+        )
+    notes = [f"Folders relative to `{root}`."]
     if axis.key:
         extra = f"; lines split by {', '.join(axis.series)}" if axis.series else ""
         notes.append(f"Sweep axis: `{axis.key}` (the config key that differs across runs{extra}).")
@@ -140,6 +184,9 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
     values = [axis.value(r) for r in ordered]
     numeric = is_numeric(values)
     cats = list(dict.fromkeys(values))
+    pos = sorted(v for v in set(values) if numeric and v > 0)
+    if len(pos) >= 3 and all(b >= 1.9 * a for a, b in zip(pos, pos[1:])):
+        numeric, cats = False, sorted(set(values))  # doubling grids (ranks 0, 32 … 512): even spacing
 
     def x_of(r):
         return axis.value(r) if numeric else cats.index(axis.value(r))
@@ -151,8 +198,11 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
     panels = []
     if evals:
         panels.append(("τ (evaluation, macro over benchmarks)", "eval"))
-    panels += [("val/tau_prob (expected τ, training)", "val/tau_prob"),
-               ("ECE, mean over positions", "ece"), ("val/loss (end of training)", "val/loss")]
+    panels += [
+        ("val/tau_prob (expected τ, training)", "val/tau_prob"),
+        ("ECE, mean over positions", "ece"),
+        ("val/loss (end of training)", "val/loss"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.3), squeeze=False)
     for ax, (title, what) in zip(axes[0], panels):
         for name, members in groups.items():
@@ -160,14 +210,34 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
             lab = None if name == "runs" else name
             if what == "eval":
                 for j, tag in enumerate(tags):
-                    pts = [(x_of(r), ev.results.get("macro", {}).get("all"))
-                           for r in members for ev in r.evaluations if ev.tag == tag]
-                    _line(ax, pts, color=c, marker="os^v"[j % 4],
-                          label=" ".join(x for x in (lab, tag if len(tags) > 1 else None) if x))
+                    pts = [
+                        (x_of(r), ev.results.get("macro", {}).get("all"))
+                        for r in members
+                        for ev in r.evaluations
+                        if ev.tag == tag
+                    ]
+                    _line(
+                        ax,
+                        pts,
+                        color=c,
+                        marker="os^v"[j % 4],
+                        label=" ".join(x for x in (lab, tag if len(tags) > 1 else None) if x),
+                    )
             elif what == "ece":
-                _line(ax, [(x_of(r), _cal_mean(r, "ece_raw")) for r in members], color=c, label=f"{lab or ''} raw".strip())
-                _line(ax, [(x_of(r), _cal_mean(r, "ece_sts")) for r in members], color=c, linestyle="--",
-                      marker="s", label=f"{lab or ''} after STS".strip())
+                _line(
+                    ax,
+                    [(x_of(r), _cal_mean(r, "ece_raw")) for r in members],
+                    color=c,
+                    label=f"{lab or ''} raw".strip(),
+                )
+                _line(
+                    ax,
+                    [(x_of(r), _cal_mean(r, "ece_sts")) for r in members],
+                    color=c,
+                    linestyle="--",
+                    marker="s",
+                    label=f"{lab or ''} after STS".strip(),
+                )
             else:
                 _line(ax, [(x_of(r), r.final(what)) for r in members], color=c, label=lab)
         ax.set_title(title, fontsize=9)
@@ -181,12 +251,25 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
             ax.legend(fontsize=7)
     fig_path = _save(fig, out / "figures" / "sweep_axis.png")
 
-    header = [axis.key, *(["series"] if axis.series else []), "val/tau_prob", "val/loss", "ECE raw", "ECE STS"]
+    header = [
+        axis.key,
+        *(["series"] if axis.series else []),
+        "val/tau_prob",
+        "val/loss",
+        "ECE raw",
+        "ECE STS",
+    ]
     header += [f"τ {d}" for d in (*DOMAIN_ORDER, "all")] if evals else []
     rows = []
     for r in ordered:
-        row = [axis.value(r), *([axis.series_label(r)] if axis.series else []), r.final("val/tau_prob"),
-               r.final("val/loss"), _cal_mean(r, "ece_raw"), _cal_mean(r, "ece_sts")]
+        row = [
+            axis.value(r),
+            *([axis.series_label(r)] if axis.series else []),
+            r.final("val/tau_prob"),
+            r.final("val/loss"),
+            _cal_mean(r, "ece_raw"),
+            _cal_mean(r, "ece_sts"),
+        ]
         if evals:
             macro = r.evaluations[0].results.get("macro", {}) if r.evaluations else {}
             row += [macro.get(d) for d in (*DOMAIN_ORDER, "all")]
@@ -216,8 +299,14 @@ def _cal_mean(run: Run, key: str) -> float | None:
 def _section_tau(runs, axis, out: Path):
     evals = _eval_rows(runs)
     if not evals:
-        return [], {}, ["No evaluation found next to these runs: `python -m dspark.evaluate "
-                        "drafter_dir=<run>/drafter hydra.run.dir=<run>/eval` fills this section."]
+        return (
+            [],
+            {},
+            [
+                "No evaluation found next to these runs: `python -m dspark.evaluate "
+                "drafter_dir=<run>/drafter hydra.run.dir=<run>/eval` fills this section."
+            ],
+        )
     results = [{**ev.results, "drafter": label} for _, ev, label in evals]
     domains: dict[str, str] = {}
     for res in results:
@@ -231,13 +320,18 @@ def _section_tau(runs, axis, out: Path):
     for i, (res, color) in enumerate(zip(results, _colors(len(results)))):
         ys = [res["benchmarks"].get(n, {}).get("tau") for n in names] + [res.get("macro", {}).get("all")]
         xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(cols))]
-        ax.bar([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None],
-               width=width, color=color, label=res["drafter"])
+        ax.bar(
+            [x for x, y in zip(xs, ys) if y is not None],
+            [y for y in ys if y is not None],
+            width=width,
+            color=color,
+            label=res["drafter"],
+        )
     ax.set_xticks(range(len(cols)), cols, rotation=20, fontsize=8)
     ax.set_ylabel("τ (accepted + 1)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # bars stay uncovered
     return [_save(fig, out / "figures" / "tau_by_benchmark.png")], {"tau": table}, []
 
 
@@ -258,15 +352,24 @@ def _section_acceptance(runs, axis, out: Path):
         if any(a is not None for a in acc):
             curves.setdefault(val_panel, {})[r.label] = acc
     if not curves:
-        return [], {}, ["No position-wise acceptance: neither evaluations nor val/c_star_k metrics were found."]
+        return (
+            [],
+            {},
+            ["No position-wise acceptance: neither evaluations nor val/c_star_k metrics were found."],
+        )
     path = acceptance_by_position_plot(curves, out / "figures" / "acceptance_by_position.png")
     gamma = max(len(v) for panel in curves.values() for v in panel.values())
-    rows = [[panel, label, *(list(v) + [None] * (gamma - len(v)))]
-            for panel, per in curves.items() for label, v in per.items()]
+    rows = [
+        [panel, label, *(list(v) + [None] * (gamma - len(v)))]
+        for panel, per in curves.items()
+        for label, v in per.items()
+    ]
     table = md_table(["panel", "run", *[f"k={k + 1}" for k in range(gamma)]], rows)
-    note = ("Evaluation panels: conditional acceptance of draft position k given positions < k were "
-            "accepted (mean over the domain's benchmarks). Validation panel: c*ₖ = 1 − TV(p_d, p_t) "
-            "with the true previous tokens.")
+    note = (
+        "Evaluation panels: conditional acceptance of draft position k given positions < k were "
+        "accepted (mean over the domain's benchmarks). Validation panel: c*ₖ = 1 − TV(p_d, p_t) "
+        "with the true previous tokens."
+    )
     return [path], {"acceptance": table}, [note]
 
 
@@ -274,8 +377,14 @@ def _section_calibration(runs, axis, out: Path):
     cals = [(r, r.calibration_summary()) for r in runs]
     cals = [(r, c) for r, c in cals if c is not None]
     if not cals:
-        return [], {}, ["No calibration report: drafters without a confidence head (DFlash, Eagle3, "
-                        "head-less runs without `drafter.confidence.enabled`) have none."]
+        return (
+            [],
+            {},
+            [
+                "No calibration report: drafters without a confidence head (DFlash, Eagle3, "
+                "head-less runs without `drafter.confidence.enabled`) have none."
+            ],
+        )
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.3), sharey=True)
     for (r, cal), color in zip(cals, _colors(len(cals))):
         pp = cal["per_position"]
@@ -289,10 +398,20 @@ def _section_calibration(runs, axis, out: Path):
     axes[0].set_ylabel("ECE of Π σ(z_i / T_i)")
     axes[0].legend(fontsize=7)
     path = _save(fig, out / "figures" / "calibration.png")
-    rows = [[r.label, cal.get("source"), _cal_mean(r, "ece_raw"), _cal_mean(r, "ece_sts"),
-             _mean([p.get("auroc") for p in cal["per_position"]]),
-             " ".join(_fmt(t, 2) for t in (cal.get("temperatures") or [p.get("temperature") for p in cal["per_position"]]))]
-            for r, cal in cals]
+    rows = [
+        [
+            r.label,
+            cal.get("source"),
+            _cal_mean(r, "ece_raw"),
+            _cal_mean(r, "ece_sts"),
+            _mean([p.get("auroc") for p in cal["per_position"]]),
+            " ".join(
+                _fmt(t, 2)
+                for t in (cal.get("temperatures") or [p.get("temperature") for p in cal["per_position"]])
+            ),
+        ]
+        for r, cal in cals
+    ]
     table = md_table(["run", "measured on", "ECE raw", "ECE after STS", "AUROC", "STS temperatures"], rows)
     return [path], {"calibration": table}, []
 
@@ -303,8 +422,14 @@ LOSS_PANELS = (("train/loss", "train/loss"), ("val/loss", "val/loss"), ("val/tau
 def _section_loss(runs, axis, out: Path):
     panels = [(k, t) for k, t in LOSS_PANELS if any(r.curves.get(k) for r in runs)]
     if not panels:
-        return [], {}, ["No metric history: loss curves come from logs/metrics.csv (logger=csv) or tb/ "
-                        "(logger=tensorboard)."]
+        return (
+            [],
+            {},
+            [
+                "No metric history: loss curves come from logs/metrics.csv (logger=csv) or tb/ "
+                "(logger=tensorboard)."
+            ],
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.2), squeeze=False)
     for r, color in zip(runs, _colors(len(runs))):
         for ax, (key, _) in zip(axes[0], panels):
@@ -313,17 +438,31 @@ def _section_loss(runs, axis, out: Path):
     for ax, (_, title) in zip(axes[0], panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    rows = [[r.label, r.summary.get("global_step"), r.final("train/loss"), r.final("val/loss"),
-             r.final("val/tau_prob"), (r.summary.get("throughput") or {}).get("tokens_per_s")] for r in runs]
+    rows = [
+        [
+            r.label,
+            r.summary.get("global_step"),
+            r.final("train/loss"),
+            r.final("val/loss"),
+            r.final("val/tau_prob"),
+            (r.summary.get("throughput") or {}).get("tokens_per_s"),
+        ]
+        for r in runs
+    ]
     table = md_table(["run", "steps", "train/loss", "val/loss", "val/tau_prob", "tokens/s"], rows)
     return [_save(fig, out / "figures" / "loss_curves.png")], {"loss": table}, []
 
 
 BUILDERS = {
-    "runs": _section_runs, "sweep": _section_sweep, "tau": _section_tau,
-    "acceptance": _section_acceptance, "calibration": _section_calibration, "loss": _section_loss,
+    "runs": _section_runs,
+    "sweep": _section_sweep,
+    "tau": _section_tau,
+    "acceptance": _section_acceptance,
+    "calibration": _section_calibration,
+    "loss": _section_loss,
 }
 
 
@@ -346,7 +485,11 @@ def md_to_html(md: str) -> str:
         if table:
             head, body = table[0], [r for r in table[2:]]
             cells = [c.strip() for c in re.split(r"(?<!\\)\|", head.strip().strip("|"))]
-            out.append("<table><thead><tr>" + "".join(f"<th>{inline(c)}</th>" for c in cells) + "</tr></thead><tbody>")
+            out.append(
+                "<table><thead><tr>"
+                + "".join(f"<th>{inline(c)}</th>" for c in cells)
+                + "</tr></thead><tbody>"
+            )
             for row in body:
                 vals = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row.strip()[1:-1])]
                 out.append("<tr>" + "".join(f"<td>{inline(v)}</td>" for v in vals) + "</tr>")
@@ -365,18 +508,23 @@ def md_to_html(md: str) -> str:
 
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1400px;
-color:#222;padding:0 16px}h1{margin-bottom:4px}.meta{color:#666;font-size:13px}nav a{margin-right:14px}
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;
+max-width:1400px;color:#222;padding:0 16px}h1{margin-bottom:4px}.meta{color:#666;font-size:13px}
+nav a{margin-right:14px}
 section{border-top:1px solid #ddd;margin-top:26px;padding-top:6px}img{max-width:100%;border:1px solid #eee}
 table{border-collapse:collapse;font-size:12.5px;margin:10px 0}th,td{border:1px solid #ddd;padding:3px 7px;
-text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
+text-align:right;white-space:nowrap}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
+td:last-child{white-space:normal;overflow-wrap:anywhere;max-width:340px}
 code{background:#f4f4f4;padding:0 3px}p{font-size:14px}.empty{color:#a60}
 """
 
 
 def build_dashboard(
-    runs: Sequence[Run], out_dir: str | os.PathLike, title: str = "dspark ablations",
-    axis: str | None = None, source: str = "",
+    runs: Sequence[Run],
+    out_dir: str | os.PathLike,
+    title: str = "dspark ablations",
+    axis: str | None = None,
+    source: str = "",
 ) -> Path:
     """Write the dashboard for `runs` into `out_dir`; returns the path of index.html."""
     if not runs:
@@ -389,11 +537,18 @@ def build_dashboard(
 
     parts, md_parts, data = [], [f"# {title}\n"], {"axis": sw.key, "series": sw.series, "runs": []}
     for r in runs:
-        data["runs"].append({
-            "label": r.label, "path": str(r.path), "axis_value": sw.value(r), "summary": r.summary,
-            "calibration": r.calibration_summary(),
-            "evaluations": [{"path": str(e.path), "tag": e.tag, "results": e.results} for e in r.evaluations],
-        })
+        data["runs"].append(
+            {
+                "label": r.label,
+                "path": str(r.path),
+                "axis_value": sw.value(r),
+                "summary": r.summary,
+                "calibration": r.calibration_summary(),
+                "evaluations": [
+                    {"path": str(e.path), "tag": e.tag, "results": e.results} for e in r.evaluations
+                ],
+            }
+        )
     for key, heading in SECTIONS.items():
         figures, tables, notes = BUILDERS[key](runs, sw, out)
         body = [f'<section id="{key}"><h2>{html.escape(heading)}</h2>']
@@ -413,8 +568,11 @@ def build_dashboard(
             md_parts.append(md)
         body.append("</section>")
         parts.append("\n".join(body))
-        data.setdefault("sections", {})[key] = {"figures": [str(f.relative_to(out)) for f in figures],
-                                                "tables": list(tables), "notes": notes}
+        data.setdefault("sections", {})[key] = {
+            "figures": [str(f.relative_to(out)) for f in figures],
+            "tables": list(tables),
+            "notes": notes,
+        }
 
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     nav = " ".join(f'<a href="#{k}">{html.escape(v)}</a>' for k, v in SECTIONS.items())

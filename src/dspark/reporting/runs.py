@@ -23,8 +23,19 @@ from omegaconf import OmegaConf
 __all__ = ["AxisError", "Evaluation", "Run", "find_runs", "flatten", "SweepAxis", "sweep_axis"]
 
 # Folders inside a run that never hold runs or evaluations: not worth walking.
-_SKIP_DIRS = {".hydra", "checkpoints", "drafter", "logs", "tb", "wandb", "figures", "tables", "report", "__pycache__"}
-_MAX_DEPTH = 4
+_SKIP_DIRS = {
+    ".hydra",
+    "checkpoints",
+    "drafter",
+    "logs",
+    "tb",
+    "wandb",
+    "figures",
+    "tables",
+    "report",
+    "__pycache__",
+}
+_MAX_DEPTH = 6  # multirun job folders nest when an override value holds a path
 
 
 def _read_json(path: Path) -> Any:
@@ -90,7 +101,12 @@ class Run:
 
     @property
     def flat(self) -> dict[str, Any]:
-        return flatten(self.config)
+        flat = flatten(self.config)
+        if flat.get("head.name") == "none" and "head.rank" in flat:
+            # No head has rank 0 whatever the config carries (an experiment preset may set head.rank
+            # for every head; the drafter ignores it without a head): rank sweeps put it at r = 0.
+            flat["head.rank"] = 0
+        return flat
 
     @property
     def name(self) -> str:
@@ -120,7 +136,7 @@ class Run:
 
 def _is_run_dir(d: Path) -> bool:
     return (d / "config.yaml").is_file() and any(
-        (d / p).exists() for p in ("summary.json", "logs/metrics.csv", "drafter/config.json", "tb")
+        (d / p).exists() for p in ("summary.json", "logs", "drafter/config.json", "tb")
     )
 
 
@@ -128,32 +144,57 @@ def _is_eval_dir(d: Path) -> bool:
     return (d / "results.json").is_file()
 
 
+def _csv_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = {}
+    if not (folder / "metrics.csv").is_file():
+        return curves
+    with open(folder / "metrics.csv", newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if not step:
+                continue
+            for key, value in row.items():
+                v = _finite(value) if key not in ("step", "epoch") else None
+                if v is not None:
+                    curves.setdefault(key, []).append((int(float(step)), v))
+    return curves
+
+
+def _tb_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {
+        tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag) if math.isfinite(e.value)]
+        for tag in acc.Tags().get("scalars", [])
+    }
+
+
+def _parts(root: Path, marker: str) -> list[tuple[int, Path]]:
+    """(first step, folder) of a run's logging parts: the first run, then `resumed-<step>/`."""
+    parts = [(0, root)] if (root / marker).exists() or any(root.glob(marker)) else []
+    for d in root.glob("resumed-*"):
+        if d.is_dir() and d.name[8:].isdigit():
+            parts.append((int(d.name[8:]), d))
+    return sorted(parts)
+
+
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """metric -> [(step, value)] from the CSV logger, else TensorBoard event files (when installed).
-    W&B offline runs keep their history in a binary file: log with csv too to get curves here."""
+    A resumed run logs each part into `resumed-<step>/`; the parts are stitched, a later part
+    winning over steps an earlier one logged after its last checkpoint. W&B offline runs keep their
+    history in a binary file: log with csv too to get curves here."""
+    parts, read = _parts(run_dir / "logs", "metrics.csv"), _csv_curves
+    if not parts and (run_dir / "tb").is_dir():
+        parts, read = _parts(run_dir / "tb", "events.out.tfevents.*"), _tb_curves
     curves: dict[str, list[tuple[int, float]]] = {}
-    path = run_dir / "logs" / "metrics.csv"
-    if path.is_file():
-        with open(path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                step = row.get("step")
-                if not step:
-                    continue
-                for key, value in row.items():
-                    v = _finite(value) if key not in ("step", "epoch") else None
-                    if v is not None:
-                        curves.setdefault(key, []).append((int(float(step)), v))
-        return curves
-    tb = run_dir / "tb"
-    if tb.is_dir():
-        try:
-            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        except ImportError:
-            return curves
-        acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            curves[tag] = [(int(e.step), float(e.value)) for e in acc.Scalars(tag) if math.isfinite(e.value)]
+    for i, (_, folder) in enumerate(parts):
+        stop = parts[i + 1][0] if i + 1 < len(parts) else math.inf
+        for key, pts in read(folder).items():
+            curves.setdefault(key, []).extend(p for p in pts if p[0] < stop)
     return curves
 
 
@@ -173,7 +214,10 @@ def read_run(d: Path) -> Run:
     summary = _read_json(d / "summary.json") if (d / "summary.json").is_file() else {}
     cal = d / "drafter" / "calibration_report.json"
     run = Run(
-        path=d, config=config, summary=summary, curves=read_curves(d),
+        path=d,
+        config=config,
+        summary=summary,
+        curves=read_curves(d),
         calibration=_read_json(cal) if cal.is_file() else None,
     )
     # Evaluations written inside the run folder (e.g. hydra.run.dir=<run>/eval).
@@ -189,7 +233,10 @@ def _run_from_evaluation(ev: Evaluation) -> Run:
     ddir = ev.drafter_dir()
     if ddir is not None and _is_run_dir(ddir.parent):
         return read_run(ddir.parent)
-    config: dict = {"drafter": {"name": ev.results.get("drafter")}, "target": {"name": ev.results.get("target")}}
+    config: dict = {
+        "drafter": {"name": ev.results.get("drafter")},
+        "target": {"name": ev.results.get("target")},
+    }
     if ddir is not None and (ddir / "config.json").is_file():
         dc = _read_json(ddir / "config.json")
         config = {k: dc[k] for k in ("drafter", "head", "target") if k in dc}
@@ -211,12 +258,12 @@ def _walk(d: Path, depth: int, runs: list[Path], evals: list[Path]) -> None:
 
 def _patterns(spec: str | Sequence[str]) -> list[str]:
     if isinstance(spec, str):
-        return [s for s in (x.strip() for x in spec.split(",")) if s]
+        return [spec]  # one pattern: Hydra multirun folder names contain commas
     return [str(s) for s in spec]
 
 
 def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
-    """Runs named by folders or globs (a list, or one string with commas). A folder may be a run,
+    """Runs named by a folder or glob, or a list of them. A folder may be a run,
     an evaluation, or any folder above them (a Hydra multirun dir, outputs/train). Evaluation folders
     join the run whose drafter they evaluated, whether they sit inside it, next to it, or elsewhere."""
     run_dirs: list[Path] = []
@@ -264,8 +311,15 @@ _IGNORE_KEYS = {"out_dir", "run_name", "resume", "global_step", "target.fingerpr
 _IGNORE_SUFFIXES = ("_dir", ".dir", ".path", "cache_dir", "progress")
 # Preferred axes and series labels, most telling first (ties in the number of distinct values).
 PRIORITY = (
-    "head.rank", "drafter.block_size", "drafter.num_layers", "head.name", "drafter.name",
-    "target.name", "loss.tv", "loss.ce", "seed",
+    "head.rank",
+    "drafter.block_size",
+    "drafter.num_layers",
+    "head.name",
+    "drafter.name",
+    "target.name",
+    "loss.tv",
+    "loss.ce",
+    "seed",
 )
 # Series labels read best as "dflash" / "dspark rnn": the drafter, then its head.
 SERIES_FIRST = ("drafter.name", "head.name", "target.name")
@@ -305,17 +359,18 @@ class AxisError(ValueError):
 
 @dataclass
 class SweepAxis:
-    key: str | None                     # config key on the x-axis (None: nothing differs)
-    series: list[str]                   # further keys that split runs into lines
-    differing: list[str]                # every experimental key that differs
+    key: str | None  # config key on the x-axis (None: nothing differs)
+    series: list[str]  # further keys that split runs into lines
+    differing: list[str]  # every experimental key that differs
 
     def value(self, run: Run) -> Any:
         return run.flat.get(self.key) if self.key else None
 
     def series_label(self, run: Run) -> str:
         f = run.flat  # names speak for themselves ("dflash"); numbers need their key ("rank=64")
-        return " ".join(str(f.get(k)) if k.endswith(".name") else f"{k.split('.')[-1]}={f.get(k)}"
-                        for k in self.series)
+        return " ".join(
+            str(f.get(k)) if k.endswith(".name") else f"{k.split('.')[-1]}={f.get(k)}" for k in self.series
+        )
 
     def order(self, runs: Sequence[Run]) -> list[Run]:
         """Runs sorted along the axis (numbers ascending, known categories in their natural order)."""
@@ -326,8 +381,9 @@ class SweepAxis:
             return sorted(runs, key=lambda r: (self.series_label(r), self.value(r)))
         known = CATEGORY_ORDER.get(self.key, ())
         rank = {v: i for i, v in enumerate(known)}
-        return sorted(runs, key=lambda r: (rank.get(self.value(r), len(rank)), str(self.value(r)),
-                                           self.series_label(r)))
+        return sorted(
+            runs, key=lambda r: (rank.get(self.value(r), len(rank)), str(self.value(r)), self.series_label(r))
+        )
 
 
 def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
@@ -349,9 +405,12 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
     )
     if prefer:
         if prefer not in common:
-            raise AxisError(f"axis={prefer}: no such config key in every run (have e.g. {sorted(common)[:8]})")
+            raise AxisError(
+                f"axis={prefer}: no such config key in every run (have e.g. {sorted(common)[:8]})"
+            )
         key = prefer
     elif differing:
+
         def levels(k: str) -> int:
             return len({repr(f[k]) for f in flats})
 
@@ -362,7 +421,9 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
     else:
         return SweepAxis(None, [], [])
     series: list[str] = []
-    for k in sorted(differing, key=lambda k: (SERIES_FIRST.index(k) if k in SERIES_FIRST else 9, _prio(k), k)):
+    for k in sorted(
+        differing, key=lambda k: (SERIES_FIRST.index(k) if k in SERIES_FIRST else 9, _prio(k), k)
+    ):
         if k != key and not _determined(k, [key, *series], flats):
             series.append(k)
     return SweepAxis(key, series, differing)
