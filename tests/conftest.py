@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "1")))
 
 
 def load_group(group: str, name: str):

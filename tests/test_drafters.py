@@ -254,4 +254,5 @@ def test_training_raises_tau_prob(tiny_target):
         opt.step()
         taus.append(float(m["tau_prob"]))
     start, end = sum(taus[:5]) / 5, sum(taus[-5:]) / 5
-    assert end > start + 1.0, (start, end)
+    print(f"tau_prob {start:.2f} -> {end:.2f}")
+    assert end > 1.6 * start, (start, end)  # measured: 1.06 -> 2.09
