@@ -38,6 +38,27 @@ def packed_block_mask(anchors: Tensor, ctx_len: int, gamma: int) -> Tensor:
     return torch.cat([sees_ctx, sees_block], dim=-1)
 
 
+def packed_block_mask_mod(anchors: Tensor, ctx_len: int, gamma: int):
+    """The same rule as `packed_block_mask`, as a flex-attention mask_mod (never materialised)."""
+    start = anchors.clamp(min=0)
+
+    def mask_mod(b, h, q, kv):
+        block = q // gamma
+        sees_ctx = kv < start[b, block]
+        sees_own = (kv - ctx_len) // gamma == block
+        return torch.where(kv < ctx_len, sees_ctx, sees_own)
+
+    return mask_mod
+
+
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, gamma: int):
     """For anchors [B, A]: the label positions a+k+1, the positions whose target distribution
     predicts them (a+k), and the eval mask: inside the sequence and loss_mask holding contiguously
@@ -79,6 +100,10 @@ class BlockDrafter(nn.Module):
         self.dims = dims
         self.gamma = int(cfg.block_size)
         self.num_anchors = int(cfg.get("num_anchors", 512))
+        # Training attention: "dense" (boolean mask, SDPA) or "flex" (sparse block mask, compiled on
+        # CUDA). Flex is tested equal to dense on CPU (forward); it has not yet run on a GPU, so the
+        # default stays dense until it has.
+        self.attention = cfg.get("attention", "dense")
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
@@ -124,7 +149,7 @@ class BlockDrafter(nn.Module):
         anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
         x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, Aγ, d]
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.gamma, device=x.device)).flatten(1)
-        mask = packed_block_mask(anchors, t, self.gamma)
+        mask = self.training_mask(anchors, t, x.device)
         ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
         hidden = self.backbone(x, pos, ctx_kv, mask).view(b, a, self.gamma, -1)
         pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
@@ -139,6 +164,16 @@ class BlockDrafter(nn.Module):
             valid=valid,
             labels=labels,
         )
+
+    def training_mask(self, anchors: Tensor, ctx_len: int, device):
+        if self.attention != "flex" or not flex_available():
+            return packed_block_mask(anchors, ctx_len, self.gamma)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, a = anchors.shape
+        q_len = a * self.gamma
+        mod = packed_block_mask_mod(anchors, ctx_len, self.gamma)
+        return create_block_mask(mod, b, None, q_len, ctx_len + q_len, device=device)
 
     # ---- inference ---------------------------------------------------------------------------
     def new_cache(self, r: int, device, dtype=None) -> DraftCache:

@@ -36,6 +36,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+_compiled_flex = None
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
+    """Flex attention over a sparse block mask (compiled on CUDA, where it pays; eager elsewhere)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, s: LayerShape):
         super().__init__()
@@ -61,7 +77,8 @@ class Attention(nn.Module):
         self, x: Tensor, positions: Tensor, ctx_kv: tuple[Tensor, Tensor] | None, mask: Tensor | None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [B, Q, d] draft tokens; ctx_kv: keys/values [B, Hkv, C, hd] placed before the draft's own;
-        mask: bool [B, Q, C + Q] (True = may attend) or None for full attention.
+        mask: bool [B, Q, C + Q] (True = may attend), a flex-attention BlockMask over the same
+        layout, or None for full attention.
         Returns the output and the draft tokens' own (k, v)."""
         q = self.q_norm(self._heads(self.q_proj(x), self.s.num_heads))
         cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
@@ -71,6 +88,9 @@ class Attention(nn.Module):
         if ctx_kv is not None:
             k = torch.cat([ctx_kv[0], k_self], dim=2)
             v = torch.cat([ctx_kv[1], v_self], dim=2)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
+            out = flex(q, k, v, mask).transpose(1, 2).reshape(*x.shape[:-1], -1)
+            return self.o_proj(out), (k_self, v_self)
         groups = self.s.num_heads // self.s.num_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
