@@ -5,7 +5,7 @@ set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -20
 T="target=smollm2_135m target.path=/root/stage target.device=cuda"
-DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 +data.anchors_per_sequence=128 data.benchmark_dir=bench"
+DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 data.anchors_per_sequence=128 data.benchmark_dir=bench"
 TRAIN="trainer=gpu trainer.max_time=${TRAIN_TIME:-00:00:02:00} trainer.max_steps=100000 trainer.val_check_interval=200"
 mkdir -p runs
 # Sanity first (seconds): the tiny target trains and decodes on CUDA.

@@ -5,7 +5,7 @@
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 T="target=smollm2_135m target.path=/root/stage target.device=cuda"
-DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 +data.anchors_per_sequence=128 data.benchmark_dir=bench"
+DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 data.anchors_per_sequence=128 data.benchmark_dir=bench"
 TRAIN="trainer=gpu trainer.max_time=${TRAIN_TIME:-00:00:02:00} trainer.max_steps=100000 trainer.val_check_interval=200"
 for d in dflash eagle3; do
   python3 -m dspark.train $T $DATA $TRAIN drafter=$d hydra.run.dir=runs/$d 2>&1 | tail -3
