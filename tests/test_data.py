@@ -26,7 +26,6 @@ from dspark.data.prompts import (
 from dspark.data.regenerate import (
     Continuation,
     Sampling,
-    cpu_threads,
     generate_continuations,
     load_conversations,
     nucleus,
@@ -38,7 +37,6 @@ from dspark.data.tokenize import (
     prompt_ids,
     tokenize_conversation,
 )
-from dspark.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "benchmarks"
@@ -60,12 +58,8 @@ def data_cfg(tmp: Path, **over):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    # Fewer threads than cores when the box is busy: oversubscribed OpenMP threads crawl (see cpu_threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads("auto"))
-    yield load_target(target_cfg("tiny"))
-    torch.set_num_threads(threads)
+def tiny(tiny_target):
+    return tiny_target  # conftest's session-wide tiny target (one torch thread)
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +412,7 @@ def test_decode_loop_matches_hf_generate_greedy(tiny, tok):
     for bs in (3, 2):
         got = generate_continuations(tiny, pre, s, batch_size=bs, seed=0, backend="loop")
         assert [c.tokens for c in got] == [c.tokens for c in ref]
+    assert tiny.model.config._attn_implementation == "sdpa"  # the decoding attention was switched back
     # Sampling is reproducible from the seed alone and changes with it.
     s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=8)
     x = generate_continuations(tiny, pre, s, batch_size=2, seed=1)
@@ -566,6 +561,9 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     # A finished folder is reused without loading anything...
     monkeypatch.setattr("dspark.prepare._load_target", lambda cfg: pytest.fail("should not load the target"))
     assert ensure_dataset(cfg, target_cfg("tiny")) == out
+    # Keys that only change how the folder is read or built are free to differ...
+    read_only = OmegaConf.merge(cfg, {"batch_size": 7, "gen_batch_size": 3, "anchors_per_sequence": 5})
+    assert ensure_dataset(read_only, target_cfg("tiny")) == out
     # ...and a different data config for the same folder is refused with the differing key named.
     cfg.num_prompts = 9
     with pytest.raises(DataError, match="num_prompts: 8 -> 9"):
@@ -574,3 +572,22 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
 
 def tok_pad(target) -> int:
     return int(target.tokenizer.pad_token_id)
+
+
+def test_thread_governor_follows_the_load(monkeypatch):
+    from dspark.data.regenerate import ThreadGovernor
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr("os.getloadavg", lambda: (3.0, 3.0, 3.0))  # two other busy jobs
+        gov = ThreadGovernor("auto", period=0.0)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr("os.getloadavg", lambda: (1.0, 1.0, 1.0))  # only our own thread left
+        gov.tick()
+        assert torch.get_num_threads() == 2
+        ThreadGovernor(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ from omegaconf import OmegaConf
 from dspark.data.cache import CacheMismatch, FeatureCache, build_cache, target_fingerprint
 from dspark.data.datamodule import BucketBatchSampler, DraftDataModule, SeededRandomSampler, tokens_path
 from dspark.data.io import DataError
-from dspark.data.regenerate import cpu_threads
 from dspark.data.tokenize import load_tokens
 from dspark.target import load_target
 
@@ -29,11 +28,8 @@ def target_cfg(name: str, **over):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads("auto"))
-    yield load_target(target_cfg("tiny"))
-    torch.set_num_threads(threads)
+def tiny(tiny_target):
+    return tiny_target  # conftest's session-wide tiny target (one torch thread)
 
 
 @pytest.fixture(scope="module")

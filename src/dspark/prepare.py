@@ -28,19 +28,14 @@ log = logging.getLogger(__name__)
 
 DONE = "DONE.json"
 BUILD = "build.json"
-# Keys that change only how a finished dataset is read (or whether a cache exists), not its content.
-_READ_ONLY_KEYS = {
-    "dir",
-    "name",
-    "batch_size",
-    "num_workers",
-    "bucket_batches",
-    "offline_cache",
-    "cache_max_gb",
-    "cache_batch_size",
-    "cache_shard_size",
-    "cpu_threads",
-}
+# The data keys that define a dataset. Anything else in `data` (training batch size, workers,
+# bucketing, anchors, cache options, generation batch/backend/threads...) changes only how a folder
+# is built or read, so it may change between runs without a rebuild.
+CONTENT_KEYS = (
+    "source", "num_prompts", "val_fraction", "seed", "max_length", "max_prompt_length", "min_prompt_chars",
+    "max_prompt_chars", "max_new_tokens", "benchmark_dir", "strict", "shard_size", "self_generated",
+    "jsonl", "hub",
+)  # fmt: skip
 
 
 def build_key(cfg_data, cfg_target) -> dict:
@@ -48,7 +43,7 @@ def build_key(cfg_data, cfg_target) -> dict:
         OmegaConf.to_container(cfg_data, resolve=True) if isinstance(cfg_data, DictConfig) else dict(cfg_data)
     )
     return {
-        "data": {k: v for k, v in data.items() if k not in _READ_ONLY_KEYS},
+        "data": {k: data.get(k) for k in CONTENT_KEYS},
         "target": {
             "name": cfg_target.name,
             "generation": _plain(cfg_target.get("generation")),
@@ -80,12 +75,14 @@ def read_done(data_dir: str | Path) -> dict | None:
 def _check_build(data_dir: Path, key: dict) -> None:
     path = data_dir / BUILD
     if path.exists():
-        diff = _diff(read_json(path), key)
+        old = read_json(path)
+        # Only the defining keys count (an older build.json may hold more).
+        old = {"data": {k: old.get("data", {}).get(k) for k in CONTENT_KEYS}, "target": old.get("target")}
+        diff = _diff(old, key)
         if diff:
             raise DataError(
                 f"data.dir {data_dir} was prepared with another config ({'; '.join(diff[:6])}). "
-                f"Use another data.dir, "
-                f"or rebuild it with python -m dspark.prepare force=true"
+                f"Use another data.dir, or rebuild it with python -m dspark.prepare force=true"
             )
 
 
@@ -111,8 +108,10 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
 
 
 def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
+    import torch
+
     from .data.prompts import build_prompts
-    from .data.regenerate import Sampling, load_conversations, regenerate_split
+    from .data.regenerate import Sampling, load_conversations, regenerate
     from .data.tokenize import end_markers, save_tokens, tokenize_records
 
     t_start = time.perf_counter()
@@ -127,19 +126,17 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     target = target if target is not None else _load_target(cfg_target)
     tok, chat_kwargs = target.tokenizer, _chat_kwargs(cfg_target)
     timings: dict[str, float] = {}
-    threads = None
+    governor = None
     if target.device.type == "cpu":
-        import torch
+        from .data.regenerate import ThreadGovernor
 
-        from .data.regenerate import cpu_threads
-
-        threads = cpu_threads(cfg_data.get("cpu_threads", "auto"))
-        torch.set_num_threads(threads)
+        governor = ThreadGovernor(cfg_data.get("cpu_threads", "auto"))
         log.info(
             "CPU generation with %d torch thread(s) (data.cpu_threads=%s)",
-            threads,
+            torch.get_num_threads(),
             cfg_data.get("cpu_threads", "auto"),
         )
+    on_step = governor.tick if governor else None
 
     # 1. prompts (all or nothing: stats.json is written last)
     pdir = data_dir / "prompts"
@@ -148,7 +145,9 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
         splits = {s: read_jsonl(pdir / f"{s}.jsonl") for s in ("train", "val")}
         prompt_stats = read_json(pdir / "stats.json")
     else:
-        train, val, stats = build_prompts(cfg_data, tok, target=target, chat_kwargs=chat_kwargs)
+        train, val, stats = build_prompts(
+            cfg_data, tok, target=target, chat_kwargs=chat_kwargs, on_step=on_step
+        )
         splits = {"train": train, "val": val}
         for s, rows in splits.items():
             atomic_write_jsonl(pdir / f"{s}.jsonl", rows)
@@ -158,22 +157,21 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
 
     # 2. answers (resumable shards)
     sampling = Sampling.from_config(cfg_target.get("generation"), cfg_data.get("max_new_tokens"))
-    regen = {}
     t = time.perf_counter()
-    for s, rows in splits.items():
-        regen[s] = regenerate_split(
-            target,
-            rows,
-            data_dir / "answers",
-            s,
-            sampling,
-            shard_size=int(cfg_data.get("shard_size", 64)),
-            batch_size=int(cfg_data.get("gen_batch_size", 16)),
-            seed=int(cfg_data.seed),
-            max_length=int(cfg_data.max_length),
-            chat_kwargs=chat_kwargs,
-            backend=str(cfg_data.get("generate_backend", "loop")),
-        ).as_dict()
+    per_split, regen_total = regenerate(
+        target,
+        splits,
+        data_dir / "answers",
+        sampling,
+        shard_size=int(cfg_data.get("shard_size", 64)),
+        batch_size=int(cfg_data.get("gen_batch_size", 16)),
+        seed=int(cfg_data.seed),
+        max_length=int(cfg_data.max_length),
+        chat_kwargs=chat_kwargs,
+        backend=str(cfg_data.get("generate_backend", "loop")),
+        on_step=on_step,
+    )
+    regen = {s: st.as_dict() for s, st in per_split.items()} | {"total": regen_total.as_dict()}
     timings["answers_s"] = time.perf_counter() - t
 
     # 3. tokens
@@ -215,7 +213,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     timings["total_s"] = time.perf_counter() - t_start
     convs = sum(token_stats[s]["samples"] for s in token_stats)
     gen_s = timings["prompts_s"] + timings["answers_s"]
-    answer_tokens = sum(r["answer_tokens"] for r in regen.values())
+    answer_tokens = regen_total.answer_tokens
     done = {
         "complete": True,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -224,16 +222,14 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
         "timings": {k: round(v, 2) for k, v in timings.items()},
         # Rates of this run (a resumed run counts only what it generated itself).
         "rate": {
-            "conversations_per_min": round(60 * sum(r["conversations"] for r in regen.values()) / gen_s, 2)
-            if gen_s
-            else None,
+            "conversations_per_min": round(60 * regen_total.conversations / gen_s, 2) if gen_s else None,
             "answer_tokens_per_s": round(answer_tokens / timings["answers_s"], 2)
             if timings["answers_s"]
             else None,
         },
         "offline_cache": bool(cfg_data.get("offline_cache", False)),
         "device": str(target.device),
-        "cpu_threads": threads,
+        "cpu_threads": torch.get_num_threads() if governor else None,
         "config": key,
     }
     atomic_write_json(data_dir / DONE, done)

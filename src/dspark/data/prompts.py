@@ -263,7 +263,7 @@ class _Enough(Exception):
 
 
 def self_generate_prompts(
-    target, cfg_data, prompt_filter: PromptFilter, chat_kwargs: dict | None = None
+    target, cfg_data, prompt_filter: PromptFilter, chat_kwargs: dict | None = None, on_step=None
 ) -> list[dict]:
     """Magpie-style: the target writes user prompts, topic-steered by an optional system message per
     domain (round-robin by weight), until `num_prompts` pass the filter or `max_candidates_factor` x
@@ -317,6 +317,7 @@ def self_generate_prompts(
                     batch_size=int(sg.batch_size),
                     seed=[cfg_data.seed, "prompts", rnd],
                     on_result=on_result,
+                    on_step=on_step,
                     backend=str(cfg_data.get("generate_backend", "loop")),
                 )
             drawn += m
@@ -371,7 +372,7 @@ def max_prompt_tokens(cfg_data) -> int:
 
 
 def build_prompts(
-    cfg_data, tokenizer, target=None, chat_kwargs: dict | None = None
+    cfg_data, tokenizer, target=None, chat_kwargs: dict | None = None, on_step=None
 ) -> tuple[list[dict], list[dict], PromptStats]:
     """Prompts of the configured source, filtered, decontaminated, capped at num_prompts and split."""
     source = cfg_data.get("source", "self_generated")
@@ -395,7 +396,7 @@ def build_prompts(
     if source == "self_generated":
         if target is None:
             raise DataError("data.source=self_generated needs the target model")
-        records = self_generate_prompts(target, cfg_data, flt, chat_kwargs)
+        records = self_generate_prompts(target, cfg_data, flt, chat_kwargs, on_step=on_step)
     elif source == "jsonl":
         path = (cfg_data.get("jsonl") or {}).get("path")
         if not path:

@@ -73,6 +73,31 @@ def cpu_threads(setting: object = "auto") -> int:
     return max(1, int(setting))
 
 
+class ThreadGovernor:
+    """Keeps torch's CPU thread count at `cpu_threads("auto")` while a long generation runs, so it
+    takes the second core back when the other jobs finish (and yields it when they return).
+    `tick()` is cheap; it re-reads the load average at most every `period` seconds."""
+
+    def __init__(self, setting: object = "auto", period: float = 30.0):
+        self.auto = setting in (None, "auto")
+        self.ceiling = torch.get_num_threads()
+        self.period = period
+        self.last = time.monotonic()
+        torch.set_num_threads(cpu_threads(setting))
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if not self.auto or now - self.last < self.period or not hasattr(os, "getloadavg"):
+            return
+        self.last = now
+        ours = torch.get_num_threads()
+        others = max(0.0, os.getloadavg()[0] - ours)  # the load average counts our own threads too
+        want = max(1, min(self.ceiling, (os.cpu_count() or 1) - int(round(others))))
+        if want != ours:
+            torch.set_num_threads(want)
+            log.info("CPU threads %d -> %d (load average %.1f)", ours, want, os.getloadavg()[0])
+
+
 def _pad_id(target) -> int:
     tok = target.tokenizer
     return int(tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0])
@@ -142,7 +167,7 @@ def _left_pad(prefixes: list[list[int]], pad: int, device) -> tuple[torch.Tensor
 
 class _GrowingLayer:
     """Mixin for a transformers DynamicLayer: append new keys/values into spare capacity (doubled when
-    full) instead of `torch.cat`-ing the whole cache at every step. At batch 64 that per-step copy
+    exhausted) instead of `torch.cat`-ing the whole cache at every step. At batch 64 that per-step copy
     and its page faults cost more than the matmuls on CPU. `keys`/`values` stay views of the buffer;
     anything that replaces them (row selection, cropping) simply triggers a fresh buffer."""
 
@@ -161,7 +186,7 @@ class _GrowingLayer:
             or self.keys.stride() != buf[0].stride()
             or length + n > buf[0].shape[2]
         ):
-            cap = max(64, 2 * (length + n))
+            cap = length + n + max(64, (length + n) // 4)  # 25% headroom: bounded memory, rare copies
             shape = (*key_states.shape[:2], cap, key_states.shape[-1])
             buf = (key_states.new_empty(shape), value_states.new_empty(shape))
             if length:
@@ -327,6 +352,7 @@ def decode_stream(
     batch_size: int,
     generator: torch.Generator | None,
     on_result: Callable[[int, Continuation], None],
+    on_step: Callable[[], None] | None = None,
 ) -> None:
     """Continuous batching with a KV cache: queued prefixes take the slots of rows that stopped (a
     stop token, or their limit), so the batch stays full and short answers never wait for long ones.
@@ -374,6 +400,8 @@ def decode_stream(
                 batch.rows[r] = None
         if any(i is not None for i in batch.rows):
             batch.step(nxt)
+        if on_step:
+            on_step()
 
 
 @torch.no_grad()
@@ -386,6 +414,7 @@ def generate_continuations(
     seed: object,
     max_new_tokens: Sequence[int] | None = None,
     on_result: Callable[[int, Continuation], None] | None = None,
+    on_step: Callable[[], None] | None = None,
     backend: str = "loop",
 ) -> list[Continuation]:
     """Sample a continuation of every prefix from the target, with per-prefix token limits.
@@ -412,7 +441,7 @@ def generate_continuations(
     if backend == "loop":
         gen = torch.Generator(device=device).manual_seed(int(stable_hash(seed, 15), 16))
         with fast_decoding(model):
-            decode_stream(model, prefixes, limits, sampling, eos, pad, batch_size, gen, record)
+            decode_stream(model, prefixes, limits, sampling, eos, pad, batch_size, gen, record, on_step)
         return out  # type: ignore[return-value]
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
     for b, start in enumerate(range(0, len(order), batch_size)):
@@ -466,11 +495,24 @@ class RegenStats:
         return d
 
 
-def regenerate_split(
+def _finished_shards(out_dir: Path, split: str, shards: list[list[dict]]) -> list[int]:
+    done = []
+    for k, shard in enumerate(shards):
+        path = shard_path(out_dir, split, k)
+        if path.exists():
+            if [r["id"] for r in read_jsonl(path)] != [p["id"] for p in shard]:
+                raise DataError(
+                    f"{path} holds other prompts than this run would write there (a different prompt list "
+                    f"or shard_size): refusing to mix runs. Delete {out_dir} or use a fresh data.dir."
+                )
+            done.append(k)
+    return done
+
+
+def regenerate(
     target,
-    prompts: list[dict],
+    splits: dict[str, list[dict]],
     out_dir: str | Path,
-    split: str,
     sampling: Sampling,
     *,
     shard_size: int,
@@ -480,65 +522,64 @@ def regenerate_split(
     chat_kwargs: dict | None = None,
     backend: str = "loop",
     write_rows: Callable[[Path, list[dict]], None] = atomic_write_jsonl,
-) -> RegenStats:
-    """Answer every prompt of one split into `out_dir/<split>-NNNNN.jsonl`.
+    on_step: Callable[[], None] | None = None,
+) -> tuple[dict[str, RegenStats], RegenStats]:
+    """Answer every prompt of every split into `out_dir/<split>-NNNNN.jsonl`.
 
     Finished shards are skipped (after checking they hold exactly the expected prompt ids); the
-    prompts of the others stream through one generation pass, and each shard is written the moment
-    its last answer arrives."""
+    prompts of all other shards, of all splits, stream through one generation pass (one batch
+    tail instead of one per split), and each shard is written the moment its last answer arrives.
+    Returns per-split counts and the totals (with the wall time of the pass)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
-    stats = RegenStats()
-    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
-    todo = []
-    for k, shard in enumerate(shards):
-        path = shard_path(out_dir, split, k)
-        if path.exists():
-            have = [r["id"] for r in read_jsonl(path)]
-            if have != [p["id"] for p in shard]:
-                raise DataError(
-                    f"{path} holds other prompts than this run would write there (a different prompt list or "
-                    f"shard_size): refusing to mix runs. Delete {out_dir} or use a fresh data.dir."
-                )
-            stats.skipped_shards += 1
-        else:
-            todo.append(k)
-    if stats.skipped_shards:
-        log.info("%s: %d finished shard(s) found, resuming with %d", split, stats.skipped_shards, len(todo))
-    if not todo:
-        return stats
-    # Work list: (shard, position in shard) per prompt of the unfinished shards, in order.
-    work = [(k, j) for k in todo for j in range(len(shards[k]))]
-    prefixes = [prompt_ids(tok, conversation_messages(shards[k][j]), chat_kwargs) for k, j in work]
+    stats = {split: RegenStats() for split in splits}
+    total = RegenStats()
+    shards = {s: [ps[i : i + shard_size] for i in range(0, len(ps), shard_size)] for s, ps in splits.items()}
+    work: list[tuple[str, int, int]] = []  # (split, shard, position in shard) of every prompt still to answer
+    for split, sh in shards.items():
+        done = set(_finished_shards(out_dir, split, sh))
+        stats[split].skipped_shards = total.skipped_shards = len(done)
+        if done:
+            log.info(
+                "%s: %d finished shard(s) found, resuming with %d", split, len(done), len(sh) - len(done)
+            )
+        work += [(split, k, j) for k in range(len(sh)) if k not in done for j in range(len(sh[k]))]
+    total.skipped_shards = sum(s.skipped_shards for s in stats.values())
+    if not work:
+        return stats, total
+    prefixes = [prompt_ids(tok, conversation_messages(shards[s][k][j]), chat_kwargs) for s, k, j in work]
     room = [max(1, max_length - len(p)) for p in prefixes]  # tokens past max_length would be cut anyway
-    pending = {k: [None] * len(shards[k]) for k in todo}
-    missing = {k: len(shards[k]) for k in todo}
+    pending = {(s, k): [None] * len(shards[s][k]) for s, k, _ in work}
+    missing = {key: len(rows) for key, rows in pending.items()}
     start = time.perf_counter()
-    bar = tqdm(total=len(work), desc=f"answering ({split})", unit="conv")
+    bar = tqdm(total=len(work), desc=f"answering ({'+'.join(splits)})", unit="conv")
 
     def on_result(i: int, c: Continuation) -> None:
-        k, j = work[i]
-        p = shards[k][j]
-        pending[k][j] = {
+        split, k, j = work[i]
+        p = shards[split][k][j]
+        answer = decode(tok, c.tokens)
+        pending[(split, k)][j] = {
             "id": p["id"],
             "split": split,
             "domain": p.get("domain"),
             "source": p.get("source"),
-            "messages": conversation_messages(p) + [{"role": "assistant", "content": decode(tok, c.tokens)}],
+            "messages": conversation_messages(p) + [{"role": "assistant", "content": answer}],
             "finish": "stop" if c.finished else "length",
             "answer_tokens": len(c.tokens),
         }
-        stats.answer_tokens += len(c.tokens) + c.finished
-        stats.finished += c.finished
-        stats.cut_at_max_new_tokens += not c.finished
-        missing[k] -= 1
-        if missing[k] == 0:  # the shard is complete: write it now (atomically) so a crash loses little
-            write_rows(shard_path(out_dir, split, k), pending.pop(k))
-            stats.written_shards += 1
-            stats.conversations += len(shards[k])
+        for st in (stats[split], total):
+            st.answer_tokens += len(c.tokens) + c.finished
+            st.finished += c.finished
+            st.cut_at_max_new_tokens += not c.finished
+        missing[(split, k)] -= 1
+        if missing[(split, k)] == 0:  # the shard is complete: write it now (atomically), a crash loses little
+            write_rows(shard_path(out_dir, split, k), pending.pop((split, k)))
+            for st in (stats[split], total):
+                st.written_shards += 1
+                st.conversations += len(shards[split][k])
         bar.update(1)
-        bar.set_postfix(tok_s=f"{stats.answer_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+        bar.set_postfix(tok_s=f"{total.answer_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
 
     try:
         generate_continuations(
@@ -546,15 +587,25 @@ def regenerate_split(
             prefixes,
             sampling,
             batch_size=batch_size,
-            seed=[seed, split, todo],
+            seed=[seed, sorted({(s, k) for s, k, _ in work})],
             max_new_tokens=room,
             on_result=on_result,
+            on_step=on_step,
             backend=backend,
         )
     finally:
         bar.close()
-        stats.seconds = time.perf_counter() - start
-    return stats
+        total.seconds = time.perf_counter() - start
+    return stats, total
+
+
+def regenerate_split(
+    target, prompts: list[dict], out_dir: str | Path, split: str, sampling: Sampling, **kw
+) -> RegenStats:
+    """`regenerate` for a single split (same keywords); returns its stats with the pass's wall time."""
+    stats, total = regenerate(target, {split: prompts}, out_dir, sampling, **kw)
+    stats[split].seconds = total.seconds
+    return stats[split]
 
 
 def load_conversations(out_dir: str | Path, split: str) -> list[dict]:
