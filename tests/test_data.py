@@ -198,6 +198,15 @@ def test_split_is_deterministic_and_disjoint():
     assert len(split_train_val(recs[:3], 0.1, seed=0)[1]) == 1  # at least one validation prompt
 
 
+def test_salvage_keeps_the_leading_question():
+    from dspark.data.prompts import salvage_question
+
+    assert salvage_question("How do I sort a list? I tried sorted() but it keeps") == "How do I sort a list?"
+    assert salvage_question("What is 2+2? And 3+3?\nAlso, for extra credit, expl") == "What is 2+2? And 3+3?"
+    assert salvage_question(" Is water wet?") == "Is water wet?"
+    assert salvage_question("Write a function that computes the sum of") == ""
+
+
 def test_magpie_prefix_stops_at_user_content(tok):
     text = tok.decode(magpie_prefix(tok, None))
     assert text.endswith("<|im_start|>user\n") and "<|im_start|>system" in text
@@ -236,7 +245,8 @@ def test_self_generation_filters_and_mixes_topics(tiny, tok, tmp_path, monkeypat
     got = self_generate_prompts(tiny, cfg, flt)
     assert len(got) == 5 and len({g["prompt"] for g in got}) == 5
     assert flt.stats.counts["duplicate"] >= 1 and flt.stats.counts["repetitive"] >= 1
-    assert flt.stats.counts["unfinished"] >= 1
+    assert flt.stats.counts["unfinished"] + flt.stats.counts["salvaged"] >= 1
+    assert all(not g["prompt"].startswith("Solve") for g in got)  # cut without a question: dropped
     assert {g["domain"] for g in got} == {"math", "code", "chat"}
     assert any("math tutor" in p for p in seen_prefixes) and any(
         "Python programmer" in p for p in seen_prefixes
