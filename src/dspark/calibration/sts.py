@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,16 +166,8 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file in the same directory, fsync, then os.replace (atomic on POSIX)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Temp file beside `path`, fsync, rename: a reader never sees half a file."""
+    from ..data.io import atomic_open
+
+    with atomic_open(path) as f:
+        f.write(text)

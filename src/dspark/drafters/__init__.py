@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from ..data.io import atomic_save_safetensors, atomic_write_json
 from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from .dflash import BlockDrafter
 from .dspark import DSparkDrafter
@@ -69,17 +68,8 @@ def save_drafter(
         **(extra or {}),
     }
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
-        pass
-    save_file(state, tmp.name)
-    os.replace(tmp.name, folder / WEIGHTS)
-    _atomic_json(folder / CONFIG, config)
-
-
-def _atomic_json(path: Path, obj) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        json.dump(obj, tmp, indent=2)
-    os.replace(tmp.name, path)
+    atomic_save_safetensors(folder / WEIGHTS, state)
+    atomic_write_json(folder / CONFIG, config)
 
 
 def load_drafter(folder: str | Path, target=None, device="cpu"):

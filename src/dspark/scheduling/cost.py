@@ -13,7 +13,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -224,19 +223,11 @@ class CostModel:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Atomic write: a reader sees the old table or the new one, never half a file."""
+        from ..data.io import atomic_open
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_open(path) as f:
+            f.write(self.to_json())
         return path
 
     @classmethod
