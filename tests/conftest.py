@@ -33,3 +33,34 @@ def smollm2_target():
     cfg = load_group("target", "smollm2_135m")
     cfg.device = "cpu"
     return load_target(cfg)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    """The tiny target's architecture with a 256-token vocabulary (peaky: ~1.5-2.5 nats): the
+    engine tests' target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark.target import Target
+
+    tiny = load_group("target", "tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=tiny.tiny.hidden_size,
+        intermediate_size=tiny.tiny.intermediate_size,
+        num_hidden_layers=tiny.tiny.num_layers,
+        num_attention_heads=tiny.tiny.num_heads,
+        num_key_value_heads=tiny.tiny.num_kv_heads,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        max_position_embeddings=512,
+    )
+    return Target(
+        LlamaForCausalLM(cfg),
+        None,
+        layer_ids=list(tiny.layer_ids),
+        mask_token_id=3,
+        eos_token_ids=[],
+        name="tiny-v256",
+    )

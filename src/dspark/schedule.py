@@ -96,7 +96,9 @@ def _drafter_config(cfg: DictConfig) -> dict:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    return json.loads((folder / "config.json").read_text())
+    from .drafters import read_drafter_config  # ours, or a DeepSpec/engine-format folder (translated)
+
+    return read_drafter_config(folder)
 
 
 def _gamma(cfg: DictConfig, block: int) -> int:
@@ -283,6 +285,7 @@ def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
         seed=int(cfg.seed),
         warmup=bool(cfg.measured.warmup),
         progress=bool(cfg.progress),
+        engine_kind=str(cfg.measured.get("engine", "plain")),
     )
     info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
     return frontier, cost, info

@@ -180,24 +180,28 @@ class Engine:
         self.device = target.device
         self.shared = Shared.of(target)
         self.cost = cost
+        self.has_confidence = drafter is not None and getattr(drafter, "confidence", None) is not None
+        self.set_policy(policy)
+        self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
+
+    def set_policy(self, policy=None) -> None:
+        """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
         if policy is None:
             from ..scheduling.policies import Fixed
 
             policy = Fixed(None)
-        self.policy = policy
         name = getattr(policy, "name", type(policy).__name__).lower()
-        self.has_confidence = drafter is not None and getattr(drafter, "confidence", None) is not None
-        if drafter is not None and name in NEEDS_CONFIDENCE and not self.has_confidence:
+        if self.drafter is not None and name in NEEDS_CONFIDENCE and not self.has_confidence:
             raise ValueError(
                 f"policy '{name}' needs per-position confidences, but drafter "
-                f"'{getattr(drafter, 'kind', '?')}' has no confidence head: use policy=fixed or policy=mtp1, "
-                f"or a DSpark drafter with confidence.enabled=true"
+                f"'{getattr(self.drafter, 'kind', '?')}' has no confidence head: use policy=fixed or "
+                f"policy=mtp1, or a DSpark drafter with confidence.enabled=true"
             )
-        if drafter is not None and name in NEEDS_COST and cost is None:
+        if self.drafter is not None and name in NEEDS_COST and self.cost is None:
             raise ValueError(
                 f"policy '{name}' needs a cost model (a profiled SPS table): set policy.cost_table"
             )
-        self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
+        self.policy = policy
 
     @classmethod
     def from_checkpoint(cls, target, drafter_dir: str | Path, policy=None, **kw) -> Engine:
@@ -220,6 +224,7 @@ class Engine:
                 r.id = i
             if len(r.prompt) == 0:
                 raise ValueError(f"request {r.id} has an empty prompt")
+        self._check_requests(reqs)
         if hasattr(self.policy, "reset"):
             self.policy.reset()
         queue = deque(range(len(reqs)))
@@ -227,8 +232,7 @@ class Engine:
         rounds: list[RoundRecord] = []
         steps: list[dict] = []
         live: list[_Live] = []
-        kv: RaggedKV | None = None
-        dcache = None
+        self._reset_state()
         anchors = anchor_pos = None  # [R] long each
         start = time.perf_counter()
         bar = _progress(len(reqs), self.desc, self.progress)
@@ -237,19 +241,14 @@ class Engine:
             while queue or live:
                 if queue and len(live) < self.concurrency:
                     take = [queue.popleft() for _ in range(min(self.concurrency - len(live), len(queue)))]
-                    new_live, new_kv, new_dc, first = self._prefill([reqs[i] for i in take], take)
+                    new_live, first, pos = self._prefill([reqs[i] for i in take], take, len(live))
                     live += new_live
-                    kv = RaggedKV.concat(kv, new_kv)
-                    dcache = concat_draft_caches(dcache, new_dc) if self.drafter is not None else None
-                    pos = new_kv.length.clone()
                     anchors = first if anchors is None else torch.cat([anchors, first])
                     anchor_pos = pos if anchor_pos is None else torch.cat([anchor_pos, pos])
-                    kv, dcache, anchors, anchor_pos = self._retire(
-                        live, kv, dcache, anchors, anchor_pos, done, bar
-                    )
+                    anchors, anchor_pos = self._retire(live, anchors, anchor_pos, done, bar)
                     continue
                 t0 = time.perf_counter()
-                recs, anchors, anchor_pos, verified = self._round(live, kv, dcache, anchors, anchor_pos, step)
+                recs, anchors, anchor_pos, verified = self._round(live, anchors, anchor_pos, step)
                 _sync(self.device)
                 steps.append(
                     {
@@ -261,15 +260,14 @@ class Engine:
                 )
                 rounds += recs
                 step += 1
-                kv, dcache, anchors, anchor_pos = self._retire(
-                    live, kv, dcache, anchors, anchor_pos, done, bar
-                )
+                anchors, anchor_pos = self._retire(live, anchors, anchor_pos, done, bar)
                 if bar is not None and rounds:
                     bar.set_postfix(
                         tau=f"{sum(r.accepted + 1 for r in rounds) / len(rounds):.2f}", refresh=False
                     )
         if bar is not None:
             bar.close()
+        self._reset_state()
         return EngineResult(
             generations=[done[i] for i in range(len(reqs))],
             rounds=rounds,
@@ -277,13 +275,75 @@ class Engine:
             wall_s=time.perf_counter() - start,
         )
 
+    # ---- the caches: the plain path's; ``FastEngine`` overrides these five ---------------------
+    def _check_requests(self, reqs: list[Request]) -> None:
+        """Refuse what cannot run before any work starts (the plain caches grow, so nothing here)."""
+
+    def _reset_state(self) -> None:
+        self._kv: RaggedKV | None = None
+        self._dcache = None
+
+    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
+        """Prompts [n, P] (right-padded to P; real lengths ``lens``) into new cache rows
+        row0..row0+n-1: their target cache and drafter context. Returns (last hidden, taps)."""
+        n, width = ids.shape
+        kv = RaggedKV.empty(
+            self.target.model.config, n, width + self._gamma + 2, self.target.dtype, self.device
+        )
+        out = self.target(
+            ids,
+            positions=positions,
+            cache=kv,
+            attention_mask=kv.plan(width, self.target.dtype),
+            with_logits=False,
+            use_cache=True,
+        )
+        kv.commit(lens)
+        self._kv = RaggedKV.concat(self._kv, kv)
+        return out.last_hidden, out.taps
+
+    def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Verification forward of ids [R, G+1]: (target probabilities [R, G+1, V], taps)."""
+        mask = self._kv.plan(ids.shape[1], self.target.dtype)
+        out = self.target(ids, positions=positions, cache=self._kv, attention_mask=mask, use_cache=True)
+        return probs_from_logits(out.logits, self.temperature), out.taps
+
+    def _commit(self, kept: Tensor, taps: Tensor, positions: Tensor, next_tokens: Tensor) -> None:
+        """Keep kept[r] tokens of the last step in row r (the anchor and the accepted drafts) and
+        give their features to the drafter."""
+        self._kv.commit(kept)
+        if self.drafter is not None:
+            valid = torch.arange(positions.shape[1], device=self.device)[None, :] < kept[:, None]
+            self.drafter.extend_context(self._dcache, taps, positions, valid, next_tokens, self.shared)
+
+    def _keep_rows(self, index: Tensor) -> None:
+        self._kv = self._kv.select(index)
+        if self._dcache is not None:
+            self._dcache = select_cache(self._dcache, index)
+
+    def _propose(self, anchors: Tensor, anchor_pos: Tensor):
+        return self.drafter.propose(
+            self._dcache, anchors, anchor_pos, self.shared, self.temperature, self.generator
+        )
+
+    def _verify(self, target_probs, draft_probs, drafts, lengths):
+        r, g = drafts.shape
+        return verify(
+            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
+        )
+
     # ------------------------------------------------------------------------------------------
+    @property
+    def _gamma(self) -> int:
+        return getattr(self.drafter, "gamma", 0) if self.drafter is not None else 0
+
     def _uniform(self, *shape: int) -> Tensor:
         return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.device)
 
-    def _prefill(self, reqs: list[Request], order: list[int]):
+    def _prefill(self, reqs: list[Request], order: list[int], row0: int):
         """Run the new prompts together (right-padded), sample their first token from the target,
-        and seed their drafter context with the prompt features."""
+        and seed their drafter context with the prompt features. Returns the new live requests,
+        their first tokens (the next anchors) and the anchors' positions."""
         n = len(reqs)
         lens = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
         width = int(lens.max())
@@ -291,25 +351,16 @@ class Engine:
         for i, r in enumerate(reqs):
             ids[i, : len(r.prompt)] = torch.as_tensor(list(r.prompt), dtype=torch.long)
         positions = torch.arange(width, device=self.device).expand(n, -1)
-        gamma = getattr(self.drafter, "gamma", 0)
-        kv = RaggedKV.empty(self.target.model.config, n, width + gamma + 2, self.target.dtype, self.device)
-        mask = kv.plan(width, self.target.dtype)
-        out = self.target(
-            ids, positions=positions, cache=kv, attention_mask=mask, with_logits=False, use_cache=True
-        )
-        kv.commit(lens)
+        last_hidden, taps = self._prefill_forward(ids, positions, lens, row0)
         rows = torch.arange(n, device=self.device)
-        logits = self.target.lm_head(out.last_hidden[rows, lens - 1])
+        logits = self.target.lm_head(last_hidden[rows, lens - 1])
         first = sample_from(probs_from_logits(logits, self.temperature), self._uniform(n))
-        dcache = None
         if self.drafter is not None:
             # next_tokens[r, p] = token at p + 1: the prompt shifted left, then the first sampled token.
             nxt = torch.zeros_like(ids)
             nxt[:, :-1] = ids[:, 1:]
             nxt[rows, lens - 1] = first
-            valid = positions < lens[:, None]
-            dcache = self.drafter.new_cache(n, self.device)
-            self.drafter.extend_context(dcache, out.taps, positions, valid, nxt, self.shared)
+            self._extend_new_rows(taps, positions, positions < lens[:, None], nxt, row0)
         live = []
         for i, (r, idx) in enumerate(zip(reqs, order)):
             budget = self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
@@ -319,16 +370,19 @@ class Engine:
             else:
                 item.finish = "length"
             live.append(item)
-        return live, kv, dcache, first
+        return live, first, lens.clone()
 
-    def _round(self, live: list[_Live], kv: RaggedKV, dcache, anchors: Tensor, anchor_pos: Tensor, step: int):
+    def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
+        dcache = self.drafter.new_cache(taps.shape[0], self.device)
+        self.drafter.extend_context(dcache, taps, positions, valid, next_tokens, self.shared)
+        self._dcache = concat_draft_caches(self._dcache, dcache)
+
+    def _round(self, live: list[_Live], anchors: Tensor, anchor_pos: Tensor, step: int):
         r = len(live)
         device = self.device
         conf_logits = conf = None
         if self.drafter is not None:
-            prop = self.drafter.propose(
-                dcache, anchors, anchor_pos, self.shared, self.temperature, self.generator
-            )
+            prop = self._propose(anchors, anchor_pos)
             gamma = prop.tokens.shape[1]
             if prop.confidence_logits is not None:
                 conf_logits = prop.confidence_logits.float()
@@ -346,22 +400,15 @@ class Engine:
             draft_probs = None
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
-        mask = kv.plan(g + 1, self.target.dtype)
-        out = self.target(ids, positions=positions, cache=kv, attention_mask=mask, use_cache=True)
-        target_probs = probs_from_logits(out.logits, self.temperature)
+        target_probs, taps = self._target_step(ids, positions)
         if draft_probs is None:
             draft_probs = target_probs.new_zeros(r, 0, target_probs.shape[-1])
-        res = verify(
-            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
-        )
+        res = self._verify(target_probs, draft_probs, drafts, lengths)
         n = res.accepted
-        kv.commit(n + 1)  # the anchor and the accepted drafts; the rest is overwritten next round
-        if self.drafter is not None:
-            # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
-            nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
-            nxt[torch.arange(r, device=device), n] = res.next_token
-            valid = torch.arange(g + 1, device=device)[None, :] <= n[:, None]
-            self.drafter.extend_context(dcache, out.taps, positions, valid, nxt, self.shared)
+        # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
+        nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
+        nxt[torch.arange(r, device=device), n] = res.next_token
+        self._commit(n + 1, taps, positions, nxt)  # the rest is overwritten next round
 
         # Python bookkeeping (host copies once per round, after verification).
         n_l, next_l, len_l, pos_l = n.tolist(), res.next_token.tolist(), lengths.tolist(), anchor_pos.tolist()
@@ -416,11 +463,11 @@ class Engine:
                 break
         return kept
 
-    def _retire(self, live: list[_Live], kv, dcache, anchors, anchor_pos, done: dict, bar):
+    def _retire(self, live: list[_Live], anchors, anchor_pos, done: dict, bar):
         """Drop finished requests from the batch (both caches, anchors)."""
         keep = [i for i, item in enumerate(live) if item.finish is None]
         if len(keep) == len(live):
-            return kv, dcache, anchors, anchor_pos
+            return anchors, anchor_pos
         for item in live:
             if item.finish is not None:
                 done[item.index] = Generation(
@@ -435,10 +482,8 @@ class Engine:
                     bar.update(1)
         live[:] = [live[i] for i in keep]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        kv = kv.select(index)
-        if dcache is not None:
-            dcache = select_cache(dcache, index)
-        return kv, dcache, anchors[index], anchor_pos[index]
+        self._keep_rows(index)
+        return anchors[index], anchor_pos[index]
 
 
 def _temperatures(calibration, gamma: int | None) -> Tensor | None:

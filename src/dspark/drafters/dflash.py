@@ -197,7 +197,10 @@ class BlockDrafter(nn.Module):
         shared: Shared,
         temperature: float,
         generator: torch.Generator | None = None,
+        uniforms: Tensor | None = None,
     ) -> Proposal:
+        """γ tokens from each anchor. ``uniforms`` [R, γ] replaces the draws from ``generator``
+        (the CUDA-graph engine feeds them through a static buffer)."""
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
         x = self.block_inputs(anchor_tokens, shared)  # [R, γ, d]
@@ -207,9 +210,11 @@ class BlockDrafter(nn.Module):
         mask = torch.cat([sees_ctx, torch.ones(r, self.gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(r, self.gamma, -1)
         hidden = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
-        u = torch.rand(
-            r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
-        )
+        u = uniforms
+        if u is None:
+            u = torch.rand(
+                r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
+            )
         tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u.to(device))
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
 

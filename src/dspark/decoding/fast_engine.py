@@ -1,0 +1,257 @@
+"""The fast engine: the same rounds as ``Engine`` over static caches, with CUDA graphs.
+
+What changes against the plain engine (``engine.py``), and nothing else:
+  * the target runs ``StaticTarget`` (its own modules over a preallocated KV cache, slot ==
+    position); the drafter's context keys/values live in a static cache of the same layout,
+    written for every verified position inside the target step (rejected ones are invisible
+    because each row's context length only grows by the kept tokens, and are overwritten later);
+  * on CUDA the draft step (backbone + sequential head + confidence + sampling) and the target
+    step (forward + probabilities + drafter context) are captured once per bucket of rows
+    (``buckets``) and verify width, then replayed; live requests are kept in rows 0..R-1 so the
+    graphs read plain views; bucket padding rows are free rows, so their writes are harmless;
+  * verification uses ``dspark.kernels.rejection_verify`` (Triton on CUDA, its reference on CPU),
+    which never synchronises with the host.
+Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
+fast engine reproduces the plain one token for token (tested); per round the host waits twice:
+for the verify width and for the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..drafters.base import DraftCache, Proposal
+from ..drafters.dflash import BlockDrafter
+from .engine import Engine, Request
+from .graphs import GraphBank, bucket_for
+from .static_target import StaticTarget
+from .verify import probs_from_logits
+
+__all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class FastEngine(Engine):
+    """``Engine`` with static caches and (on CUDA) CUDA graphs.
+
+    Extra args:
+        buckets: row counts to capture graphs for; a round of R requests runs the smallest
+            bucket >= R. The largest bucket must cover ``concurrency``.
+        capacity: positions per request row; None sizes it from each ``generate`` call's
+            longest prompt + budget (rounded up to 128).
+        graphs: capture CUDA graphs (default: when the target is on CUDA).
+        prefill_chunk: prompts prefilled together (bounds the prefill's attention mask).
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        policy=None,
+        *,
+        buckets=DEFAULT_BUCKETS,
+        capacity: int | None = None,
+        graphs: bool | None = None,
+        prefill_chunk: int = 32,
+        **kw,
+    ):
+        super().__init__(target, drafter, policy, **kw)
+        if drafter is not None and not isinstance(drafter, BlockDrafter):
+            raise ValueError(
+                f"the fast engine drafts with block drafters (dspark, dflash); "
+                f"'{getattr(drafter, 'kind', type(drafter).__name__)}' runs on engine=plain"
+            )
+        self.buckets = sorted({int(b) for b in buckets})
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"engine buckets must be positive row counts, got {list(buckets)}")
+        if self.buckets[-1] < self.concurrency:
+            raise ValueError(
+                f"the largest engine bucket ({self.buckets[-1]}) is below concurrency={self.concurrency}: "
+                f"add a bucket >= {self.concurrency}"
+            )
+        self.fixed_capacity = capacity
+        self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA target: set graphs=false on this device")
+        self.prefill_chunk = int(prefill_chunk)
+        self.static: StaticTarget | None = None
+        self.bank = GraphBank(self.device) if self.use_graphs else None
+
+    # ---- static state ---------------------------------------------------------------------
+    def _check_requests(self, reqs: list[Request]) -> None:
+        budget = max(self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens) for r in reqs)
+        need = max(len(r.prompt) for r in reqs) + budget + self._gamma + 2
+        if self.fixed_capacity is not None:
+            if need > self.fixed_capacity:
+                raise ValueError(
+                    f"a request needs {need} cache positions (prompt + max_new_tokens + gamma + 2) but the "
+                    f"fast engine's capacity is {self.fixed_capacity}: raise engine capacity or shorten it"
+                )
+            need = self.fixed_capacity
+        else:
+            need = 128 * math.ceil(need / 128)
+        if self.static is None or self.static.capacity < need:
+            self._allocate(need)
+
+    def prepare(self, requests) -> None:
+        """Size the caches for ``requests`` and capture every graph a run at this concurrency can
+        meet (rows buckets up to it x verify widths 1..γ+1), so no capture lands in a timed round."""
+        reqs = [r if isinstance(r, Request) else Request(prompt=list(r)) for r in requests]
+        self._check_requests(reqs)
+        if self.bank is None:
+            return
+        top = bucket_for(self.concurrency, self.buckets)
+        with torch.inference_mode():
+            for rows in (b for b in self.buckets if b <= top):
+                for w in range(1, self._gamma + 2):
+                    self._target_step(self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone())
+                if self.drafter is not None:
+                    self._draft_step(
+                        self.in_anchor[:rows].clone(),
+                        self.in_anchor_pos[:rows].clone(),
+                        self.in_u[:rows].clone(),
+                    )
+        self._reset_state()
+
+    def _allocate(self, capacity: int) -> None:
+        rows = self.buckets[-1]
+        with torch.inference_mode():
+            self.static = StaticTarget(self.target, rows, capacity)
+            if self.drafter is not None:
+                ref = self.drafter.fc.weight
+                s = self.drafter.layers[0].attn.s
+                shape = (rows, s.num_kv_heads, capacity, s.head_dim)
+                n = len(self.drafter.layers)
+                self.dk = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
+                self.dv = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
+                self.dlength = torch.zeros(rows, dtype=torch.long, device=self.device)
+            # Static inputs of the captured steps.
+            width = self._gamma + 1
+            self.in_ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+            self.in_pos = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+            self.in_anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self.in_anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self.in_u = torch.zeros(rows, max(self._gamma, 1), device=self.device)
+        if self.bank is not None:
+            self.bank.clear()
+
+    @torch.inference_mode()  # the static buffers are inference tensors
+    def _reset_state(self) -> None:
+        if self.static is not None:
+            self.static.lengths.zero_()
+            if self.drafter is not None:
+                self.dlength.zero_()
+
+    def _draft_cache(self, rows: int) -> DraftCache:
+        return DraftCache(
+            k=[k[:rows] for k in self.dk], v=[v[:rows] for v in self.dv], length=self.dlength[:rows]
+        )
+
+    def _write_context(self, taps: Tensor, positions: Tensor, row0: int) -> None:
+        """Drafter context keys/values of taps [R, W, m·d] at slot == position, rows row0.."""
+        r, w = positions.shape
+        ctx = self.drafter.context(taps)
+        rows = torch.arange(row0, row0 + r, device=self.device)[:, None].expand(r, w)
+        for layer, k_store, v_store in zip(self.drafter.layers, self.dk, self.dv):
+            k, v = layer.context_kv(ctx, positions)  # [R, Hkv, W, hd]
+            k_store[rows, :, positions] = k.transpose(1, 2).to(k_store.dtype)
+            v_store[rows, :, positions] = v.transpose(1, 2).to(v_store.dtype)
+
+    # ---- the five cache hooks of Engine ----------------------------------------------------
+    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
+        hidden, taps = [], []
+        for s in range(0, ids.shape[0], self.prefill_chunk):
+            h, t = self.static.forward(
+                ids[s : s + self.prefill_chunk], positions[s : s + self.prefill_chunk], row0 + s
+            )
+            hidden.append(h)
+            taps.append(t)
+        self.static.lengths[row0 : row0 + ids.shape[0]] = lens
+        return torch.cat(hidden), torch.cat(taps)
+
+    def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
+        self._write_context(taps, positions, row0)
+        self.dlength[row0 : row0 + taps.shape[0]] = valid.sum(1)
+
+    def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
+        r, w = ids.shape
+
+        def step(rows: int) -> Tensor:
+            i, p = self.in_ids[:rows, :w], self.in_pos[:rows, :w]
+            hidden, taps = self.static.forward(i, p)
+            if self.drafter is not None:
+                self._write_context(taps, p, 0)
+            return probs_from_logits(self.target.lm_head(hidden), self.temperature)
+
+        rows = bucket_for(r, self.buckets) if self.use_graphs else r
+        self.in_ids[:r, :w].copy_(ids)
+        self.in_pos[:r, :w].copy_(positions)
+        self.in_pos[r:rows].zero_()  # padding rows: free rows, harmless in-range writes
+        if self.bank is None:
+            return step(r), None
+        return self.bank.run(("target", rows, w), lambda: step(rows))[:r], None
+
+    def _propose(self, anchors: Tensor, anchor_pos: Tensor) -> Proposal:
+        return self._draft_step(anchors, anchor_pos, self._uniform(anchors.shape[0], self._gamma))
+
+    def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor) -> Proposal:
+        r = anchors.shape[0]
+
+        def step(rows: int) -> Proposal:
+            return self.drafter.propose(
+                self._draft_cache(rows),
+                self.in_anchor[:rows],
+                self.in_anchor_pos[:rows],
+                self.shared,
+                self.temperature,
+                uniforms=self.in_u[:rows],
+            )
+
+        rows = bucket_for(r, self.buckets) if self.use_graphs else r
+        self.in_anchor[:r].copy_(anchors)
+        self.in_anchor_pos[:r].copy_(anchor_pos)
+        self.in_anchor_pos[r:rows].zero_()
+        self.in_u[:r].copy_(u)
+        out = step(r) if self.bank is None else self.bank.run(("draft", rows), lambda: step(rows))
+        conf = out.confidence_logits
+        return Proposal(out.tokens[:r], out.probs[:r], None if conf is None else conf[:r])
+
+    def _verify(self, target_probs, draft_probs, drafts, lengths):
+        from dspark.kernels.rejection import rejection_verify
+
+        r, g = drafts.shape
+        return rejection_verify(
+            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
+        )
+
+    def _commit(self, kept: Tensor, taps, positions: Tensor, next_tokens: Tensor) -> None:
+        r = kept.shape[0]
+        self.static.lengths[:r] += kept
+        if self.drafter is not None:
+            self.dlength[:r] += kept
+
+    def _keep_rows(self, index: Tensor) -> None:
+        self.static.keep_rows(index)
+        if self.drafter is not None:
+            n = index.numel()
+            for store in (self.dk, self.dv):
+                for t in store:
+                    t[:n] = t[index]
+            self.dlength[:n] = self.dlength[index]
+
+
+ENGINES = ("plain", "fast")
+
+
+def build_engine(kind: str, target, drafter=None, policy=None, **kw) -> Engine:
+    """``plain`` (Hugging Face forward, growing caches: the reference, any architecture and drafter)
+    or ``fast`` (static caches, CUDA graphs on CUDA)."""
+    if kind == "plain":
+        return Engine(target, drafter, policy, **kw)
+    if kind == "fast":
+        return FastEngine(target, drafter, policy, **kw)
+    raise ValueError(f"engine '{kind}' is not one of {', '.join(ENGINES)}")

@@ -1,0 +1,56 @@
+"""CUDA graphs captured per shape bucket, as serving engines do.
+
+A step function that reads only static buffers (fixed addresses, contents copied in before each
+replay) is captured once per key, e.g. ("target", rows bucket, width), and replayed afterwards.
+All graphs share one memory pool: they replay one after another, never concurrently, and the
+tensors a graph returns stay referenced here, so no later capture can reuse their memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+__all__ = ["GraphBank", "bucket_for"]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n (buckets sorted ascending)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}: add a larger one to engine buckets")
+
+
+class GraphBank:
+    def __init__(self, device: torch.device, warmup: int = 2):
+        self.device = device
+        self.warmup = warmup
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+
+    def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
+        """Replay the graph of ``key``, capturing ``step`` first if this key is new. ``step`` must
+        be idempotent: it also runs eagerly during the warm-up before capture."""
+        if key not in self.graphs:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # lazy inits (cuBLAS handles, workspaces) off the graph
+                for _ in range(self.warmup):
+                    step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = step()
+            self.graphs[key] = (graph, out)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def __len__(self) -> int:
+        return len(self.graphs)

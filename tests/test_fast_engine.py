@@ -1,0 +1,152 @@
+"""The fast engine (static caches, CUDA graphs): the same forward as Hugging Face, the same tokens,
+rounds and confidences as the plain engine (which test_engine holds lossless), clear refusals.
+
+On the CPU the fast engine runs its static-cache path eagerly; the CUDA-graph replay is compared
+with that eager path in the ``gpu`` tests at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import make_drafter, prompts_for
+
+from dspark.decoding.engine import Engine, Request
+from dspark.decoding.fast_engine import FastEngine
+from dspark.decoding.graphs import bucket_for
+from dspark.decoding.kv import RaggedKV
+from dspark.decoding.static_target import StaticTarget, UnsupportedTarget
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def test_static_forward_matches_hugging_face(small_target):
+    """Prefill of ragged prompts, then a step of ragged widths with junk beyond the kept tokens:
+    final hidden states (hence logits) and taps equal the Hugging Face forward over RaggedKV."""
+    t = small_target
+    prompts = prompts_for(t, 3, seed=2, lo=5, hi=11)
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    pos = torch.arange(width).expand(3, -1)
+    static = StaticTarget(t, rows=4, capacity=32)
+    kv = RaggedKV.empty(t.model.config, 3, 32, t.dtype, "cpu")
+    with torch.inference_mode():
+        for step_ids, step_pos, keep in (
+            (ids, pos, lens),
+            (torch.randint(4, 256, (3, 4)), lens[:, None] + torch.arange(4), torch.tensor([4, 1, 2])),
+            (torch.randint(4, 256, (3, 2)), None, torch.tensor([2, 2, 2])),
+        ):
+            if step_pos is None:
+                step_pos = kv.length[:, None] + torch.arange(step_ids.shape[1])
+            hidden, taps = static.forward(step_ids, step_pos, start=1)  # rows 1..3 of the static cache
+            ref = t(
+                step_ids, positions=step_pos, cache=kv, attention_mask=kv.plan(step_ids.shape[1], t.dtype)
+            )
+            kv.commit(keep)
+            torch.testing.assert_close(hidden, ref.last_hidden, atol=1e-5, rtol=1e-5)
+            scale = float(ref.taps.abs().max())  # the random target's residual stream is large
+            torch.testing.assert_close(taps, ref.taps, atol=1e-5 * scale, rtol=1e-5)
+
+
+def _engines(t, drafter, temperature, **kw):
+    common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, **kw)
+    return Engine(t, drafter, **common), FastEngine(t, drafter, buckets=(1, 2, 4), **common)
+
+
+@pytest.mark.parametrize("kind", ["target", "dspark-rnn", "dflash"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
+    """Seven requests through three slots (continuous batching, row compaction): identical tokens,
+    acceptance and per-round confidences (which depend on the drafter's whole context)."""
+    t = small_target
+    drafter = None
+    if kind != "target":
+        name, _, head = kind.partition("-")
+        drafter = make_drafter(t, name, head or "none", gamma=4, seed=3)[0]
+    prompts = prompts_for(t, 7, seed=12)
+    budgets = [5, 30, 12, 22, 1, 17, 26]
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    plain, fast = _engines(t, drafter, temperature)
+    a, b = plain.generate(reqs), fast.generate(reqs)
+    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
+    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
+        (r.request, r.accepted, r.proposed) for r in a.rounds
+    ]
+    if kind.startswith("dspark"):
+        for ra, rb in zip(a.rounds, b.rounds):
+            torch.testing.assert_close(torch.tensor(rb.confidence_logits), torch.tensor(ra.confidence_logits))
+    if temperature == 1.0 and drafter is not None:
+        assert sum(r.accepted for r in a.rounds) > 0  # the check covered partial acceptance
+    # A second generate on the same engine reuses its caches from a clean state.
+    again = fast.generate(reqs[:2])
+    assert [g.tokens for g in again.generations] == [g.tokens for g in plain.generate(reqs[:2]).generations]
+
+
+def test_fast_engine_refusals(small_target):
+    t = small_target
+    eagle = make_drafter(t, "eagle3", gamma=3)[0]
+    with pytest.raises(ValueError, match="block drafters"):
+        FastEngine(t, eagle)
+    with pytest.raises(ValueError, match="largest engine bucket"):
+        FastEngine(t, None, concurrency=8, buckets=(1, 2, 4))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA target"):
+        FastEngine(t, None, graphs=True)
+    eng = FastEngine(t, None, capacity=16, max_new_tokens=20)
+    with pytest.raises(ValueError, match="cache positions"):
+        eng.generate([[1, 2, 3]])
+    assert bucket_for(3, [1, 2, 4, 8]) == 4
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(9, [1, 2, 4, 8])
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from dspark.target import Target
+
+    cfg = Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    t = Target(Gemma3ForCausalLM(cfg), None, layer_ids=[0], mask_token_id=3, eos_token_ids=[], name="g3")
+    with pytest.raises(UnsupportedTarget, match="engine=plain"):
+        FastEngine(t, None).generate([[1, 2]])
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: graph replay == the eager static path == the plain engine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_graphs_reproduce_eager(small_target, temperature):
+    t = small_target.to("cuda")
+    try:
+        drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0].to("cuda")
+        prompts = prompts_for(t, 9, seed=13)
+        reqs = [
+            Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [4, 31, 12, 22, 2, 17, 26, 9, 14])
+        ]
+        kw = dict(temperature=temperature, concurrency=5, eos_token_ids=(), seed=7)
+        gen = lambda **x: torch.Generator("cuda").manual_seed(7)  # noqa: E731
+        eager = FastEngine(t, drafter, graphs=False, generator=gen(), **kw).generate(reqs)
+        graphed_engine = FastEngine(t, drafter, graphs=True, generator=gen(), **kw)
+        graphed = graphed_engine.generate(reqs)
+        assert len(graphed_engine.bank) > 2
+        assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
+        assert [r.accepted for r in graphed.rounds] == [r.accepted for r in eager.rounds]
+        if temperature == 0:
+            plain = Engine(t, drafter, generator=gen(), **kw).generate(reqs)
+            assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
+    finally:
+        small_target.to("cpu")
