@@ -45,6 +45,7 @@ class FastEngine(Engine):
             longest prompt + budget (rounded up to 128).
         graphs: capture CUDA graphs (default: when the target is on CUDA).
         prefill_chunk: prompts prefilled together (bounds the prefill's attention mask).
+        max_width: the widest verification step (default γ + 1; the SPS benchmark asks for more).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class FastEngine(Engine):
         capacity: int | None = None,
         graphs: bool | None = None,
         prefill_chunk: int = 32,
+        max_width: int | None = None,
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
@@ -78,6 +80,7 @@ class FastEngine(Engine):
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA target: set graphs=false on this device")
         self.prefill_chunk = int(prefill_chunk)
+        self.max_width = int(max_width or self._gamma + 1)
         self.static: StaticTarget | None = None
         self.bank = GraphBank(self.device) if self.use_graphs else None
 
@@ -130,7 +133,7 @@ class FastEngine(Engine):
                 self.dv = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
                 self.dlength = torch.zeros(rows, dtype=torch.long, device=self.device)
             # Static inputs of the captured steps.
-            width = self._gamma + 1
+            width = self.max_width
             self.in_ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
             self.in_pos = torch.zeros(rows, width, dtype=torch.long, device=self.device)
             self.in_anchor = torch.zeros(rows, dtype=torch.long, device=self.device)

@@ -1,0 +1,1 @@
+"""Benchmark scripts: each prints a table and writes JSON (docs/results/ holds the published runs)."""
