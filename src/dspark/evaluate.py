@@ -64,7 +64,9 @@ def check_config(cfg: DictConfig) -> dict:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").exists():
         raise EvaluateConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    dconf = json.loads((folder / "config.json").read_text())
+    from .drafters import read_drafter_config  # ours, or a DeepSpec/engine-format folder (translated)
+
+    dconf = read_drafter_config(folder)
     if not cfg.benchmarks:
         raise EvaluateConfigError("benchmarks is empty: e.g. benchmarks=[gsm8k,mt-bench]")
     if float(cfg.temperature) < 0:

@@ -28,6 +28,7 @@ __all__ = [
     "build_drafter",
     "save_drafter",
     "load_drafter",
+    "read_drafter_config",
     "DrafterCheckpointError",
 ]
 
@@ -72,12 +73,33 @@ def save_drafter(
     atomic_write_json(folder / CONFIG, config)
 
 
-def load_drafter(folder: str | Path, target=None, device="cpu"):
-    """Load a saved drafter; with a target, refuse one built for another vocabulary or hidden size."""
+def read_drafter_config(folder: str | Path) -> dict:
+    """A drafter folder's config in our schema (drafter / head / dims / target); a DeepSpec- or
+    engine-format folder (config.json with `architectures`) is translated (dspark.interop)."""
     folder = Path(folder)
-    if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
-        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (needs {CONFIG} and {WEIGHTS})")
+    if not (folder / CONFIG).exists():
+        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (no {CONFIG} there)")
     config = json.loads((folder / CONFIG).read_text())
+    from ..interop.deepspec import is_foreign, translate
+
+    if is_foreign(config):
+        return translate(config, folder)
+    if "drafter" not in config or "dims" not in config:
+        raise DrafterCheckpointError(
+            f"{folder}/{CONFIG} is neither our checkpoint (drafter/dims keys) nor a DeepSpec/engine "
+            f"drafter (architectures)"
+        )
+    return config
+
+
+def load_drafter(folder: str | Path, target=None, device="cpu"):
+    """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
+    refuse one built for another vocabulary, hidden size or tap layers."""
+    folder = Path(folder)
+    config = read_drafter_config(folder)
+    foreign = "imported_from" in config
+    if not foreign and not (folder / WEIGHTS).exists():
+        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (needs {CONFIG} and {WEIGHTS})")
     dims = TargetDims(**config["dims"])
     if target is not None:
         for field, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
@@ -88,15 +110,25 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
                     f"for "
                     f"({config.get('target', {}).get('name', 'unknown')})"
                 )
-        if dims.num_taps != len(target.layer_ids):
+        if dims.num_taps != len(target.layer_ids) or (
+            foreign and list(config["target"]["layer_ids"]) != list(target.layer_ids)
+        ):
+            recorded = config.get("target", {}).get("layer_ids")
             raise DrafterCheckpointError(
-                f"drafter {folder} reads {dims.num_taps} tap layers, target {target.name} is configured with "
-                f"{len(target.layer_ids)}: set target.layer_ids={config.get('target', {}).get('layer_ids')}"
+                f"drafter {folder} reads {dims.num_taps} tap layers {recorded or ''}, target "
+                f"{target.name} is configured with {list(target.layer_ids)}: set target.layer_ids={recorded}"
             )
     drafter = build_drafter(
         dims,
         OmegaConf.create(config["drafter"]),
         OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}),
     )
-    drafter.load_state_dict(load_file(folder / WEIGHTS, device=str(device)))
+    if foreign:
+        from ..interop.deepspec import read_state
+
+        external = json.loads((folder / CONFIG).read_text())
+        state = read_state(folder, config, external, target)
+    else:
+        state = load_file(folder / WEIGHTS, device=str(device))
+    drafter.load_state_dict(state)
     return drafter.to(device).eval(), config

@@ -1,0 +1,193 @@
+"""Import DeepSpec-released (and engine-layout) DSpark/DFlash checkpoint folders into our drafters.
+
+A foreign folder is a Hugging Face style config.json (a Qwen3 config with `architectures` and
+the drafter fields) plus model.safetensors (or a sharded index). `translate` turns its config into
+ours; `read_state` renames the tensors, checks them against the layout the config implies, and
+compares the shipped embed_tokens / lm_head with the target's before dropping them (our drafters
+borrow the target's). Every difference we cannot represent is refused, never approximated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import formats
+from .formats import InteropError
+
+BLOCK_ARCHS = ("Qwen3DSparkModel", "DFlashDraftModel")
+EAGLE3_ARCHS = (
+    "Qwen3Eagle3Model",
+    "Gemma4Eagle3Model",
+    "Eagle3DraftModel",
+    "Eagle3LlamaForCausalLM",
+    "LlamaForCausalLMEagle3",
+)
+
+
+def is_foreign(config: dict) -> bool:
+    return "architectures" in config and "drafter" not in config
+
+
+def _refuse(folder, why: str) -> InteropError:
+    return InteropError(f"cannot import {folder}: {why}")
+
+
+def translate(ext: dict, folder: str | Path = "<config>") -> dict:
+    """A foreign config.json -> our checkpoint config (drafter / head / dims / target)."""
+    arch = (ext.get("architectures") or [None])[0]
+    if arch in EAGLE3_ARCHS:
+        raise _refuse(
+            folder,
+            f"{arch} is an Eagle3 layout: its layer feeds [norm(embed); norm(feature)] (2·hidden) into "
+            "q/k/v with the feature as residual, while our Eagle3 projects that concatenation to the "
+            "hidden size first; the weights do not map. Evaluate a DSpark/DFlash release instead",
+        )
+    if arch not in BLOCK_ARCHS:
+        hint = " (Gemma-4 drafters use sliding-window layers)" if arch and "Gemma" in arch else ""
+        raise _refuse(folder, f"architecture {arch!r} is not supported{hint}; supported: {BLOCK_ARCHS}")
+    if ext.get("speculators_model_type"):
+        raise _refuse(
+            folder,
+            "a speculators-convention checkpoint (block slot j predicts anchor+j); ours and DeepSpec's "
+            "slot k predicts anchor+k+1",
+        )
+    dflash = ext.get("dflash_config") or {}
+    if ext.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
+        raise _refuse(
+            folder, "causal or sliding-window draft attention; our block attention is bidirectional"
+        )
+    kinds = set(ext.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise _refuse(folder, f"layer_types {sorted(kinds)}: only full_attention layers are supported")
+    if ext.get("attention_bias"):
+        raise _refuse(folder, "attention_bias=true: our draft layers have no q/k/v/o biases")
+    if ext.get("hidden_act", "silu") != "silu":
+        raise _refuse(folder, f"hidden_act={ext['hidden_act']}: our MLP is SwiGLU (silu)")
+    scaling = ext.get("rope_scaling") or {}
+    params = ext.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" or params.get(
+        "rope_type", "default"
+    ) not in ("default",):
+        raise _refuse(folder, f"RoPE scaling {scaling or params}: our draft layers use plain RoPE")
+    if dflash.get("use_aux_hidden_state", ext.get("use_aux_hidden_state", True)) is False:
+        raise _refuse(folder, "use_aux_hidden_state=false: our drafters always fuse target taps")
+    vocab = int(ext["vocab_size"])
+    if int(ext.get("draft_vocab_size") or vocab) != vocab:
+        raise _refuse(
+            folder, "a reduced draft vocabulary (d2t mapping); our drafters use the full vocabulary"
+        )
+
+    taps = formats.target_layer_ids(ext)
+    mask = ext["mask_token_id"] if ext.get("mask_token_id") is not None else dflash.get("mask_token_id")
+    gamma = ext["block_size"] if ext.get("block_size") is not None else dflash.get("block_size")
+    if mask is None or gamma is None:
+        raise _refuse(folder, "config.json lacks mask_token_id or block_size")
+    rank = int(ext.get("markov_rank") or 0)
+    head = "none"
+    if rank > 0:
+        kind = str(ext.get("markov_head_type", "vanilla")).lower()
+        if kind not in formats.HEAD_FROM_EXT:
+            raise _refuse(folder, f"markov_head_type={kind!r}: supported {tuple(formats.HEAD_FROM_EXT)}")
+        head = formats.HEAD_FROM_EXT[kind]
+    confidence = bool(ext.get("enable_confidence_head", False))
+    with_markov = bool(ext.get("confidence_head_with_markov", False)) and confidence
+    if with_markov and head == "none":
+        raise _refuse(folder, "confidence_head_with_markov=true without a Markov head (markov_rank=0)")
+    d = int(ext["hidden_size"])
+    heads = int(ext["num_attention_heads"])
+    theta = ext.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise _refuse(folder, "config.json lacks rope_theta")
+    name = "dspark" if (head != "none" or confidence) else "dflash"
+    return {
+        "drafter": {
+            "name": name,
+            "block_size": int(gamma),
+            "num_layers": int(ext["num_hidden_layers"]),
+            "hidden_size": None,
+            "intermediate_size": None,
+            "num_heads": None,
+            "num_kv_heads": None,
+            "head_dim": None,
+            "rope_theta": None,
+            "num_anchors": int(ext.get("num_anchors", 512)),
+            "attention": "dense",
+            "confidence": {"enabled": confidence, "use_prev_embedding": with_markov},
+        },
+        "head": {"name": head, "rank": rank if head != "none" else 0},
+        "dims": {
+            "hidden_size": d,
+            "vocab_size": vocab,
+            "num_taps": len(taps),
+            "num_heads": heads,
+            "num_kv_heads": int(ext.get("num_key_value_heads") or heads),
+            "head_dim": int(ext.get("head_dim") or d // heads),
+            "intermediate_size": int(ext["intermediate_size"]),
+            "rope_theta": float(theta),
+            "rms_norm_eps": float(ext.get("rms_norm_eps", 1e-6)),
+            "mask_token_id": int(mask),
+        },
+        "target": {
+            "name": ext.get("target_model_name_or_path") or "unknown",
+            "layer_ids": taps,
+            "num_layers": ext.get("num_target_layers", dflash.get("num_target_layers")),
+            "hidden_size": d,
+            "vocab_size": vocab,
+            "mask_token_id": int(mask),
+        },
+        "imported_from": {
+            "folder": str(folder),
+            "architectures": ext.get("architectures"),
+            "torch_dtype": ext.get("torch_dtype") or ext.get("dtype"),
+        },
+    }
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards named by model.safetensors.index.json (never a pickle)."""
+    from safetensors.torch import load_file
+
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(folder / shard))
+        return state
+    raise InteropError(f"{folder} has config.json but no model.safetensors (or index); .bin is not read")
+
+
+def _same_rows(name: str, theirs: torch.Tensor, ours: torch.Tensor, folder, target_name) -> None:
+    if tuple(theirs.shape) != tuple(ours.shape):
+        raise _refuse(
+            folder, f"{name} has shape {tuple(theirs.shape)}, target {target_name} has {tuple(ours.shape)}"
+        )
+    rows = torch.linspace(0, ours.shape[0] - 1, steps=min(256, ours.shape[0])).long()
+    a = theirs[rows].float()
+    b = ours.detach()[rows.to(ours.device)].float().cpu()
+    if (a - b).norm() > 1e-2 * b.norm() + 1e-6:  # bf16 rounding is ~4e-3 relative
+        raise _refuse(
+            folder,
+            f"its {name} differs from target {target_name}'s: the drafter was trained for another "
+            "target; evaluate it with the target it was released for",
+        )
+
+
+def read_state(folder: Path, config: dict, ext: dict, target=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our names, after checking them against the layout."""
+    raw = read_tensors(folder)
+    shipped = [k for k in formats.EMBED_KEYS if k in raw]
+    shapes = formats.expected_shapes(ext, embeddings=False)
+    for k in shipped:
+        shapes[k] = (int(ext["vocab_size"]), int(ext["hidden_size"]))
+    formats.check_keys(raw, shapes, f"cannot import {folder}: its tensors do not match its config.json")
+    if target is not None:
+        pairs = {"embed_tokens.weight": target.embedding_weight, "lm_head.weight": target.lm_head_weight}
+        for k in shipped:
+            _same_rows(k, raw[k], pairs[k], folder, target.name)
+    return {formats.to_ours(k): v for k, v in raw.items() if k not in formats.EMBED_KEYS}
