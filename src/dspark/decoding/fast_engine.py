@@ -127,7 +127,9 @@ class FastEngine(Engine):
             if self.drafter is not None:
                 ref = self.drafter.fc.weight
                 s = self.drafter.layers[0].attn.s
-                shape = (rows, s.num_kv_heads, capacity, s.head_dim)
+                # The draft step attends over context + γ keys: keep that length a multiple of 16
+                # (fused attention kernels want aligned mask rows).
+                shape = (rows, s.num_kv_heads, capacity + (-(capacity + self._gamma)) % 16, s.head_dim)
                 n = len(self.drafter.layers)
                 self.dk = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
                 self.dv = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
