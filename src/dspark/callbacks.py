@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import torch
@@ -14,13 +15,26 @@ from .calibration.sts import Calibration, fit_sts
 from .drafters import save_drafter
 
 
+def gather_records(trainer, records: list[dict]) -> list[dict]:
+    """Every rank's validation records, on every rank (the STS fit then sees the whole validation
+    set and gives the same temperatures everywhere). Collective: call it on all ranks."""
+    dist = torch.distributed
+    if trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return list(records)
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, list(records))
+    return [r for part in gathered for r in part]
+
+
 class CalibrationCallback(L.Callback):
     """Fit Sequential Temperature Scaling on the validation blocks (soft labels Π c*_i), log
     per-position ECE raw/after STS, and keep the temperatures for the exported checkpoint."""
 
     def on_validation_epoch_end(self, trainer, module) -> None:
-        records = getattr(module, "val_records", [])
-        if not records or trainer.sanity_checking:
+        if trainer.sanity_checking:
+            return
+        records = gather_records(trainer, getattr(module, "val_records", []))
+        if not records:
             return
         logits = torch.cat([r["logits"] for r in records])
         labels = torch.cat([r["labels"] for r in records])
@@ -32,7 +46,8 @@ class CalibrationCallback(L.Callback):
         module.calibration_report = {"per_position": rows, **stats}
         for key in ("ece_raw_mean", "ece_sts_mean", "auroc_mean"):
             if stats.get(key) is not None:
-                module.log(f"val/{key}", float(stats[key]), sync_dist=False)
+                # Equal on every rank (fitted on the gathered records); sync_dist only keeps Lightning quiet.
+                module.log(f"val/{key}", float(stats[key]), sync_dist=True)
 
 
 class DrafterExport(L.Callback):
@@ -44,14 +59,20 @@ class DrafterExport(L.Callback):
         self.drafter_cfg = drafter_cfg
         self.head_cfg = head_cfg
         self.every = max(1, int(every_n_steps))
+        self.last_step = -1
 
     def export(self, trainer, module) -> None:
+        # The strategy's state dict: plain for one device and DDP, gathered from the shards under
+        # FSDP (a collective, so every rank comes here; only rank 0 writes).
+        state = trainer.strategy.lightning_module_state_dict()
+        self.last_step = int(trainer.global_step)
         if not trainer.is_global_zero:
             return
+        prefix = "drafter."
+        weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        drafter = SimpleNamespace(dims=module.drafter.dims, state_dict=lambda: weights)
         extra = {"global_step": int(trainer.global_step)}
-        save_drafter(
-            module.drafter, self.folder, self.drafter_cfg, self.head_cfg, module.target.describe(), extra
-        )
+        save_drafter(drafter, self.folder, self.drafter_cfg, self.head_cfg, module.target.describe(), extra)
         if getattr(module, "calibration", None) is not None:
             module.calibration.save(self.folder / "calibration.json")
             report = getattr(module, "calibration_report", None)
@@ -61,7 +82,9 @@ class DrafterExport(L.Callback):
                 )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every == 0:
+        # Once per optimizer step (accumulation calls this hook per micro-batch), never before step 1.
+        step = int(trainer.global_step)
+        if step > 0 and step % self.every == 0 and step != self.last_step:
             self.export(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:
@@ -69,34 +92,96 @@ class DrafterExport(L.Callback):
 
 
 class Throughput(L.Callback):
-    """Training tokens/s and samples/s over the run (wall clock between the first and last step)."""
+    """Training tokens/s and samples/s, over all ranks, between the first and the last training
+    batch with validation time taken out; `steady` leaves out the first `warmup_steps` optimizer
+    steps too (compilation, allocator and cache warm-up), which is the number to compare runs by."""
 
-    def __init__(self):
+    def __init__(self, warmup_steps: int = 5):
+        self.warmup_steps = int(warmup_steps)
         self.tokens = 0
         self.samples = 0
         self.batches = 0
         self.start = None
         self.elapsed = 0.0
+        self.val_seconds = 0.0
+        self._val_start = None
+        self.steady_mark = None  # (time, tokens, samples, batches, val_seconds) at the end of warm-up
+        self.world_size = 1
+        self.totals = None
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.start is None:
             self.start = time.perf_counter()
 
+    def on_validation_start(self, trainer, module) -> None:
+        if self.start is not None:
+            self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer, module) -> None:
+        if self._val_start is not None:
+            self.val_seconds += time.perf_counter() - self._val_start
+            self._val_start = None
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.tokens += int(batch["attention_mask"].sum())
         self.samples += int(batch["input_ids"].shape[0])
         self.batches += 1
-        self.elapsed = time.perf_counter() - self.start
+        now = time.perf_counter()
+        self.elapsed = now - self.start - self.val_seconds
+        self.world_size = int(trainer.world_size)
+        warmup_batches = self.warmup_steps * int(trainer.accumulate_grad_batches)
+        if self.steady_mark is None and self.batches >= warmup_batches:
+            self.steady_mark = (now, self.tokens, self.samples, self.batches, self.val_seconds)
         if self.elapsed > 0:
-            module.log("train/tokens_per_s", self.tokens / self.elapsed, on_step=True, prog_bar=False)
+            # This rank's count times the world size: ranks run the same number of batches.
+            rate = self.tokens * self.world_size / self.elapsed
+            module.log("train/tokens_per_s", rate, on_step=True, prog_bar=False)
+
+    def on_train_end(self, trainer, module) -> None:
+        """Sum the counts over ranks (a collective: every rank calls this hook)."""
+        end = time.perf_counter()
+        mark = self.steady_mark or (end, self.tokens, self.samples, self.batches, self.val_seconds)
+        local = torch.tensor(
+            [self.tokens, self.samples, self.tokens - mark[1], self.samples - mark[2]], dtype=torch.float64
+        )
+        if trainer.world_size > 1:
+            local = trainer.strategy.reduce(local.to(module.device), reduce_op="sum").cpu()
+        self.totals = {
+            "tokens": int(local[0]),
+            "samples": int(local[1]),
+            "steady_tokens": int(local[2]),
+            "steady_samples": int(local[3]),
+            "steady_batches": self.batches - mark[3],
+            "steady_seconds": end - mark[0] - (self.val_seconds - mark[4]),
+        }
 
     def summary(self) -> dict:
         e = max(self.elapsed, 1e-9)
-        return {
-            "tokens": self.tokens,
+        out = {
+            "world_size": self.world_size,
+            "tokens": self.tokens,  # this rank
             "samples": self.samples,
             "batches": self.batches,
             "seconds": self.elapsed,
-            "tokens_per_s": self.tokens / e,
-            "samples_per_s": self.samples / e,
+            "validation_seconds": self.val_seconds,
+            "tokens_per_s": self.tokens * self.world_size / e,
+            "samples_per_s": self.samples * self.world_size / e,
         }
+        if self.totals is not None:
+            t = self.totals
+            steady = max(t["steady_seconds"], 1e-9)
+            out.update(
+                global_tokens=t["tokens"],
+                global_samples=t["samples"],
+                tokens_per_s=t["tokens"] / e,
+                samples_per_s=t["samples"] / e,
+                steady={
+                    "warmup_steps": self.warmup_steps,
+                    "batches": t["steady_batches"],
+                    "seconds": t["steady_seconds"],
+                    "samples": t["steady_samples"],
+                    "samples_per_s": t["steady_samples"] / steady if t["steady_batches"] else None,
+                    "tokens_per_s": t["steady_tokens"] / steady if t["steady_batches"] else None,
+                },
+            )
+        return out

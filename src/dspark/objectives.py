@@ -114,6 +114,18 @@ def acceptance_metrics(c_star_rows: Tensor, valid: Tensor) -> dict:
     tau = 1 + blocks.cumprod(-1).sum(-1).mean() if blocks.numel() else torch.tensor(1.0)
     out = {"tau_prob": tau.detach(), "acceptance_blocks": int(blocks.shape[0])}
     out.update({f"c_star_{i + 1}": per_pos[i].detach() for i in range(gamma)})
+    # Numerators and denominators, so τ_prob and c*_k over many batches (and ranks) are exact ratios
+    # of sums, not means of per-batch means: [Σ_full Σ_k Π c*, #full, Σ_partial Σ_k Π c*, #partial].
+    partial = flat_v[:, 0]
+    out["_tau_sums"] = torch.stack(
+        [
+            flat_c[full].cumprod(-1).sum(),
+            full.sum().float(),
+            flat_c[partial].cumprod(-1).sum(),
+            partial.sum().float(),
+        ]
+    ).detach()
+    out["_pos_sums"] = torch.stack([(flat_c * flat_v).sum(0), flat_v.sum(0).float()]).detach()  # [2, γ]
     return out
 
 

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 from omegaconf import DictConfig, OmegaConf
 
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
+from .config import ConfigError
 from .drafters import TargetDims, build_drafter
 from .module import DraftingModule
 from .objectives import LossWeights
@@ -54,12 +55,97 @@ def build_logger(
     raise ValueError(f"logger.name '{name}' is not one of csv, wandb, tensorboard")
 
 
-def trainer_kwargs(cfg: DictConfig) -> dict:
+class BatchConfigError(ConfigError):
+    """The batch arithmetic (data.batch_size, data.global_batch_size, devices, accumulation) does not fit."""
+
+
+def world_size(trainer_cfg) -> int:
+    """Processes a trainer config asks for: devices per node × num_nodes. `devices` may be an int,
+    a list of device ids, a comma string ("0,1"), or "auto"/-1 (every visible GPU; 1 on CPU)."""
+    devices = trainer_cfg.get("devices", 1)
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    if devices in ("auto", -1, "-1", None):
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        n = torch.cuda.device_count() if gpu else 1
+        if n < 1:
+            raise BatchConfigError(f"trainer.devices={devices} but no GPU is visible (trainer.accelerator)")
+    elif isinstance(devices, str):
+        n = len([d for d in devices.split(",") if d.strip()]) if "," in devices else int(devices)
+    elif isinstance(devices, int):
+        n = devices
+    else:
+        n = len(list(devices))
+    return max(1, n) * int(trainer_cfg.get("num_nodes", 1) or 1)
+
+
+def resolve_batch(data_cfg, trainer_cfg) -> dict:
+    """Per-device batch, world size, gradient accumulation and global batch, consistent.
+
+    data.global_batch_size (samples per optimizer step) fixes accumulation as
+    global / (data.batch_size × devices × num_nodes); null keeps trainer.accumulate_grad_batches and
+    the global batch follows from it. Raises naming the keys when the numbers do not fit."""
+    per_device = int(data_cfg.batch_size)
+    if per_device < 1:
+        raise BatchConfigError(f"data.batch_size must be >= 1, got {per_device}")
+    world = world_size(trainer_cfg)
+    accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    if accumulate < 1:
+        raise BatchConfigError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
+    global_batch = data_cfg.get("global_batch_size")
+    if global_batch is None:
+        return {"per_device": per_device, "world": world, "accumulate": accumulate,
+                "global": per_device * world * accumulate}  # fmt: skip
+    global_batch = int(global_batch)
+    step = per_device * world
+    if global_batch < step or global_batch % step:
+        raise BatchConfigError(
+            f"data.global_batch_size={global_batch} is not a multiple of data.batch_size × devices × "
+            f"num_nodes = {per_device} × {world // int(trainer_cfg.get('num_nodes', 1) or 1)} × "
+            f"{int(trainer_cfg.get('num_nodes', 1) or 1)} = {step}: change data.global_batch_size or "
+            f"data.batch_size"
+        )
+    derived = global_batch // step
+    if accumulate not in (1, derived):
+        raise BatchConfigError(
+            f"trainer.accumulate_grad_batches={accumulate} contradicts data.global_batch_size="
+            f"{global_batch} (which needs {derived} with data.batch_size={per_device} on {world} "
+            f"processes): set one of them, not both"
+        )
+    return {"per_device": per_device, "world": world, "accumulate": derived, "global": global_batch}
+
+
+def build_strategy(cfg: DictConfig):
+    """trainer.strategy: a name Lightning knows, or ddp / fsdp with the options in trainer.ddp /
+    trainer.fsdp. FSDP wraps the LightningModule, i.e. the drafter only, as one unit (the target is not
+    a registered submodule; draft layers cannot be separate units because their `context_kv` runs
+    outside their forward); the checkpoint is gathered into one full file on rank 0."""
+    name = cfg.get("strategy", "auto")
+    if name == "ddp" and cfg.get("ddp") is not None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(**OmegaConf.to_container(cfg.ddp, resolve=True))
+    if name == "fsdp" and cfg.get("fsdp") is not None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        opts = OmegaConf.to_container(cfg.fsdp, resolve=True)
+        return FSDPStrategy(
+            sharding_strategy=opts.pop("sharding_strategy", "FULL_SHARD"),
+            state_dict_type=opts.pop("state_dict_type", "full"),
+            cpu_offload=bool(opts.pop("cpu_offload", False)),
+            **opts,
+        )
+    return name
+
+
+def trainer_kwargs(cfg: DictConfig, accumulate: int | None = None, world: int = 1) -> dict:
+    """Lightning Trainer arguments from a trainer config. `accumulate` (from resolve_batch) overrides
+    trainer.accumulate_grad_batches; trainer.val_check_interval counts optimizer steps, so it is
+    scaled to micro-batches here (Lightning counts batches); an integer trainer.limit_val_batches
+    counts validation batches over all `world` ranks (Lightning counts per rank)."""
     t = OmegaConf.to_container(cfg, resolve=True)
     keys = (
         "accelerator",
         "devices",
-        "strategy",
         "num_nodes",
         "precision",
         "max_steps",
@@ -71,13 +157,59 @@ def trainer_kwargs(cfg: DictConfig) -> dict:
         "accumulate_grad_batches",
         "limit_train_batches",
         "check_val_every_n_epoch",
+        "num_sanity_val_steps",
         "max_time",
     )
     nullable = {"check_val_every_n_epoch"}  # None is meaningful there: validate by global step
-    return {k: t[k] for k in keys if k in t and (t[k] is not None or k in nullable)}
+    out = {k: t[k] for k in keys if k in t and (t[k] is not None or k in nullable)}
+    if accumulate is not None:
+        out["accumulate_grad_batches"] = int(accumulate)
+    acc = int(out.get("accumulate_grad_batches", 1))
+    if isinstance(out.get("val_check_interval"), int) and acc > 1:
+        out["val_check_interval"] *= acc
+    limit = out.get("limit_val_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 and world > 1:
+        out["limit_val_batches"] = -(-limit // world)
+    out["strategy"] = build_strategy(cfg)
+    # DraftDataModule shards batches itself (GlobalBatchSampler): Lightning must not re-wrap them.
+    out["use_distributed_sampler"] = False
+    return out
+
+
+def _launching_rank_zero() -> bool:
+    """Whether this process is global rank 0, judged from the environment before the trainer exists
+    (torchrun / SLURM / Lightning's own launcher set these; a plain run is rank 0)."""
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    return (_get_rank() or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
+
+
+def _wait_for_dataset(cfg_data, features: str, timeout_s: float = 6 * 3600) -> None:
+    """Ranks other than 0 wait until rank 0 has prepared data.dir (and its feature cache with
+    features=offline); for several nodes data.dir must be on a shared disk, or prepared beforehand."""
+    from .data.cache import MANIFEST
+    from .data.io import read_json, resolve_path
+    from .prepare import read_done
+
+    data_dir = resolve_path(cfg_data.dir)
+    manifest = data_dir / "cache" / MANIFEST
+    need_cache = features == "offline"
+    start = time.monotonic()
+    while read_done(data_dir) is None or (
+        need_cache and not (manifest.exists() and read_json(manifest).get("complete"))
+    ):
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"no finished dataset at {data_dir} after {timeout_s:.0f} s (rank 0 makes it)")
+        time.sleep(5)
 
 
 def run_training(cfg: DictConfig) -> dict:
+    batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank and torch.cuda.is_available() and int(local_rank) < torch.cuda.device_count():
+        # A process started for GPU k (Lightning's launcher, torchrun) loads the target straight
+        # onto GPU k ("cuda" means the current device), not onto GPU 0 first.
+        torch.cuda.set_device(int(local_rank))
     L.seed_everything(int(cfg.seed), workers=True)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +219,8 @@ def run_training(cfg: DictConfig) -> dict:
     from .data.datamodule import DraftDataModule
     from .prepare import ensure_dataset
 
+    if not _launching_rank_zero():
+        _wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
     data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
     datamodule = DraftDataModule(
         cfg.data,
@@ -104,13 +238,14 @@ def run_training(cfg: DictConfig) -> dict:
         cfg.features,
         # Anchors per sequence: the data config may cap the paper's 512 for small CPU runs.
         num_anchors=cfg.data.get("anchors_per_sequence") or cfg.drafter.get("num_anchors"),
+        seed=int(cfg.seed),
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info(
         "drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6
     )
 
-    throughput = Throughput()
+    throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
     ckpt_dir = out_dir / "checkpoints"
     every = int(cfg.callbacks.checkpoint_every_n_steps)
     callbacks = [
@@ -128,13 +263,23 @@ def run_training(cfg: DictConfig) -> dict:
         resumed_at = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"])
         log.info("resuming from %s (step %d)", resume, resumed_at)
     trainer = L.Trainer(
-        **trainer_kwargs(cfg.trainer),
+        **trainer_kwargs(cfg.trainer, batch["accumulate"], batch["world"]),
         logger=build_logger(cfg.logger, out_dir, cfg.run_name, cfg, resumed_at),
         callbacks=callbacks,
         default_root_dir=out_dir,
         enable_model_summary=False,
     )
-    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+    if trainer.world_size != batch["world"]:
+        raise BatchConfigError(
+            f"the trainer runs {trainer.world_size} processes, the batch arithmetic assumed "
+            f"{batch['world']} (trainer.devices × trainer.num_nodes): set trainer.devices explicitly"
+        )
+    log.info(
+        "batch: %d per device × %d processes × %d accumulation = %d samples per optimizer step",
+        batch["per_device"], batch["world"], batch["accumulate"], batch["global"],
+    )  # fmt: skip
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     summary = {
@@ -145,11 +290,14 @@ def run_training(cfg: DictConfig) -> dict:
         "global_step": int(trainer.global_step),
         "wall_seconds": time.perf_counter() - start,
         "trainable_parameters": n_params,
+        "batch": batch,
+        "strategy": type(trainer.strategy).__name__,
         "throughput": throughput.summary(),
         "final": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "data_dir": str(data_dir),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if trainer.is_global_zero:  # one writer; every rank returns the summary
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.logger.name != "csv" and trainer.is_global_zero:
         from .reporting.dashboard import publish_run
 

@@ -148,6 +148,56 @@ class BucketBatchSampler(BatchSampler):
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
+class GlobalBatchSampler(Sampler):
+    """Distributed, accumulation-aware batches: one rank's micro-batches of a global batch.
+
+    Global batches of `micro_batch_size × world_size × accumulate` indices come from a
+    `BucketBatchSampler` over a seeded permutation (the same on every rank). Each global batch is
+    cut into M = world_size × accumulate micro-batches by striding through it (micro j holds
+    positions j, j+M, j+2M…, so every micro-batch spans the bucket's lengths and ranks stay in
+    step); rank r's accumulation step a gets micro j = a·world_size + r. Hence a 2-rank run
+    (accumulate 1) and a 1-rank run with accumulate 2 see exactly the same samples per optimizer
+    step. With M > 1 an incomplete last global batch is dropped, so every rank has the same number
+    of batches and an epoch ends on an optimizer step. With M = 1 this is BucketBatchSampler."""
+
+    def __init__(
+        self,
+        data_source,
+        lengths: list[int],
+        micro_batch_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        accumulate: int = 1,
+        bucket_batches: int = 16,
+        seed: int = 0,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.world_size, self.rank, self.accumulate = int(world_size), int(rank), max(1, int(accumulate))
+        self.micro_batch_size = int(micro_batch_size)
+        self.num_micro = self.world_size * self.accumulate
+        self.sampler = SeededRandomSampler(data_source, seed)  # Lightning calls its set_epoch
+        self.global_batches = BucketBatchSampler(
+            self.sampler,
+            self.micro_batch_size * self.num_micro,
+            drop_last=self.num_micro > 1,
+            lengths=lengths,
+            bucket_batches=bucket_batches,
+            seed=seed,
+        )
+
+    def micro_index(self, step_in_accumulation: int) -> int:
+        return step_in_accumulation * self.world_size + self.rank
+
+    def __iter__(self):
+        for batch in self.global_batches:
+            for a in range(self.accumulate):
+                yield batch[self.micro_index(a) :: self.num_micro]
+
+    def __len__(self) -> int:
+        return len(self.global_batches) * self.accumulate
+
+
 class DraftDataModule(L.LightningDataModule):
     """Train/val batches from a prepared `data.dir` (see dspark.prepare).
 
@@ -200,22 +250,47 @@ class DraftDataModule(L.LightningDataModule):
         self._load("train")
         self._load("val")
 
+    def _world(self) -> tuple[int, int, int]:
+        """(world_size, global rank, accumulate_grad_batches) of the attached trainer (1, 0, 1 without)."""
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0, 1
+        return int(trainer.world_size), int(trainer.global_rank), int(trainer.accumulate_grad_batches)
+
     def train_dataloader(self) -> DataLoader:
         ds = self._load("train")
-        sampler = BucketBatchSampler(
-            SeededRandomSampler(ds, self.seed),
+        world, rank, accumulate = self._world()
+        sampler = GlobalBatchSampler(
+            ds,
+            ds.lengths,
             self.batch_size,
-            drop_last=False,
-            lengths=ds.lengths,
+            world_size=world,
+            rank=rank,
+            accumulate=accumulate,
             bucket_batches=int(self.cfg.get("bucket_batches", 16)),
             seed=self.seed,
         )
+        if len(sampler) == 0:
+            raise DataError(
+                f"{len(ds)} training samples make no full global batch of "
+                f"{self.batch_size * world * accumulate} (data.batch_size × devices × accumulation): "
+                f"prepare more data (data.num_prompts) or lower data.global_batch_size"
+            )
         return self._loader(ds, sampler)
 
     def val_dataloader(self) -> DataLoader:
         ds = self._load("val")
         # Fixed order, sorted by length: little padding, and the same batches every validation.
-        return self._loader(ds, BatchSampler(LengthSortedSampler(ds.lengths), self.batch_size, False))
+        batches = list(BatchSampler(LengthSortedSampler(ds.lengths), self.batch_size, False))
+        world, rank, _ = self._world()
+        if world > 1:
+            # Rank r takes batches r, r+W, …; every rank runs the same number of batches (a sharded
+            # model needs every rank in each forward), so a remainder of < W batches is left out.
+            usable = len(batches) // world * world
+            if usable < len(batches):
+                log.info("validation: %d of %d batches used on %d ranks", usable, len(batches), world)
+            batches = batches[rank:usable:world]
+        return self._loader(ds, batches)
 
     def _loader(self, ds: Dataset, batch_sampler) -> DataLoader:
         workers = int(self.cfg.get("num_workers", 0))
