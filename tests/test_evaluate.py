@@ -138,6 +138,12 @@ def test_config_errors_before_loading(tiny_target, tmp_path):
     with pytest.raises(EvaluateConfigError, match="policy.cost_table"):
         check_config(_cfg(f"drafter_dir={dspark}", "policy=hardware_aware"))
     assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold"))["drafter"]["name"] == "dspark"
+    with pytest.raises(EvaluateConfigError, match="engine=warp is not one of plain, fast"):
+        check_config(_cfg(f"drafter_dir={dspark}", "engine=warp"))
+    eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3", gamma=4)
+    with pytest.raises(EvaluateConfigError, match="eagle3 runs on engine=plain"):
+        check_config(_cfg(f"drafter_dir={eagle}", "engine=fast", "policy.gamma=4"))
+    assert check_config(_cfg(f"drafter_dir={dspark}", "engine=fast", "policy.gamma=4"))
 
 
 def test_macro_averages():

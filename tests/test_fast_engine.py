@@ -141,6 +141,9 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         gen = lambda **x: torch.Generator("cuda").manual_seed(7)  # noqa: E731
         eager = FastEngine(t, drafter, graphs=False, generator=gen(), **kw).generate(reqs)
         graphed_engine = FastEngine(t, drafter, graphs=True, generator=gen(), **kw)
+        # Capture every graph first (target steps before draft steps): a draft step's outputs
+        # must survive the target step replayed after it (they once shared a memory pool).
+        graphed_engine.prepare(reqs)
         graphed = graphed_engine.generate(reqs)
         assert len(graphed_engine.bank) > 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]

@@ -75,6 +75,14 @@ def check_config(cfg: DictConfig) -> dict:
         raise EvaluateConfigError(f"concurrency must be >= 1, got {cfg.concurrency}")
     if int(cfg.max_new_tokens) < 1:
         raise EvaluateConfigError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    engine = str(cfg.get("engine", "plain"))
+    if engine not in ("plain", "fast"):
+        raise EvaluateConfigError(f"engine={engine} is not one of plain, fast")
+    if engine == "fast" and dconf["drafter"]["name"] not in ("dspark", "dflash"):
+        raise EvaluateConfigError(
+            f"engine=fast drafts with block drafters (dspark, dflash); {dconf['drafter']['name']} runs on "
+            f"engine=plain"
+        )
     name = str(cfg.policy.name).lower().replace("-", "_")
     gamma = int(dconf["drafter"]["block_size"])
     has_conf = _has_confidence(dconf)
@@ -183,13 +191,13 @@ def run(cfg: DictConfig) -> dict:
 
     from .calibration.sts import CALIBRATION_FILENAME, Calibration
     from .decoding.engine import (
-        Engine,
         Request,
         calibration_arrays,
         conditional_acceptance,
         tau,
         threshold_sweep,
     )
+    from .decoding.fast_engine import build_engine
     from .drafters import load_drafter
     from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot, write_json
     from .reporting.tables import table1
@@ -217,7 +225,8 @@ def run(cfg: DictConfig) -> dict:
 
     def engine(policy_, calibration_, name):
         gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode()))
-        return Engine(
+        return build_engine(
+            str(cfg.get("engine", "plain")),
             target,
             drafter,
             policy_,

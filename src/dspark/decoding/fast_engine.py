@@ -46,6 +46,8 @@ class FastEngine(Engine):
         graphs: capture CUDA graphs (default: when the target is on CUDA).
         prefill_chunk: prompts prefilled together (bounds the prefill's attention mask).
         max_width: the widest verification step (default γ + 1; the SPS benchmark asks for more).
+        verify_impl: rejection-sampling backend: ``auto`` (the Triton kernel on CUDA, its
+            reference elsewhere) or ``torch`` (the reference everywhere).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class FastEngine(Engine):
         graphs: bool | None = None,
         prefill_chunk: int = 32,
         max_width: int | None = None,
+        verify_impl: str = "auto",
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
@@ -81,6 +84,7 @@ class FastEngine(Engine):
             raise ValueError("CUDA graphs need a CUDA target: set graphs=false on this device")
         self.prefill_chunk = int(prefill_chunk)
         self.max_width = int(max_width or self._gamma + 1)
+        self.verify_impl = verify_impl
         self.static: StaticTarget | None = None
         self.bank = GraphBank(self.device) if self.use_graphs else None
 
@@ -230,7 +234,12 @@ class FastEngine(Engine):
 
         r, g = drafts.shape
         return rejection_verify(
-            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
+            target_probs,
+            draft_probs,
+            drafts,
+            lengths,
+            uniforms=(self._uniform(r, g), self._uniform(r)),
+            impl=self.verify_impl,
         )
 
     def _commit(self, kept: Tensor, taps, positions: Tensor, next_tokens: Tensor) -> None:

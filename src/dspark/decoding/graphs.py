@@ -2,8 +2,11 @@
 
 A step function that reads only static buffers (fixed addresses, contents copied in before each
 replay) is captured once per key, e.g. ("target", rows bucket, width), and replayed afterwards.
-All graphs share one memory pool: they replay one after another, never concurrently, and the
-tensors a graph returns stay referenced here, so no later capture can reuse their memory.
+Graphs of one family (the key's first element) share a memory pool. A graph's outputs may then
+sit where a family member captured *earlier* keeps its temporaries, so they stay valid only until
+another member replays; the engine consumes each step's outputs before its family runs again.
+Families never share: the draft step's outputs must survive the target step that follows it
+(sharing one pool let a target replay overwrite the drafted tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class GraphBank:
     def __init__(self, device: torch.device, warmup: int = 2):
         self.device = device
         self.warmup = warmup
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pools: dict[Hashable, object] = {}
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
 
     def run(self, key: Hashable, step: Callable[[], Any]) -> Any:
@@ -42,7 +45,9 @@ class GraphBank:
                     step()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            family = key[0] if isinstance(key, tuple) else key
+            pool = self.pools.setdefault(family, torch.cuda.graph_pool_handle())
+            with torch.cuda.graph(graph, pool=pool):
                 out = step()
             self.graphs[key] = (graph, out)
         graph, out = self.graphs[key]
