@@ -7,6 +7,7 @@
 #   bash scripts/h200_fast_path.sh 3   # prepare + train + end-to-end in one call (~7 min)
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # pass it: a copied .git may be stale
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
 T="target=smollm2_135m target.path=/root/stage target.device=cuda"
 R=outputs/h200/fast

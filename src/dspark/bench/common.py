@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -21,15 +21,18 @@ def compose_target(overrides: list[str]):
     return cfg.target
 
 
-def run_meta(argv: list[str], device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+def run_meta(module: str, argv: list[str], device: torch.device) -> dict:
+    """Command, commit (``DSPARK_COMMIT`` wins: a copied tree may carry a stale .git), machine, date."""
+    commit = os.environ.get("DSPARK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {
-        "command": " ".join(["python -m " + (sys.argv[0].rsplit("/", 1)[-1] or "")] + argv),
+        "command": " ".join(["python -m", module, *argv]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
                 }
             )
     report = {
-        **run_meta(argv, target.device),
+        **run_meta("dspark.bench.e2e", argv, target.device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "drafter": str(args.drafter_dir),

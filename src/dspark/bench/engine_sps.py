@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
                     flush=True,
                 )
     report = {
-        **run_meta(argv, device),
+        **run_meta("dspark.bench.engine_sps", argv, device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,
@@ -105,7 +105,10 @@ def main(argv=None) -> dict:
         CostModel(
             curve,
             context_len=ctx,
-            meta={"source": "python -m dspark.bench.engine_sps (running max)", **run_meta(argv, device)},
+            meta={
+                **{k: v for k, v in report.items() if k != "rows"},
+                "source": "python -m dspark.bench.engine_sps (running max)",
+            },
         ).save(args.cost_table)
     return report
 
