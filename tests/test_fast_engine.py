@@ -57,6 +57,43 @@ def test_static_forward_matches_hugging_face(small_target):
             torch.testing.assert_close(taps, ref.taps, atol=1e-5 * scale, rtol=1e-5)
 
 
+def _forward_twice(t, compile: bool, device: str):
+    """Prefill then one ragged step through a fresh StaticTarget; returns both steps' outputs."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 256, (3, 9), generator=g).to(device)
+    step = torch.randint(4, 256, (3, 4), generator=g).to(device)
+    static = StaticTarget(t, rows=4, capacity=32, compile=compile)
+    with torch.inference_mode():
+        first = static.forward(ids, torch.arange(9, device=device).expand(3, -1))
+        second = static.forward(
+            step, torch.tensor([[9], [5], [7]], device=device) + torch.arange(4, device=device)
+        )
+    return first + second
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),  # inductor's C++ build takes minutes on 2 cores
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_compiled_layers_match_eager(small_target, device):
+    """The torch.compile'd layer functions (fused norms / RoPE / SiLU) against the eager ones."""
+    t = small_target.to(device)
+    try:
+        eager = _forward_twice(t, False, device)
+        fused = _forward_twice(t, True, device)
+        for a, b in zip(fused, eager):
+            scale = float(b.abs().max())
+            torch.testing.assert_close(a, b, atol=1e-5 * scale, rtol=1e-5)
+    finally:
+        small_target.to("cpu")
+
+
 def _engines(t, drafter, temperature, **kw):
     common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, **kw)
     return Engine(t, drafter, **common), FastEngine(t, drafter, buckets=(1, 2, 4), **common)

@@ -31,6 +31,7 @@ def _parse(argv):
     ap.add_argument("--policies", default="fixed")
     ap.add_argument("--cost-table", default=None, help="needed by hardware_aware / async_topk")
     ap.add_argument("--drafter-dtype", default="target", choices=["target", "float32"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the fast engine's target layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="e2e.json")
     return ap.parse_known_args(argv)
@@ -68,6 +69,7 @@ def main(argv=None) -> dict:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         engine_kind=args.engine,
+        engine_kw={"compile": True} if args.compile else None,
     )
     base = measure(target, None, {"target_only": Fixed(None)}, conc, prompts, **common)["target_only"]
     spec = measure(target, drafter, policies, conc, prompts, cost=cost, calibration=calibration, **common)
@@ -91,6 +93,7 @@ def main(argv=None) -> dict:
         "drafter": str(args.drafter_dir),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "engine": args.engine,
+        "compiled": args.compile,
         "benchmark": args.benchmark,
         "prompts": len(prompts),
         "temperature": args.temperature,

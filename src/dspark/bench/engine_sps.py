@@ -33,6 +33,7 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) Hugging Face column")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's layer functions")
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
     return ap.parse_known_args(argv)
@@ -56,7 +57,13 @@ def main(argv=None) -> dict:
     rows_all = sorted({b // w for w in widths for b in sizes if b % w == 0 and 0 < b // w <= args.max_rows})
     cap = 128 * math.ceil((ctx + max(widths) + 1) / 128)
     fast = FastEngine(
-        target, None, concurrency=max(rows_all), buckets=rows_all, capacity=cap, max_width=max(widths)
+        target,
+        None,
+        concurrency=max(rows_all),
+        buckets=rows_all,
+        capacity=cap,
+        max_width=max(widths),
+        compile=args.compile,
     )
     fast._allocate(cap)  # the static caches
     plain = Engine(target, None)
@@ -82,6 +89,7 @@ def main(argv=None) -> dict:
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,
+        "compiled": args.compile,
         "rows": results,
     }
     out = Path(args.out)

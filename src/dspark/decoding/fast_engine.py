@@ -48,6 +48,8 @@ class FastEngine(Engine):
         max_width: the widest verification step (default γ + 1; the SPS benchmark asks for more).
         verify_impl: rejection-sampling backend: ``auto`` (the Triton kernel on CUDA, its
             reference elsewhere) or ``torch`` (the reference everywhere).
+        compile: ``torch.compile`` the target's layer functions (fused norms / RoPE / SiLU; the
+            first steps of each new shape pay the compilation).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class FastEngine(Engine):
         prefill_chunk: int = 32,
         max_width: int | None = None,
         verify_impl: str = "auto",
+        compile: bool = False,
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
@@ -85,6 +88,7 @@ class FastEngine(Engine):
         self.prefill_chunk = int(prefill_chunk)
         self.max_width = int(max_width or self._gamma + 1)
         self.verify_impl = verify_impl
+        self.compile = bool(compile)
         self.static: StaticTarget | None = None
         self.bank = GraphBank(self.device) if self.use_graphs else None
 
@@ -127,7 +131,7 @@ class FastEngine(Engine):
     def _allocate(self, capacity: int) -> None:
         rows = self.buckets[-1]
         with torch.inference_mode():
-            self.static = StaticTarget(self.target, rows, capacity)
+            self.static = StaticTarget(self.target, rows, capacity, compile=self.compile)
             if self.drafter is not None:
                 ref = self.drafter.fc.weight
                 s = self.drafter.layers[0].attn.s

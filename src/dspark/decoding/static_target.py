@@ -2,8 +2,9 @@
 
 Hugging Face's forward is correct but launch-bound at serving batch sizes (≈21 ms per step on the
 H200 for SmolLM2-135M whatever the batch) and allocates as it goes, so it cannot be captured in a
-CUDA graph. ``StaticTarget`` re-runs the same decoder with the model's own modules (the weights are
-shared, never copied) over caches whose addresses never change:
+CUDA graph. ``StaticTarget`` re-runs the same decoder from the model's own weights (shared, never
+copied) as two pure functions per layer (optionally ``torch.compile``d) over caches whose addresses
+never change:
 
 * K/V per layer are ``[rows, Hkv, capacity, hd]``; row r holds request r's positions at slot ==
   position, like ``RaggedKV``. A forward writes every one of its tokens at its position; the
@@ -19,6 +20,8 @@ holds this forward equal to the Hugging Face one through ``dspark.target.Target`
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +41,75 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama/Qwen RMSNorm, in the same operation order as transformers (float32 statistics)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer as plain tensors (shared with the model, never copied): the layer
+    functions take tensors, not modules, so one compiled graph serves every layer."""
+
+    ln1: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    ln2: Tensor
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    q_norm: Tensor | None = None  # qwen3
+    k_norm: Tensor | None = None
+
+    @classmethod
+    def of(cls, layer) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        if any(getattr(p, "bias", None) is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
+            raise UnsupportedTarget("MLP biases are not implemented by the fast engine: use engine=plain")
+        return cls(
+            ln1=layer.input_layernorm.weight, q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight,
+            o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight, gate=m.gate_proj.weight,
+            up=m.up_proj.weight, down=m.down_proj.weight, q_bias=a.q_proj.bias, k_bias=a.k_proj.bias,
+            v_bias=a.v_proj.bias, o_bias=a.o_proj.bias,
+            q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+            k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+        )  # fmt: skip
+
+
+def attention_inputs(
+    x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
+):
+    """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE: q [R, H, W, hd], k/v [R, Hkv, W, hd]."""
+    r, t, _ = x.shape
+    h = _rms(x, w.ln1, eps)
+    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1).transpose(1, 2)
+    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    if w.q_norm is not None:
+        q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def layer_output(x: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor:
+    """Output projection + residual, then the SwiGLU MLP + residual."""
+    x = x + F.linear(attn, w.o, w.o_bias)
+    h = _rms(x, w.ln2, eps)
+    return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+
+
 class StaticTarget:
     """Forward of ``target`` (a ``dspark.target.Target``) over static caches of ``rows`` requests
     and ``capacity`` positions each."""
 
-    def __init__(self, target, rows: int, capacity: int):
+    def __init__(self, target, rows: int, capacity: int, compile: bool = False):
         model = target.model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         kind = getattr(cfg, "model_type", "?")
@@ -56,9 +123,20 @@ class StaticTarget:
                 f"target {target.name} uses sliding-window attention, which the fast engine does not "
                 f"implement: evaluate it with engine=plain"
             )
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedTarget(
+                f"target {target.name} uses activation '{cfg.hidden_act}'; the fast engine implements SiLU "
+                f"MLPs only: evaluate it with engine=plain"
+            )
         self.target = target
         self.base = model.base_model
-        self.layers = list(self.base.layers)
+        self.weights = [LayerWeights.of(layer) for layer in self.base.layers]
+        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        # torch.compile fuses the norms, RoPE and SiLU·mul around the GEMMs (fewer kernels per
+        # step); tensors in, tensors out, so one graph serves every layer. The cache writes and
+        # the attention stay eager.
+        self._inputs = torch.compile(attention_inputs, dynamic=True) if compile else attention_inputs
+        self._output = torch.compile(layer_output, dynamic=True) if compile else layer_output
         self.rows, self.capacity = int(rows), int(capacity)
         self.num_heads = target.num_heads
         self.num_kv_heads = target.num_kv_heads
@@ -68,8 +146,8 @@ class StaticTarget:
         self.taps = target.layer_ids
         device, dtype = target.device, target.dtype
         shape = (self.rows, self.num_kv_heads, self.capacity, self.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.weights]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.weights]
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)  # committed per row
         pos = torch.arange(self.capacity, device=device)[None]
         probe = torch.zeros(1, 1, self.head_dim, device=device, dtype=dtype)
@@ -92,26 +170,17 @@ class StaticTarget:
         mask = visible[:, None, None].expand(r, 1, self.groups, w, self.capacity)
         mask = mask.reshape(r, 1, self.groups * w, self.capacity)
         row_index = torch.arange(start, start + r, device=ids.device)[:, None].expand(r, w)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(
-                layer, layer.input_layernorm(x), cos, sin, mask, row_index, positions, i, rows
-            )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i, weights in enumerate(self.weights):
+            q, k, v = self._inputs(x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads)
+            x = self._output(x, self._attend(q, k, v, mask, row_index, positions, i, rows), weights, self.eps)
             if i in self.taps:
                 taps[i] = x
         hidden = self.base.norm(x)
         return hidden, torch.cat([taps[i] for i in self.taps], dim=-1)
 
-    def _attention(self, layer, x, cos, sin, mask, row_index, positions, i, rows) -> Tensor:
-        attn = layer.self_attn
-        r, w, _ = x.shape
-        q = attn.q_proj(x).view(r, w, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(r, w, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(r, w, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+    def _attend(self, q, k, v, mask, row_index, positions, i, rows) -> Tensor:
+        """Write this step's keys/values at their positions, attend over the row's cache."""
+        r, _, w, _ = q.shape
         # Advanced indices around a slice: cache[rows, :, slots] is [R, W, Hkv, hd].
         self.k[i][row_index, :, positions] = k.transpose(1, 2).to(self.k[i].dtype)
         self.v[i][row_index, :, positions] = v.transpose(1, 2).to(self.v[i].dtype)
@@ -119,8 +188,7 @@ class StaticTarget:
         out = F.scaled_dot_product_attention(
             q, self.k[i][rows], self.v[i][rows], attn_mask=mask, scale=self.scale
         )
-        out = out.reshape(r, self.num_heads, w, self.head_dim).transpose(1, 2).reshape(r, w, -1)
-        return attn.o_proj(out)
+        return out.reshape(r, self.num_heads, w, self.head_dim).transpose(1, 2).reshape(r, w, -1)
 
     # ---- rows (continuous batching) -----------------------------------------------------------
     def keep_rows(self, index: Tensor) -> None:

@@ -436,6 +436,7 @@ def measure(
     warmup: bool = True,
     progress: bool = False,
     engine_kind: str = "plain",
+    engine_kw: dict | None = None,
 ) -> dict[str, list[dict]]:
     """Run the engine per policy and concurrency; time its decode rounds.
 
@@ -466,6 +467,7 @@ def measure(
                 calibration=calibration,
                 cost=cost,
                 seed=seed,
+                **(engine_kw or {}),
             )
         eng = engines[key]
         eng.set_policy(pol)

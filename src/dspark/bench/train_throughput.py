@@ -1,0 +1,90 @@
+"""Training throughput of each drafter: the real ``python -m dspark.train`` once per drafter.
+
+    python -m dspark.bench.train_throughput [--drafters dflash,dspark:markov,dspark:gated,dspark:rnn,eagle3]
+        [--steps 60] [--work outputs/bench/train_throughput] [--out train_throughput.json] \\
+        [overrides... default: experiment=cpu_smoke]
+
+Each run uses the same data, steps and overrides; the numbers come from the run's own
+``summary.json`` (the Throughput callback): tokens/s and samples/s over the whole run, and in steady
+state (after the callback's warm-up steps, validation time excluded). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m dspark.bench.train_throughput")
+    ap.add_argument("--drafters", default="dflash,dspark:markov,dspark:gated,dspark:rnn,eagle3")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--work", default="outputs/bench/train_throughput")
+    ap.add_argument("--out", default="train_throughput.json")
+    return ap.parse_known_args(argv)
+
+
+def _overrides(spec: str) -> list[str]:
+    name, _, head = spec.partition(":")
+    out = [f"drafter={name}"]
+    if name == "dspark":
+        out.append(f"head={head or 'markov'}")
+    elif head:
+        raise SystemExit(f"{spec}: only dspark takes a head (dflash and eagle3 have none)")
+    return out
+
+
+def main(argv=None) -> dict:
+    from .common import run_meta
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = _parse(argv)
+    extra = extra or ["experiment=cpu_smoke"]
+    rows = []
+    for spec in args.drafters.split(","):
+        run_dir = Path(args.work) / spec.replace(":", "-")
+        cmd = [sys.executable, "-m", "dspark.train", *extra, *_overrides(spec)]
+        cmd += [f"trainer.max_steps={args.steps}", "trainer.max_time=null", f"hydra.run.dir={run_dir}"]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{spec} failed:\n{done.stderr[-3000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        tp = summary["throughput"]
+        steady = tp.get("steady") or {}
+        rows.append(
+            {
+                "drafter": spec,
+                "steps": summary["global_step"],
+                "tokens_per_s": tp["tokens_per_s"],
+                "samples_per_s": tp["samples_per_s"],
+                "steady_tokens_per_s": steady.get("tokens_per_s"),
+                "steady_samples_per_s": steady.get("samples_per_s"),
+                "process_wall_s": time.perf_counter() - t0,
+                "command": " ".join(["python -m dspark.train", *cmd[3:]]),
+            }
+        )
+        print(f"{spec}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    import torch
+
+    report = {**run_meta("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n| drafter | steps | tokens/s | samples/s | steady tokens/s | process wall s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        steady = r["steady_tokens_per_s"]
+        print(
+            f"| {r['drafter']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['samples_per_s']:.2f} | "
+            f"{'n/a' if steady is None else f'{steady:.0f}'} | {r['process_wall_s']:.0f} |"
+        )
+    return report
+
+
+if __name__ == "__main__":
+    main()
