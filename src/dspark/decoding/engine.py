@@ -13,10 +13,10 @@ batching: finished rows are dropped from both caches, new rows are prefilled and
 Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
 which is the baseline and the reference of the losslessness tests.
 
-For the CUDA fast path (a later issue) the shape is already there: ``RaggedKV`` keeps a fixed-layout
-buffer (slot == position, crop == set the length), so a static-capacity version can capture CUDA
-graphs per token-batch bucket; the round's host syncs are ``int(lengths.max())`` (the verify width)
-and the Python bookkeeping after verification.
+``FastEngine`` (fast_engine.py) runs the same rounds over static caches with CUDA graphs: it
+overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commit``,
+``_keep_rows``, ``_propose``, ``_verify`` ...). The round's host syncs are ``int(lengths.max())``
+(the verify width) and the Python bookkeeping after verification.
 
 Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
 drafter's uniforms, then verify's ``u_accept [R, G]`` and ``u_sample [R]``; prefill draws one
@@ -275,7 +275,7 @@ class Engine:
             wall_s=time.perf_counter() - start,
         )
 
-    # ---- the caches: the plain path's; ``FastEngine`` overrides these five ---------------------
+    # ---- the caches: the plain path's; ``FastEngine`` overrides these -------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
         """Refuse what cannot run before any work starts (the plain caches grow, so nothing here)."""
 

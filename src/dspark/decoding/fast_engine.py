@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..drafters.base import DraftCache, Proposal
 from ..drafters.dflash import BlockDrafter
+from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget
@@ -174,7 +175,7 @@ class FastEngine(Engine):
             k_store[rows, :, positions] = k.transpose(1, 2).to(k_store.dtype)
             v_store[rows, :, positions] = v.transpose(1, 2).to(v_store.dtype)
 
-    # ---- the five cache hooks of Engine ----------------------------------------------------
+    # ---- Engine's cache hooks --------------------------------------------------------------
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
         hidden, taps = [], []
         for s in range(0, ids.shape[0], self.prefill_chunk):
@@ -234,8 +235,6 @@ class FastEngine(Engine):
         return Proposal(out.tokens[:r], out.probs[:r], None if conf is None else conf[:r])
 
     def _verify(self, target_probs, draft_probs, drafts, lengths):
-        from dspark.kernels.rejection import rejection_verify
-
         r, g = drafts.shape
         return rejection_verify(
             target_probs,
