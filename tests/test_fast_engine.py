@@ -18,14 +18,6 @@ from dspark.decoding.kv import RaggedKV
 from dspark.decoding.static_target import StaticTarget, UnsupportedTarget
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def test_static_forward_matches_hugging_face(small_target):
     """Prefill of ragged prompts, then a step of ragged widths with junk beyond the kept tokens:
     final hidden states (hence logits) and taps equal the Hugging Face forward over RaggedKV."""
