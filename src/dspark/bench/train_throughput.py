@@ -44,6 +44,8 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parse(argv)
     extra = extra or ["experiment=cpu_smoke"]
+    if not any(o.startswith("data.dir=") for o in extra):  # one dataset of its own, built by the first run
+        extra = [*extra, f"data.dir={Path(args.work) / 'data'}"]
     rows = []
     for spec in args.drafters.split(","):
         run_dir = Path(args.work) / spec.replace(":", "-")
