@@ -1,6 +1,7 @@
 """Every config group composes; the CLI composes without the network; bad configs are refused
 before anything loads."""
 
+import json
 import subprocess
 import sys
 
@@ -92,3 +93,17 @@ def test_cli_config_error_is_a_clear_message():
     )
     assert out.returncode != 0
     assert "drafter=dflash has no sequential head" in out.stderr
+
+
+def test_cli_stale_dataset_is_a_one_line_error(tmp_path):
+    """A data.dir built for another config: one line naming the fix, exit 2, before the target loads."""
+    (tmp_path / "build.json").write_text(json.dumps({"data": {"num_prompts": 3}, "target": {"name": "tiny"}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "dspark.train", "experiment=cpu_smoke", f"data.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "was prepared with another config" in out.stderr and "force=true" in out.stderr
+    assert "Traceback" not in out.stderr and "loaded in" not in out.stderr + out.stdout

@@ -8,10 +8,11 @@ from contextlib import contextmanager
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
+    from .data.io import DataError
     from .drafters import DrafterCheckpointError
     from .target import TargetError
 
-    return (ConfigError, TargetError, DrafterCheckpointError, FileNotFoundError)
+    return (ConfigError, TargetError, DrafterCheckpointError, DataError, FileNotFoundError)
 
 
 @contextmanager

@@ -86,6 +86,11 @@ def _check_build(data_dir: Path, key: dict) -> None:
             )
 
 
+def check_data_dir(cfg_data, cfg_target) -> None:
+    """Refuse a data.dir built for another config before any model loads."""
+    _check_build(resolve_path(cfg_data.dir), build_key(cfg_data, cfg_target))
+
+
 def _chat_kwargs(cfg_target) -> dict:
     return dict(_plain(cfg_target.get("chat_template_kwargs")) or {})
 

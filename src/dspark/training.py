@@ -204,7 +204,10 @@ def _wait_for_dataset(cfg_data, features: str, timeout_s: float = 6 * 3600) -> N
 
 
 def run_training(cfg: DictConfig) -> dict:
+    from .prepare import check_data_dir
+
     batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
+    check_data_dir(cfg.data, cfg.target)
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank and torch.cuda.is_available() and int(local_rank) < torch.cuda.device_count():
         # A process started for GPU k (Lightning's launcher, torchrun) loads the target straight
