@@ -11,11 +11,12 @@ from dspark.bench import e2e, engine_sps
 from dspark.scheduling.cost import CostModel
 
 
-def test_engine_sps_writes_json_and_cost_table(tmp_path):
+def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     out, cost = tmp_path / "sps.json", tmp_path / "cost.json"
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "rnn")
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
-         "--out", str(out), "--cost-table", str(cost), "target=tiny"]
+         "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -23,8 +24,11 @@ def test_engine_sps_writes_json_and_cost_table(tmp_path):
     assert shapes == {(1, 1), (4, 1), (8, 1), (1, 4), (2, 4)}
     for r in saved["rows"]:
         assert r["hf_eager_ms"] > 0 and r["static_eager_ms"] > 0 and "graph_ms" not in r
-    curve = CostModel.load(cost).verify_ms
+    model = CostModel.load(cost)
+    curve = model.verify_ms
     assert sorted(curve) == [1, 4, 8] and list(curve.values()) == sorted(curve.values())
+    assert sorted(int(r) for r in saved["draft_ms"]) == [1, 2, 4, 8]  # every row count measured
+    assert sorted(model.draft_ms) == [1, 2, 4, 8] and all(v > 0 for v in model.draft_ms.values())
 
 
 def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):

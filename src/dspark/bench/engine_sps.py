@@ -2,7 +2,7 @@
 
     python -m dspark.bench.engine_sps target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
-        [--cost-table cost_table.json]
+        [--cost-table cost_table.json] [--drafter-dir <checkpoint>]
 
 One step = the target forward over R rows x W tokens (B = R·W), each row attending to ``context``
 cached positions (random K/V: the values do not change the work), then the probabilities over the
@@ -10,7 +10,9 @@ vocabulary, exactly what a verification round asks of the engine:
   * ``hf_eager``: the plain engine's step (Hugging Face forward over ``RaggedKV``);
   * ``static_eager``: the fast engine's step without graphs (static caches only);
   * ``graph``: the fast engine's captured step.
-Prints a table; writes JSON (and, with --cost-table, the graph curve at W = γ+1 as a scheduler
+With ``--drafter-dir`` the drafter's step (backbone + sequential head + confidence + sampling, the
+fast engine's graph) is timed too, per row count R, over the same context. Prints a table; writes
+JSON (and, with --cost-table, the verify curve, plus the draft curve when timed, as a scheduler
 cost table for ``python -m dspark.schedule cost_table=...``).
 """
 
@@ -34,6 +36,7 @@ def _parse(argv):
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) Hugging Face column")
     ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's layer functions")
+    ap.add_argument("--drafter-dir", default=None, help="also time this drafter's draft step per row count")
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
     return ap.parse_known_args(argv)
@@ -84,12 +87,15 @@ def main(argv=None) -> dict:
                     f"static={row['static_eager_ms']:8.3f} ms  graph={row.get('graph_ms', nan):8.3f} ms",
                     flush=True,
                 )
+    draft_ms = _draft_times(target, args.drafter_dir, rows_all, ctx, cap, args) if args.drafter_dir else None
     report = {
         **run_meta("dspark.bench.engine_sps", argv, device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,
         "compiled": args.compile,
+        "drafter": args.drafter_dir,
+        "draft_ms": draft_ms,
         "rows": results,
     }
     out = Path(args.out)
@@ -112,6 +118,7 @@ def main(argv=None) -> dict:
             curve[b] = top
         CostModel(
             curve,
+            draft_ms=draft_ms,
             context_len=ctx,
             meta={
                 **{k: v for k, v in report.items() if k != "rows"},
@@ -119,6 +126,31 @@ def main(argv=None) -> dict:
             },
         ).save(args.cost_table)
     return report
+
+
+def _draft_times(target, drafter_dir: str, rows_all: list[int], ctx: int, cap: int, args) -> dict[int, float]:
+    """Draft-step time (ms) per row count R: the fast engine's captured step where CUDA is used."""
+    from ..decoding.fast_engine import FastEngine
+    from ..drafters import load_drafter
+    from .common import median_ms
+
+    device = target.device
+    drafter = load_drafter(drafter_dir, target, device=device)[0].to(target.dtype)
+    eng = FastEngine(target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap)
+    eng._allocate(cap)
+    out = {}
+    with torch.inference_mode():
+        for buf in eng.dk + eng.dv:
+            buf.normal_()
+        eng.dlength.fill_(ctx)
+        for r in rows_all:
+            anchors = torch.randint(0, target.vocab_size, (r,), device=device)
+            pos = torch.full((r,), ctx, device=device)
+            u = torch.rand(r, drafter.gamma, device=device)
+            step = lambda a=anchors, p=pos, x=u: eng._draft_step(a, p, x)  # noqa: E731
+            out[r] = median_ms(step, device, args.warmup, args.repeats)
+            print(f"draft R={r:4d}: {out[r]:8.3f} ms", flush=True)
+    return out
 
 
 def _measure(plain, fast, target, r: int, w: int, ctx: int, args) -> dict:
