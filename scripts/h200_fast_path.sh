@@ -22,6 +22,9 @@ train() {
     hydra.run.dir=$R/dspark 2>&1 | tail -3
 }
 e2e() {  # the drafter in the target's precision; in float32 if that fails
+  # Cost table with the draft step too (the hardware-aware policy charges T_draft(R) + T_verify(B)).
+  python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 --no-hf --drafter-dir $R/dspark/drafter \
+    --out $R/engine_sps_draft.json --cost-table $R/cost_table.json 2>&1 | tee $R/engine_sps_draft.log | tail -12
   python3 -m dspark.bench.e2e $T target.dtype=bfloat16 $E2E --out $R/e2e.json 2>&1 | tee $R/e2e.log | tail -14 ||
     python3 -m dspark.bench.e2e $T target.dtype=bfloat16 $E2E --drafter-dtype float32 --out $R/e2e.json 2>&1 |
     tee $R/e2e_fp32.log | tail -14
