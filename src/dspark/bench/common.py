@@ -59,3 +59,15 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repea
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def publish(path: str, report: dict, header: list[str], cells: list[list[str]]) -> None:
+    """Write ``report`` as JSON (atomically) and print its rows as a markdown table; the first
+    column is text, the others right-aligned numbers."""
+    from ..data.io import atomic_write_json
+
+    atomic_write_json(path, report)
+    print("\n| " + " | ".join(header) + " |")
+    print("|---|" + "---:|" * (len(header) - 1))
+    for row in cells:
+        print("| " + " | ".join(row) + " |")

@@ -14,7 +14,6 @@ and the drafter's speed-up over target-only at the same R.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -47,7 +46,7 @@ def main(argv=None) -> dict:
     from ..scheduling.frontier import make_policy, measure
     from ..scheduling.policies import Fixed
     from ..target import load_target
-    from .common import compose_target, run_meta
+    from .common import compose_target, publish, run_meta
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -101,17 +100,17 @@ def main(argv=None) -> dict:
         "gamma": gamma,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| run | R | tok/s/user | aggregate tok/s | τ | speed-up/user | speed-up aggregate |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        up_user, up_all = row.get("speedup_per_user", 1.0), row.get("speedup_throughput", 1.0)
-        print(
-            f"| {row['run']} | {row['concurrency']} | {row['tps_per_user']:.1f} | {row['throughput']:.0f} | "
-            f"{row['tau']:.2f} | {up_user:.2f}x | {up_all:.2f}x |"
-        )
+    publish(
+        args.out,
+        report,
+        ["run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate"],
+        [
+            [row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}", f"{row['throughput']:.0f}",
+             f"{row['tau']:.2f}", f"{row.get('speedup_per_user', 1.0):.2f}x",
+             f"{row.get('speedup_throughput', 1.0):.2f}x"]
+            for row in rows
+        ],
+    )  # fmt: skip
     return report
 
 

@@ -19,9 +19,7 @@ cost table for ``python -m dspark.schedule cost_table=...``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 
@@ -48,7 +46,7 @@ def main(argv=None) -> dict:
     from ..decoding.engine import Engine
     from ..decoding.fast_engine import FastEngine
     from ..target import load_target
-    from .common import compose_target, run_meta
+    from .common import compose_target, publish, run_meta
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -98,10 +96,18 @@ def main(argv=None) -> dict:
         "draft_ms": draft_ms,
         "rows": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _print_table(results)
+    nan = float("nan")
+    publish(
+        args.out,
+        report,
+        ["B", "R x W", "HF eager ms", "static ms", "graph ms", "SPS", "vs HF"],
+        [
+            [f"{r['tokens']}", f"{r['rows']} x {r['width']}", f"{r.get('hf_eager_ms', nan):.3f}",
+             f"{r['static_eager_ms']:.3f}", f"{r.get('graph_ms', nan):.3f}", f"{r['sps']:.0f}",
+             f"{r.get('speedup_vs_hf', nan):.1f}x"]
+            for r in results
+        ],
+    )  # fmt: skip
     if args.cost_table:
         from ..scheduling.cost import CostModel
 
@@ -181,17 +187,6 @@ def _measure(plain, fast, target, r: int, w: int, ctx: int, args) -> dict:
     if "hf_eager_ms" in row:
         row["speedup_vs_hf"] = row["hf_eager_ms"] / best
     return row
-
-
-def _print_table(rows: list[dict]) -> None:
-    print("\n| B | R x W | HF eager ms | static ms | graph ms | SPS | vs HF |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['tokens']} | {r['rows']} x {r['width']} | {r.get('hf_eager_ms', float('nan')):.3f} | "
-            f"{r['static_eager_ms']:.3f} | {r.get('graph_ms', float('nan')):.3f} | {r['sps']:.0f} | "
-            f"{r.get('speedup_vs_hf', float('nan')):.1f}x |"
-        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def _overrides(spec: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    from .common import run_meta
+    from .common import publish, run_meta
 
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parse(argv)
@@ -74,17 +74,17 @@ def main(argv=None) -> dict:
     import torch
 
     report = {**run_meta("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| drafter | steps | tokens/s | samples/s | steady tokens/s | process wall s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        steady = r["steady_tokens_per_s"]
-        print(
-            f"| {r['drafter']} | {r['steps']} | {r['tokens_per_s']:.0f} | {r['samples_per_s']:.2f} | "
-            f"{'n/a' if steady is None else f'{steady:.0f}'} | {r['process_wall_s']:.0f} |"
-        )
+    publish(
+        args.out,
+        report,
+        ["drafter", "steps", "tokens/s", "samples/s", "steady tokens/s", "process wall s"],
+        [
+            [r["drafter"], f"{r['steps']}", f"{r['tokens_per_s']:.0f}", f"{r['samples_per_s']:.2f}",
+             "n/a" if r["steady_tokens_per_s"] is None else f"{r['steady_tokens_per_s']:.0f}",
+             f"{r['process_wall_s']:.0f}"]
+            for r in rows
+        ],
+    )  # fmt: skip
     return report
 
 

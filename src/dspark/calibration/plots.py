@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,20 +11,9 @@ import matplotlib
 matplotlib.use("Agg")  # headless: training nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dspark.calibration.sts import atomic_write_text  # noqa: E402
+from dspark.data.io import atomic_write_json, finite  # noqa: E402
 
 __all__ = ["reliability_diagram"]
-
-
-def _jsonable(x):
-    # Strict JSON has no NaN; callers may hand in raw position_metrics rows that contain some.
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def _pct(v: float | None) -> str:
@@ -56,7 +43,7 @@ def reliability_diagram(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [_jsonable(r) for r in per_position_data if positions is None or r["position"] in set(positions)]
+    rows = [finite(r) for r in per_position_data if positions is None or r["position"] in set(positions)]
     if not rows:
         raise ValueError("no positions to plot")
 
@@ -108,7 +95,5 @@ def reliability_diagram(
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
-    atomic_write_text(
-        path.with_suffix(".json"), json.dumps({"positions": rows}, indent=1, allow_nan=False) + "\n"
-    )
+    atomic_write_json(path.with_suffix(".json"), {"positions": rows})
     return path

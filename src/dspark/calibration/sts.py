@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dspark.calibration.metrics import _check_inputs, _ece_l1
+from dspark.data.io import atomic_write_json
 
 __all__ = [
     "CALIBRATION_FILENAME",
@@ -150,9 +151,8 @@ class Calibration:
         """Write JSON atomically (a reader never sees a half-written file); a directory gets
         ``calibration.json`` inside it. Returns the file path."""
         path = _resolve(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         # json writes floats with repr(), which round-trips float64 exactly.
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_json(path, self.to_dict())
         return path
 
     @classmethod
@@ -163,11 +163,3 @@ class Calibration:
 def _resolve(path: str | os.PathLike) -> Path:
     p = Path(path)
     return p / CALIBRATION_FILENAME if p.is_dir() else p
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Temp file beside `path`, fsync, rename: a reader never sees half a file."""
-    from ..data.io import atomic_open
-
-    with atomic_open(path) as f:
-        f.write(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -36,6 +37,17 @@ def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[Any]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def finite(x: Any) -> Any:
+    """``x`` with NaN and ±inf floats replaced by None, recursively: strict JSON has neither."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

@@ -28,7 +28,7 @@ from ..drafters.dflash import BlockDrafter
 from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
-from .static_target import StaticTarget
+from .static_target import StaticTarget, compact_rows
 from .verify import probs_from_logits
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
@@ -254,11 +254,7 @@ class FastEngine(Engine):
     def _keep_rows(self, index: Tensor) -> None:
         self.static.keep_rows(index)
         if self.drafter is not None:
-            n = index.numel()
-            for store in (self.dk, self.dv):
-                for t in store:
-                    t[:n] = t[index]
-            self.dlength[:n] = self.dlength[index]
+            compact_rows([*self.dk, *self.dv, self.dlength], index)
 
 
 ENGINES = ("plain", "fast")

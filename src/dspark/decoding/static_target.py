@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget"]
+__all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget", "compact_rows"]
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -46,6 +46,14 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def compact_rows(tensors: list[Tensor], index: Tensor) -> None:
+    """In place: rows ``index`` (ascending) of every tensor move to its front, keeping addresses
+    (captured CUDA graphs read these buffers)."""
+    n = index.numel()
+    for t in tensors:
+        t[:n] = t[index]
 
 
 @dataclass
@@ -193,8 +201,4 @@ class StaticTarget:
     # ---- rows (continuous batching) -----------------------------------------------------------
     def keep_rows(self, index: Tensor) -> None:
         """Move rows ``index`` (the requests still running, in order) to the front."""
-        n = index.numel()
-        for store in (self.k, self.v):
-            for t in store:
-                t[:n] = t[index]
-        self.lengths[:n] = self.lengths[index]
+        compact_rows([*self.k, *self.v, self.lengths], index)

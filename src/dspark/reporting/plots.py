@@ -3,10 +3,7 @@ threshold sweep (Fig. 5). Each writes a PNG and the JSON it plots beside it."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -15,34 +12,15 @@ import matplotlib
 matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..data.io import atomic_write_json, finite  # noqa: E402
+
 __all__ = ["acceptance_by_position_plot", "threshold_sweep_plot", "write_json"]
 
 
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None  # strict JSON
-    if isinstance(x, Mapping):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def write_json(path: str | os.PathLike, obj) -> Path:
-    """Atomic strict-JSON write (a reader never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_clean(obj), f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Atomic strict-JSON write (NaN/inf become null; a reader never sees half a file)."""
+    atomic_write_json(path, finite(obj))
+    return Path(path)
 
 
 def _panels(n: int, width: float = 3.6, height: float = 3.0):

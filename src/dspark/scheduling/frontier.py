@@ -449,41 +449,36 @@ def measure(
 
     if not prompts:
         raise ReplayError("measured mode needs at least one prompt")
-    engines: dict[int, object] = {}
+    first = next(iter(policies.values()))
 
-    def engine(pol, R, n_new):
-        """One engine per concurrency, reused across policies (a fast engine keeps its graphs)."""
-        key = (R, n_new)
-        if key not in engines:
-            engines.clear()  # one set of static caches alive at a time
-            engines[key] = build_engine(
-                engine_kind,
-                target,
-                drafter,
-                pol,
-                temperature=temperature,
-                concurrency=R,
-                max_new_tokens=n_new,
-                calibration=calibration,
-                cost=cost,
-                seed=seed,
-                **(engine_kw or {}),
-            )
-        eng = engines[key]
-        eng.set_policy(pol)
-        eng.generator.manual_seed(seed)
-        return eng
+    def engine(R: int, n_new: int):
+        return build_engine(
+            engine_kind,
+            target,
+            drafter,
+            first,
+            temperature=temperature,
+            concurrency=R,
+            max_new_tokens=n_new,
+            calibration=calibration,
+            cost=cost,
+            seed=seed,
+            **(engine_kw or {}),
+        )
 
     if warmup:  # one-off costs (allocator growth, lazy kernels) stay out of the first point
-        engine(next(iter(policies.values())), 1, 2).generate([list(prompts[0])])
+        engine(1, 2).generate([list(prompts[0])])
     out: dict[str, list[dict]] = {name: [] for name in policies}
     bar = _bar(len(concurrency) * len(policies), "measure", progress)
-    for R in concurrency:  # concurrency outside: one engine (and its graphs) serves every policy
+    for R in concurrency:
         R = int(R)
+        eng = None  # drop the previous R's caches (and graphs) before building this one's
+        eng = engine(R, max_new_tokens)  # one engine serves every policy: a fast engine keeps its graphs
+        n = max(len(prompts), R)
+        reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
         for name, pol in policies.items():
-            n = max(len(prompts), R)
-            reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
-            eng = engine(pol, R, max_new_tokens)
+            eng.set_policy(pol)
+            eng.generator.manual_seed(seed)
             if hasattr(eng, "prepare"):
                 eng.prepare(reqs)  # captures CUDA graphs before the timed run
             res = eng.generate(reqs)
