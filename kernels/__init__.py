@@ -6,7 +6,7 @@ set before this package is imported).
 """
 
 from ._common import triton_available, triton_interpreting
-from .fused_loss import DraftLoss, chunked_draft_loss, fused_draft_loss, materialized_draft_loss
+from .fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 from .rejection import RejectionResult, rejection_verify, rejection_verify_reference
 from .sample_step import SampleStep, sample_from_reference, sample_step, sample_step_reference
 
@@ -14,8 +14,8 @@ __all__ = [
     "triton_available",
     "triton_interpreting",
     "DraftLoss",
+    "RowWeights",
     "materialized_draft_loss",
-    "chunked_draft_loss",
     "fused_draft_loss",
     "SampleStep",
     "sample_from_reference",

@@ -1,60 +1,65 @@
-"""Benchmark the draft loss: materialised vs chunked (PyTorch) vs Triton, forward + backward.
+"""Benchmark the draft loss: materialised vs fused (PyTorch row pass) vs fused (Triton row pass),
+loss + gradient, at DSpark's training shape.
 
-    python -m dspark.kernels.bench_fused_loss --out docs/results/fused_loss.json        # GPU
+    python -m dspark.kernels.bench_fused_loss --out fused_loss.json                     # GPU
     python -m dspark.kernels.bench_fused_loss --device cpu --v 512 --anchors 4 --gamma 2 \\
-        --k 32 --d 16 --iters 2 --warmup 1 --out /tmp/bench.json                       # toy check
+        --d 16 --rank 8 --iters 2 --warmup 1 --out /tmp/bench.json                     # toy check
 
-Defaults are the DSpark training shape on SmolLM2-135M: V=49152, 512 anchors x 7 positions,
-K = 576 (hidden) + 256 (head rank), D = 576. Times are medians over --iters after --warmup, with
-CUDA events on GPU (forward alone is timed too); peak memory is the allocator's peak during
-forward + backward above what the inputs already hold. TFLOP/s counts the GEMM work each
-variant actually does (the chunked ones recompute logits), so it measures hardware use.
-A variant that runs out of memory is recorded as such instead of aborting the table.
+Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions. Times are
+medians over --iters after --warmup (CUDA events on GPU); peak memory is the allocator's peak
+during the step above what the inputs hold. TFLOP/s counts the GEMMs each variant does (all
+compute each logit once: the fused variants compute the gradient in the same pass). A variant
+that runs out of memory is recorded as such instead of aborting the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from dspark.kernels import chunked_draft_loss, fused_draft_loss, materialized_draft_loss, triton_available
-from dspark.kernels import fused_loss as _fused_loss
+from dspark.kernels import RowWeights, fused_draft_loss, materialized_draft_loss, triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _inputs(args, device, dtype):
     g = torch.Generator().manual_seed(0)
-    n = args.anchors * args.gamma
+    n, d, r = args.anchors * args.gamma, args.d, args.rank
     # Random (not zero) data with realistic logit spread: zeros would make every softmax flat.
-    x = torch.randn(n, args.k, generator=g)
-    w = torch.randn(args.v, args.k, generator=g) * (2.5 / args.k**0.5)
-    th = torch.randn(n, args.d, generator=g)
-    tw = torch.randn(args.v, args.d, generator=g) * (2.5 / args.d**0.5)
+    x = torch.randn(n, d + r, generator=g)
+    lm = torch.randn(args.v, d, generator=g) * (2.5 / d**0.5)
+    bias = torch.randn(args.v, r, generator=g) * 0.1
+    th = 0.7 * x[:, :d] + 0.3 * torch.randn(n, d, generator=g)
     labels = torch.randint(0, args.v, (n,), generator=g)
     labels[:: args.gamma] = -100
-    t = [x.to(device, dtype), w.to(device, dtype), th.to(device, dtype), tw.to(device, dtype)]
-    return t[0].requires_grad_(), t[1].requires_grad_(), t[2], t[3], labels.to(device)
+    rw = RowWeights(*(torch.rand(3, n, generator=g) / n).to(device))
+    t = [v.to(device, dtype) for v in (x, lm, bias, th)]
+    return t[0].requires_grad_(), t[1], t[2].requires_grad_(), t[3], labels.to(device), rw
 
 
 def _variants(args):
-    out = {"materialized": lambda *a: materialized_draft_loss(*a, softcap=args.softcap)}
-    out["chunked"] = lambda *a: chunked_draft_loss(*a, softcap=args.softcap, chunk=args.chunk)
+    def materialized(x, lm, bias, th, labels, rw):
+        return materialized_draft_loss(x, torch.cat([lm, bias], 1), th, labels, rw, args.softcap)
+
+    def fused(impl):
+        def run(x, lm, bias, th, labels, rw):
+            weight = torch.cat([lm, bias.detach()], 1)
+            return fused_draft_loss(x, weight, th, labels, rw, trainable=bias, softcap=args.softcap,
+                                    impl=impl, chunk_rows=args.chunk_rows)  # fmt: skip
+
+        return run
+
+    out = {"materialized": materialized, "fused_torch": fused("torch")}
     if triton_available() and args.device == "cuda":
-        out["triton"] = lambda *a: fused_draft_loss(*a, softcap=args.softcap, chunk=args.chunk, impl="triton")
+        out["fused_triton"] = fused("triton")
     return out
 
 
-def _step(fn, x, w, th, tw, labels):
-    x.grad = w.grad = None
-    out = fn(x, w, th, tw, labels)
-    (0.1 * out.ce.sum() + 0.9 * out.tv.sum()).backward()
+def _step(fn, x, lm, bias, th, labels, rw):
+    x.grad = bias.grad = None
+    fn(x, lm, bias, th, labels, rw).loss.backward()
 
 
 def _timed(cuda, body):
@@ -73,120 +78,67 @@ def _timed(cuda, body):
 def _measure(fn, inputs, args, cuda):
     for _ in range(args.warmup):
         _step(fn, *inputs)
-    with torch.no_grad():
-        fwd = statistics.median(_timed(cuda, lambda: fn(*inputs)) for _ in range(args.iters))
-    times = []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    for _ in range(args.iters):
-        times.append(_timed(cuda, lambda: _step(fn, *inputs)))
+    times = [_timed(cuda, lambda: _step(fn, *inputs)) for _ in range(args.iters)]
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-    return statistics.median(times), fwd, peak
+    return statistics.median(times), peak
 
 
 def main(argv=None):
+    from dspark.bench.common import publish, run_meta
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--v", type=int, default=49152)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--gamma", type=int, default=7)
-    p.add_argument("--k", type=int, default=576 + 256)
     p.add_argument("--d", type=int, default=576)
+    p.add_argument("--rank", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--softcap", type=float, default=None)
-    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--chunk-rows", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=None, help="comma list (default: all available)")
-    p.add_argument(
-        "--fp32-precision", default=None, help="Triton dot precision for fp32: ieee, tf32x3, bf16x3"
-    )
-    p.add_argument(
-        "--tiles",
-        default=None,
-        help="Triton tiles for this dtype: BLOCK_N,BLOCK_V,BLOCK_K,num_warps,num_stages",
-    )
-    p.add_argument("--out", type=Path, required=True, help="JSON results path")
+    p.add_argument("--out", required=True, help="JSON results path")
     args = p.parse_args(argv)
 
     cuda = args.device == "cuda"
-    dtype = DTYPES[args.dtype]
-    if args.fp32_precision:
-        _fused_loss.FP32_DOT_PRECISION = args.fp32_precision
-    if args.tiles:
-        names = ("BLOCK_N", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages")
-        key = dtype if dtype == torch.float32 else "half"
-        _fused_loss.GPU_TILES[key] = dict(zip(names, map(int, args.tiles.split(","))))
-    inputs = _inputs(args, args.device, dtype)
-    n = args.anchors * args.gamma
-    # Work count (per fwd+bwd): forward recomputes both logit GEMMs twice, backward once more,
-    # plus the two draft-gradient GEMMs. The materialised path does the logit GEMMs once.
-    gemm = 2 * n * args.v
-    flops_chunked = gemm * (3 * (args.k + args.d) + 2 * args.k)
-    flops_materialized = gemm * (args.k + args.d + 2 * args.k)
-
+    inputs = _inputs(args, args.device, DTYPES[args.dtype])
+    n, k = args.anchors * args.gamma, args.d + args.rank
+    # GEMMs per step: draft and target logits, d(features), d(bias block).
+    flops = 2 * n * args.v * (k + args.d + k + args.rank)
     variants = _variants(args)
     if args.variants:
-        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+        variants = {name: fn for name, fn in variants.items() if name in args.variants.split(",")}
     rows = []
     for name, fn in variants.items():
         try:
-            ms, fwd_ms, peak = _measure(fn, inputs, args, cuda)
+            ms, peak = _measure(fn, inputs, args, cuda)
             err = None
         except torch.OutOfMemoryError as exc:
-            ms, fwd_ms, peak, err = None, None, None, f"OOM: {str(exc).splitlines()[0]}"
+            ms, peak, err = None, None, f"OOM: {str(exc).splitlines()[0]}"
         if cuda:
             torch.cuda.empty_cache()
-        flops = flops_materialized if name == "materialized" else flops_chunked
-        rows.append(
-            dict(
-                variant=name,
-                median_ms=ms,
-                fwd_median_ms=fwd_ms,
-                peak_mib=peak,
-                flops=flops,
-                tflops=None if ms is None else flops / (ms * 1e-3) / 1e12,
-                error=err,
-            )
-        )
+        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
+        rows.append(dict(variant=name, median_ms=ms, peak_mib=peak, flops=flops, tflops=tflops, error=err))
 
-    print(
-        f"N={n} V={args.v} K={args.k} D={args.d} dtype={args.dtype} chunk={args.chunk} device={args.device}"
-    )
-    print(f"{'variant':<14}{'fwd+bwd ms':>12}{'fwd ms':>10}{'peak MiB':>12}{'TFLOP/s':>10}")
-    for r in rows:
-        ms = "-" if r["median_ms"] is None else f"{r['median_ms']:.2f}"
-        fwd = "-" if r["fwd_median_ms"] is None else f"{r['fwd_median_ms']:.2f}"
-        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
-        print(
-            f"{r['variant']:<14}{ms:>12}{fwd:>10}{peak:>12}{tf:>10}"
-            + (f"  {r['error']}" if r["error"] else "")
-        )
+    def cell(v, fmt):
+        return "-" if v is None else format(v, fmt)
 
-    meta = dict(
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__,
-        triton=_triton_version(),
-        device=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    report = {**run_meta("dspark.kernels.bench_fused_loss", argv or [], torch.device(args.device)),
+              "args": vars(args), "rows": rows}  # fmt: skip
+    publish(
+        args.out,
+        report,
+        ["variant", "loss+grad ms", "peak MiB", "TFLOP/s"],
+        [[r["variant"], cell(r["median_ms"], ".2f"), cell(r["peak_mib"], ".0f"), cell(r["tflops"], ".1f")]
+         for r in rows],  # fmt: skip
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    tmp.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
-    tmp.replace(args.out)  # atomic: a crashed run never leaves half a JSON
     return rows
-
-
-def _triton_version():
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

@@ -1,31 +1,30 @@
-"""Fused chunked-vocabulary draft loss: per-row CE and total variation against the target.
+"""Fused draft loss: per-row CE, total variation and KL against the target, gradient included.
 
-For rows r (draft positions) with draft features x_r and target hidden state h_r:
+For rows r (draft positions) with draft features x_r [K] and target hidden states h_r [D]:
 
-    p_d = softmax(cap(x Wᵀ)),   p_t = softmax(cap(h W_tᵀ)),   cap(z) = c·tanh(z/c) (optional)
-    ce_r = -log p_d[r, label_r]   (0 where label_r < 0, e.g. -100)
-    tv_r = ‖p_d[r] - p_t[r]‖₁     (defined for every row; the caller masks it)
+    z_d = cap(x Wᵀ),   z_t = cap(h W[:, :D]ᵀ),   cap(z) = c·tanh(z/c) (optional)
+    ce_r = -log p_d[r, label_r]      (0 where label_r < 0)
+    tv_r = ‖p_d[r] - p_t[r]‖₁
+    kl_r = KL(p_t[r] ‖ p_d[r])
+    loss = Σ_r a_r·ce_r + b_r·tv_r + c_r·kl_r           (row weights a, b, c given up front)
 
-Gradients flow to ``x`` and ``weight``; the target side is a frozen constant. With
-s = cap(z_d), σ = sign(p_d - p_t) and m_r = Σ_v σ_v p_d,v the logit gradient is
+W [V, K] is the output projection: its first D columns are the target's frozen LM head (so the
+target logits reuse them) and the last ``r`` columns may be a trainable low-rank bias (DSpark's
+W2), passed as ``trainable`` so its gradient can flow; the frozen columns get none.
 
-    ∂L/∂s = g_ce·(p_d - onehot(label)) + g_tv·p_d·(σ - m),   ∂s/∂z = 1 - (s/c)²
+Because the row weights are known when the loss is computed, the gradient is computed in the
+same pass: with s = z_d (capped), σ = sign(p_d - p_t), m = Σ_v σ_v p_d,v,
 
-so the backward only needs the per-row scalars lse_d, lse_t and m from the forward.
+    ∂loss/∂s = a·(p_d - onehot) + b·p_d·(σ - m) + c·(p_d - p_t),   ∂s/∂z = 1 - (s/c)²
 
-Three implementations share that math:
-  * ``materialized_draft_loss``: plain autograd over full [N, V] logits (ground truth).
-  * ``chunked_draft_loss``: autograd.Function that walks V in chunks (two forward passes:
-    online log-sum-exp, then TV; one backward pass that recomputes logits per chunk), so the
-    peak extra memory is O(N·chunk) instead of several N×V tensors.
-  * the Triton path (``fused_draft_loss(impl="triton")``): the forward passes are single
-    kernels that compute logit tiles and reduce them in registers (only per-tile row stats
-    reach memory); the backward computes dz for one V chunk in a kernel and leaves the two
-    gradient GEMMs to cuBLAS. float32 inputs use 3xTF32 dots (near-fp32 accuracy on tensor
-    cores; plain TF32 would cost 1e-3), 16-bit inputs plain tensor-core dots, fp32 accumulation.
+Rows are processed in chunks: per chunk the two logit matrices come from two cuBLAS GEMMs
+(16-bit operands, float32 output), one row-wise pass computes the losses and writes dz, and
+two more GEMMs turn dz into the gradients of x and of the trainable columns. Each logit is
+computed once, no [N, V] tensor outlives its chunk, and backward only rescales the stored
+gradients by the incoming scalar.
 
-All return float32 (float64 for float64 inputs) per-row values; the Triton path takes float32,
-bfloat16 or float16.
+``materialized_draft_loss`` is the plain-autograd ground truth. The row-wise pass has a PyTorch
+implementation (CPU, and the reference) and a Triton kernel (CUDA; the interpreter on CPU in tests).
 """
 
 from __future__ import annotations
@@ -37,29 +36,37 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 
-__all__ = ["DraftLoss", "materialized_draft_loss", "chunked_draft_loss", "fused_draft_loss"]
+__all__ = ["DraftLoss", "RowWeights", "materialized_draft_loss", "fused_draft_loss", "default_chunk_rows"]
+
+
+class RowWeights(NamedTuple):
+    ce: Tensor  # [N] weight of each row's cross-entropy (rows with label < 0 never count)
+    tv: Tensor  # [N] weight of ‖p_d - p_t‖₁
+    kl: Tensor  # [N] weight of KL(p_t ‖ p_d)
+
 
 class DraftLoss(NamedTuple):
-    ce: Tensor  # [N] float32, 0 on ignored rows
-    tv: Tensor  # [N] float32, ‖p_d - p_t‖₁ in [0, 2]
+    loss: Tensor  # scalar Σ a·ce + b·tv + c·kl (differentiable in x and `trainable`)
+    ce: Tensor  # [N] float32, 0 on ignored rows (detached)
+    tv: Tensor  # [N] float32 in [0, 2] (detached)
+    kl: Tensor  # [N] float32 >= 0 (detached)
 
 
-def _check(x, weight, target_hidden, target_weight, labels, softcap):
-    if x.dim() != 2 or weight.dim() != 2 or target_hidden.dim() != 2 or target_weight.dim() != 2:
-        raise ValueError("x, weight, target_hidden, target_weight must be 2-D")
+def _check(x, weight, target_hidden, labels, row_weights, trainable, softcap):
+    if x.dim() != 2 or weight.dim() != 2 or target_hidden.dim() != 2:
+        raise ValueError("x, weight and target_hidden must be 2-D")
     n, k = x.shape
-    v = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if target_hidden.shape[0] != n or target_weight.shape != (v, target_hidden.shape[1]):
-        raise ValueError(
-            f"target_hidden {tuple(target_hidden.shape)} / target_weight {tuple(target_weight.shape)} "
-            f"do not match N={n}, V={v}"
-        )
+    if target_hidden.shape[0] != n or target_hidden.shape[1] > k:
+        raise ValueError(f"target_hidden {tuple(target_hidden.shape)} does not match N={n}, K={k}")
     if labels.shape != (n,):
         raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
-    if x.dtype != weight.dtype or target_hidden.dtype != target_weight.dtype:
-        raise ValueError("x/weight and target_hidden/target_weight must share a dtype pairwise")
+    for name, w in zip(RowWeights._fields, row_weights):
+        if w.shape != (n,):
+            raise ValueError(f"row weight '{name}' must have shape ({n},), got {tuple(w.shape)}")
+    if trainable is not None and (trainable.dim() != 2 or trainable.shape[0] != weight.shape[0]):
+        raise ValueError(f"trainable {tuple(trainable.shape)} is not a [V, r] slice of weight")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
 
@@ -80,76 +87,65 @@ def materialized_draft_loss(
     x: Tensor,
     weight: Tensor,
     target_hidden: Tensor,
-    target_weight: Tensor,
     labels: Tensor,
+    row_weights: RowWeights,
     softcap: float | None = None,
 ) -> DraftLoss:
-    """Ground truth: full [N, V] logits, plain autograd (float32 math)."""
-    _check(x, weight, target_hidden, target_weight, labels, softcap)
-    logp_d = torch.log_softmax(_cap((x @ weight.T).to(_acc_dtype(x)), softcap), dim=-1)
+    """Ground truth: full [N, V] logits, plain autograd (float32 math). Gradients flow to ``x`` and
+    to ``weight`` as far as autograd reaches it (e.g. the trainable half of a ``torch.cat``)."""
+    _check(x, weight, target_hidden, labels, row_weights, None, softcap)
+    acc = _acc_dtype(x)
+    d = target_hidden.shape[1]
+    logp_d = torch.log_softmax(_cap((x @ weight.T).to(acc), softcap), dim=-1)
     with torch.no_grad():
-        p_t = torch.softmax(_cap((target_hidden @ target_weight.T).to(_acc_dtype(x)), softcap), dim=-1)
+        tw = weight[:, :d].detach().to(target_hidden.dtype)
+        logp_t = torch.log_softmax(_cap((target_hidden @ tw.T).to(acc), softcap), dim=-1)
+        p_t = logp_t.exp()
     valid = labels >= 0
     picked = logp_d.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
     ce = torch.where(valid, -picked, torch.zeros_like(picked))
     tv = (logp_d.exp() - p_t).abs().sum(-1)
-    return DraftLoss(ce, tv)
+    kl = (p_t * (logp_t - logp_d)).sum(-1)
+    a, b, c = (w.to(acc) for w in row_weights)
+    loss = (torch.where(valid, a, torch.zeros_like(a)) * ce).sum() + (b * tv).sum() + (c * kl).sum()
+    return DraftLoss(loss, ce.detach(), tv.detach(), kl.detach())
 
 
-# ----------------------------------------------------------------------------- torch chunks
+# ----------------------------------------------------------------------------- row pass, torch
 
 
-def _torch_forward_stats(x, weight, th, tw, labels, softcap, chunk):
-    n, v = x.shape[0], weight.shape[0]
-    f = dict(device=x.device, dtype=_acc_dtype(x))
-    lse_d = torch.full((n,), float("-inf"), **f)
-    lse_t = torch.full((n,), float("-inf"), **f)
-    label_logit = torch.zeros(n, **f)
+def _rows_torch(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
+    """Losses of rows with logits zd, zt [n, V] (float) and, if asked, dloss/dz [n, V]."""
+    s_d, s_t = _cap(zd, softcap), _cap(zt, softcap)
+    logp_d = torch.log_softmax(s_d, dim=-1)
+    logp_t = torch.log_softmax(s_t, dim=-1)
+    p_d, p_t = logp_d.exp(), logp_t.exp()
     valid = labels >= 0
-    for v0 in range(0, v, chunk):
-        v1 = min(v, v0 + chunk)
-        s_d = _cap((x @ weight[v0:v1].T).to(f["dtype"]), softcap)
-        s_t = _cap((th @ tw[v0:v1].T).to(f["dtype"]), softcap)
-        lse_d = torch.logaddexp(lse_d, torch.logsumexp(s_d, dim=1))
-        lse_t = torch.logaddexp(lse_t, torch.logsumexp(s_t, dim=1))
-        # Masked gather instead of nonzero(): no host sync per chunk on GPU.
-        here = valid & (labels >= v0) & (labels < v1)
-        picked = s_d.gather(1, (labels - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
-        label_logit = torch.where(here, picked, label_logit)
-    # Second pass: TV needs the final normalisers, so the chunk logits are recomputed.
-    tv = torch.zeros(n, **f)
-    msum = torch.zeros(n, **f)
-    for v0 in range(0, v, chunk):
-        v1 = min(v, v0 + chunk)
-        p_d = torch.exp(_cap((x @ weight[v0:v1].T).to(f["dtype"]), softcap) - lse_d[:, None])
-        p_t = torch.exp(_cap((th @ tw[v0:v1].T).to(f["dtype"]), softcap) - lse_t[:, None])
-        diff = p_d - p_t
-        tv += diff.abs().sum(1)
-        msum += (torch.sign(diff) * p_d).sum(1)
-    return lse_d, lse_t, label_logit, tv, msum
-
-
-def _torch_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, softcap, out_dtype):
-    s_d = _cap((x @ w_c.T).to(lse_d.dtype), softcap)
-    p_d = torch.exp(s_d - lse_d[:, None])
-    p_t = torch.exp(_cap((th @ tw_c.T).to(lse_d.dtype), softcap) - lse_t[:, None])
-    dz = p_d * (g_ce[:, None] + g_tv[:, None] * (torch.sign(p_d - p_t) - msum[:, None]))
-    cols = torch.arange(v0, v0 + w_c.shape[0], device=x.device)
-    dz -= torch.where(labels[:, None] == cols, g_ce[:, None], 0.0)  # ignored rows have g_ce = 0
+    picked = logp_d.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
+    ce = torch.where(valid, -picked, torch.zeros_like(picked))
+    diff = p_d - p_t
+    tv = diff.abs().sum(-1)
+    kl = (p_t * (logp_t - logp_d)).sum(-1)
+    if not want_grad:
+        return ce, tv, kl, None
+    a, b, c = (w.to(p_d.dtype) for w in (a, b, c))
+    a = torch.where(valid, a, torch.zeros_like(a))[:, None]
+    sgn = torch.sign(diff)
+    m = (sgn * p_d).sum(-1, keepdim=True)
+    dz = a * p_d + b[:, None] * p_d * (sgn - m) + c[:, None] * diff
+    dz.scatter_add_(1, labels.clamp_min(0)[:, None], -a)
     if softcap is not None:
-        dz *= 1.0 - (s_d / softcap) ** 2
-    return dz.to(out_dtype)
+        dz = dz * (1.0 - (s_d / softcap) ** 2)
+    return ce, tv, kl, dz.to(dz_dtype)
 
 
-# ----------------------------------------------------------------------------- triton
+# ----------------------------------------------------------------------------- row pass, triton
 
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    # Triton core has no tanh. Compiled kernels use libdevice's (<= 2 ulp): the softcap scales
-    # tanh's absolute error by c (~30), so a formula built on the GPU's approximate exp and
-    # division is risky. The interpreter has no libdevice; there 2σ(2y) - 1 in numpy float32
-    # (absolute error ~1e-7) is accurate enough at test shapes.
+    # Triton core has no tanh. Compiled kernels use libdevice's (<= 2 ulp); the interpreter has no
+    # libdevice, and there 2σ(2y) - 1 in numpy float32 (absolute error ~1e-7) is accurate enough.
     _LIBDEVICE_TANH = tl.constexpr(not triton_interpreting())
 
     @triton.jit
@@ -162,455 +158,247 @@ if HAS_TRITON:
         return z
 
     @triton.jit
-    def _logit_tile(
+    def _row_loss_kernel(
+        zd_ptr,
+        zt_ptr,
+        labels_ptr,
         a_ptr,
         b_ptr,
-        rows,
-        cols,
-        n_rows,
-        n_cols,
-        inner: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PREC: tl.constexpr,
-    ):
-        # [BLOCK_N, BLOCK_V] tile of a @ bᵀ for row-major a [n_rows, inner], b [n_cols, inner].
-        # Loop bounds are constexpr (hidden sizes are fixed per model, so this costs no extra
-        # compiles); a runtime bound also breaks the triton 3.6 interpreter under numpy >= 2.4.
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        ks = tl.arange(0, BLOCK_K)
-        row_ok = rows[:, None] < n_rows
-        col_ok = cols[:, None] < n_cols
-        for k0 in range(0, inner, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk[None, :] < inner
-            a = tl.load(a_ptr + rows[:, None] * inner + kk[None, :], mask=row_ok & k_ok, other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * inner + kk[None, :], mask=col_ok & k_ok, other=0.0)
-            if PREC == "none":  # 16-bit inputs: plain tensor-core dot
-                acc = tl.dot(a, tl.trans(b), acc)
-            else:  # float32 inputs: never the default TF32 (1e-3 relative)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-        return acc
-
-    @triton.jit
-    def _loss_stats_kernel(
-        x_ptr,
-        w_ptr,
-        h_ptr,
-        tw_ptr,
-        labels_ptr,
-        max_d_ptr,
-        sum_d_ptr,
-        max_t_ptr,
-        sum_t_ptr,
-        label_logit_ptr,
-        N,
-        V,
-        K: tl.constexpr,
-        D: tl.constexpr,
-        softcap,
-        HAS_CAP: tl.constexpr,
-        PREC_D: tl.constexpr,
-        PREC_T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # Pass 1: per-(row, V-tile) max and sum-exp of both logit sets, plus the label logit.
-        # axis 0 (row tiles) varies fastest so programs sharing a weight tile run together.
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        row_ok = rows < N
-        col_ok = cols[None, :] < V
-        out = pid_v * N + rows
-
-        s_d = _logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, PREC_D)
-        s_d = tl.where(col_ok, _softcap(s_d, softcap, HAS_CAP), float("-inf"))
-        m_d = tl.max(s_d, axis=1)
-        tl.store(max_d_ptr + out, m_d, mask=row_ok)
-        tl.store(sum_d_ptr + out, tl.sum(tl.exp(s_d - m_d[:, None]), axis=1), mask=row_ok)
-
-        lab = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-        hit = cols[None, :] == lab[:, None]
-        picked = tl.sum(tl.where(hit, s_d, 0.0), axis=1)
-        in_tile = row_ok & (lab >= pid_v * BLOCK_V) & (lab < pid_v * BLOCK_V + BLOCK_V)
-        tl.store(label_logit_ptr + rows, picked, mask=in_tile)
-
-        s_t = _logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, PREC_T)
-        s_t = tl.where(col_ok, _softcap(s_t, softcap, HAS_CAP), float("-inf"))
-        m_t = tl.max(s_t, axis=1)
-        tl.store(max_t_ptr + out, m_t, mask=row_ok)
-        tl.store(sum_t_ptr + out, tl.sum(tl.exp(s_t - m_t[:, None]), axis=1), mask=row_ok)
-
-    @triton.jit
-    def _probs_tile(
-        x_ptr,
-        w_ptr,
-        h_ptr,
-        tw_ptr,
-        lse_d_ptr,
-        lse_t_ptr,
-        rows,
-        cols,
-        row_ok,
-        N,
-        V,
-        K: tl.constexpr,
-        D: tl.constexpr,
-        softcap,
-        HAS_CAP: tl.constexpr,
-        PREC_D: tl.constexpr,
-        PREC_T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # Normalised p_d, p_t tiles (0 on padded columns) and the capped draft logits.
-        col_ok = cols[None, :] < V
-        s_d = _softcap(
-            _logit_tile(x_ptr, w_ptr, rows, cols, N, V, K, BLOCK_N, BLOCK_V, BLOCK_K, PREC_D),
-            softcap,
-            HAS_CAP,
-        )
-        s_t = _softcap(
-            _logit_tile(h_ptr, tw_ptr, rows, cols, N, V, D, BLOCK_N, BLOCK_V, BLOCK_K, PREC_T),
-            softcap,
-            HAS_CAP,
-        )
-        lse_d = tl.load(lse_d_ptr + rows, mask=row_ok, other=0.0)
-        lse_t = tl.load(lse_t_ptr + rows, mask=row_ok, other=0.0)
-        p_d = tl.where(col_ok, tl.exp(s_d - lse_d[:, None]), 0.0)
-        p_t = tl.where(col_ok, tl.exp(s_t - lse_t[:, None]), 0.0)
-        return p_d, p_t, s_d
-
-    @triton.jit
-    def _loss_tv_kernel(
-        x_ptr,
-        w_ptr,
-        h_ptr,
-        tw_ptr,
-        lse_d_ptr,
-        lse_t_ptr,
+        c_ptr,
+        ce_ptr,
         tv_ptr,
-        m_ptr,
-        N,
-        V,
-        K: tl.constexpr,
-        D: tl.constexpr,
-        softcap,
-        HAS_CAP: tl.constexpr,
-        PREC_D: tl.constexpr,
-        PREC_T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # Pass 2: per-(row, V-tile) partial sums of |p_d - p_t| and sign(p_d - p_t)·p_d.
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        row_ok = rows < N
-        p_d, p_t, _ = _probs_tile(
-            x_ptr,
-            w_ptr,
-            h_ptr,
-            tw_ptr,
-            lse_d_ptr,
-            lse_t_ptr,
-            rows,
-            cols,
-            row_ok,
-            N,
-            V,
-            K,
-            D,
-            softcap,
-            HAS_CAP,
-            PREC_D,
-            PREC_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_K,
-        )
-        diff = p_d - p_t
-        sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
-        out = pid_v * N + rows
-        tl.store(tv_ptr + out, tl.sum(tl.abs(diff), axis=1), mask=row_ok)
-        tl.store(m_ptr + out, tl.sum(sgn * p_d, axis=1), mask=row_ok)
-
-    @triton.jit
-    def _loss_dz_kernel(
-        x_ptr,
-        w_ptr,
-        h_ptr,
-        tw_ptr,
-        lse_d_ptr,
-        lse_t_ptr,
-        m_ptr,
-        labels_ptr,
-        g_ce_ptr,
-        g_tv_ptr,
+        kl_ptr,
         dz_ptr,
-        N,
-        V,
-        K: tl.constexpr,
-        D: tl.constexpr,
-        v0,
         softcap,
+        V: tl.constexpr,
         HAS_CAP: tl.constexpr,
-        PREC_D: tl.constexpr,
-        PREC_T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        WANT_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
-        # Backward: dL/dz of one vocabulary chunk into dz [N, V]. Here V is the chunk width and
-        # w/tw point at the chunk's first row, so columns are chunk-local; v0 shifts the labels.
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        cols = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-        row_ok = rows < N
-        p_d, p_t, s_d = _probs_tile(
-            x_ptr,
-            w_ptr,
-            h_ptr,
-            tw_ptr,
-            lse_d_ptr,
-            lse_t_ptr,
-            rows,
-            cols,
-            row_ok,
-            N,
-            V,
-            K,
-            D,
-            softcap,
-            HAS_CAP,
-            PREC_D,
-            PREC_T,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_K,
-        )
-        diff = p_d - p_t
-        sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
-        m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
-        g_ce = tl.load(g_ce_ptr + rows, mask=row_ok, other=0.0)
-        g_tv = tl.load(g_tv_ptr + rows, mask=row_ok, other=0.0)
-        lab = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - v0
-        dz = p_d * (g_ce[:, None] + g_tv[:, None] * (sgn - m[:, None]))
-        dz -= tl.where(cols[None, :] == lab[:, None], g_ce[:, None], 0.0)
-        if HAS_CAP:
-            t = s_d / softcap
-            dz *= 1.0 - t * t
-        mask = row_ok[:, None] & (cols[None, :] < V)
-        tl.store(dz_ptr + rows[:, None] * V + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        # One program per row; three sweeps over V: normalisers, then losses, then dz (which needs
+        # m = Σ σ·p_d from the second sweep). V is constexpr: fixed per model, and a runtime loop
+        # bound breaks the triton 3.6 interpreter under numpy >= 2.4.
+        row = tl.program_id(0).to(tl.int64)
+        zd_row = zd_ptr + row * V
+        zt_row = zt_ptr + row * V
+        cols0 = tl.arange(0, BLOCK)
+        m_d = tl.full((), float("-inf"), tl.float32)
+        m_t = tl.full((), float("-inf"), tl.float32)
+        s_d = tl.zeros((), tl.float32)
+        s_t = tl.zeros((), tl.float32)
+        for v0 in range(0, V, BLOCK):
+            cols = v0 + cols0
+            ok = cols < V
+            zd = _softcap(tl.load(zd_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+            zt = _softcap(tl.load(zt_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+            zd = tl.where(ok, zd, float("-inf"))
+            zt = tl.where(ok, zt, float("-inf"))
+            new_d = tl.maximum(m_d, tl.max(zd, 0))
+            new_t = tl.maximum(m_t, tl.max(zt, 0))
+            s_d = s_d * tl.exp(m_d - new_d) + tl.sum(tl.exp(zd - new_d), 0)
+            s_t = s_t * tl.exp(m_t - new_t) + tl.sum(tl.exp(zt - new_t), 0)
+            m_d, m_t = new_d, new_t
+        lse_d = m_d + tl.log(s_d)
+        lse_t = m_t + tl.log(s_t)
+
+        tv = tl.zeros((), tl.float32)
+        msum = tl.zeros((), tl.float32)
+        cross = tl.zeros((), tl.float32)  # Σ p_t·(z_t - z_d)
+        for v0 in range(0, V, BLOCK):
+            cols = v0 + cols0
+            ok = cols < V
+            zd = _softcap(tl.load(zd_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+            zt = _softcap(tl.load(zt_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+            p_d = tl.where(ok, tl.exp(zd - lse_d), 0.0)
+            p_t = tl.where(ok, tl.exp(zt - lse_t), 0.0)
+            diff = p_d - p_t
+            sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
+            tv += tl.sum(tl.abs(diff), 0)
+            msum += tl.sum(sgn * p_d, 0)
+            cross += tl.sum(p_t * (zt - zd), 0)
+
+        lab = tl.load(labels_ptr + row)
+        valid = lab >= 0
+        z_lab = _softcap(tl.load(zd_row + tl.maximum(lab, 0)).to(tl.float32), softcap, HAS_CAP)
+        tl.store(ce_ptr + row, tl.where(valid, lse_d - z_lab, 0.0))
+        tl.store(tv_ptr + row, tv)
+        tl.store(kl_ptr + row, cross - lse_t + lse_d)
+
+        if WANT_GRAD:
+            a = tl.where(valid, tl.load(a_ptr + row).to(tl.float32), 0.0)
+            b = tl.load(b_ptr + row).to(tl.float32)
+            c = tl.load(c_ptr + row).to(tl.float32)
+            dz_row = dz_ptr + row * V
+            for v0 in range(0, V, BLOCK):
+                cols = v0 + cols0
+                ok = cols < V
+                zd = _softcap(tl.load(zd_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+                zt = _softcap(tl.load(zt_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+                p_d = tl.exp(zd - lse_d)
+                p_t = tl.exp(zt - lse_t)
+                diff = p_d - p_t
+                sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
+                dz = a * p_d + b * p_d * (sgn - msum) + c * diff
+                dz -= tl.where(cols == lab, a, 0.0)
+                if HAS_CAP:
+                    t = zd / softcap
+                    dz *= 1.0 - t * t
+                tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
-# Tile shapes per dtype for compiled kernels (module-level so the benchmark can sweep them).
-GPU_TILES = {
-    # fp32 operands take twice the shared memory per stage: half the K depth.
-    torch.float32: dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3),
-    "half": dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3),
-}
-
-
-# Dot precision for float32 inputs: "ieee" runs on CUDA cores (slow); "tf32x3" splits each
-# operand into two TF32 parts on the tensor cores, close to fp32 accuracy.
-FP32_DOT_PRECISION = "tf32x3"
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    if dtype != torch.float32:
-        return "none"
-    return "ieee" if triton_interpreting() else FP32_DOT_PRECISION
-
-
-def _triton_config(dtype: torch.dtype) -> dict:
-    if triton_interpreting():
-        # Small tiles keep the numpy interpreter fast; correctness does not depend on them.
-        return dict(BLOCK_N=32, BLOCK_V=64, BLOCK_K=16)
-    return dict(GPU_TILES.get(dtype, GPU_TILES["half"]))
-
-
-def _combine_lse(tile_max: Tensor, tile_sum: Tensor) -> Tensor:
-    m = tile_max.max(0).values
-    return m + torch.log((tile_sum * torch.exp(tile_max - m)).sum(0))
-
-
-def _triton_forward_stats(x, weight, th, tw, labels, softcap, chunk):
-    del chunk  # the forward walks V tile by tile inside one launch
-    n, k = x.shape
-    v, d = tw.shape
-    cfg = _triton_config(x.dtype)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"]))
-    flags = dict(HAS_CAP=softcap is not None, PREC_D=_dot_precision(x.dtype), PREC_T=_dot_precision(th.dtype))
-    cap = float(softcap) if softcap is not None else 1.0
-    part = torch.empty((4, grid[1], n), device=x.device, dtype=torch.float32)
-    label_logit = torch.zeros(n, device=x.device, dtype=torch.float32)
-    _loss_stats_kernel[grid](
-        x,
-        weight,
-        th,
-        tw,
+def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
+    n, v = zd.shape
+    f32 = dict(device=zd.device, dtype=torch.float32)
+    ce, tv, kl = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    dz = torch.empty((n, v), device=zd.device, dtype=dz_dtype) if want_grad else ce
+    block = 256 if triton_interpreting() else 2048
+    _row_loss_kernel[(n,)](
+        zd,
+        zt,
         labels,
-        part[0],
-        part[1],
-        part[2],
-        part[3],
-        label_logit,
-        n,
-        v,
-        k,
-        d,
-        cap,
-        **flags,
-        **cfg,
-    )
-    lse_d = _combine_lse(part[0], part[1])
-    lse_t = _combine_lse(part[2], part[3])
-    part = torch.empty((2, grid[1], n), device=x.device, dtype=torch.float32)
-    _loss_tv_kernel[grid](x, weight, th, tw, lse_d, lse_t, part[0], part[1], n, v, k, d, cap, **flags, **cfg)
-    tv, msum = part.sum(1)
-    return lse_d, lse_t, label_logit, tv, msum
-
-
-def _triton_dz(x, w_c, th, tw_c, labels, v0, lse_d, lse_t, msum, g_ce, g_tv, softcap, out_dtype):
-    n, k = x.shape
-    width, d = tw_c.shape
-    cfg = _triton_config(x.dtype)
-    dz = torch.empty((n, width), device=x.device, dtype=out_dtype)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(width, cfg["BLOCK_V"]))
-    _loss_dz_kernel[grid](
-        x,
-        w_c,
-        th,
-        tw_c,
-        lse_d,
-        lse_t,
-        msum,
-        labels,
-        g_ce,
-        g_tv,
+        a,
+        b,
+        c,
+        ce,
+        tv,
+        kl,
         dz,
-        n,
-        width,
-        k,
-        d,
-        v0,
         float(softcap) if softcap is not None else 1.0,
+        V=v,
         HAS_CAP=softcap is not None,
-        PREC_D=_dot_precision(x.dtype),
-        PREC_T=_dot_precision(th.dtype),
-        **cfg,
+        WANT_GRAD=want_grad,
+        BLOCK=block,
+        **({} if triton_interpreting() else dict(num_warps=8)),
     )
-    return dz
+    return ce, tv, kl, (dz if want_grad else None)
 
 
-_BACKENDS = {
-    "torch": (_torch_forward_stats, _torch_dz),
-    "triton": (_triton_forward_stats, _triton_dz),
-}
+_ROW_PASSES = {"torch": _rows_torch, "triton": _rows_triton}
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+_MM_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _writes_f32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(out_dtype=float32)`` runs for 16-bit operands here (probed once)."""
+    key = (device.type, dtype)
+    if key not in _MM_OUT_DTYPE:
+        probe = torch.ones(2, 2, device=device, dtype=dtype)
+        try:
+            _MM_OUT_DTYPE[key] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with a float32 (float64 for float64) result. 16-bit operands keep tensor-core speed
+    and accumulate in float32; where the backend can write that accumulator directly
+    (``torch.mm(out_dtype=)``) the logits are never rounded to 16 bits."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if _writes_f32(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def default_chunk_rows(vocab_size: int, budget_bytes: int = 1 << 29) -> int:
+    """Rows per chunk so one float32 [rows, V] logit matrix stays within ``budget_bytes`` (512 MiB:
+    the two logit matrices and dz of a chunk then take ~1.3 GiB at most)."""
+    return max(16, budget_bytes // (4 * vocab_size) // 16 * 16)
 
 
 # ----------------------------------------------------------------------------- autograd
 
 
-class _ChunkedDraftLoss(torch.autograd.Function):
+class _FusedDraftLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, th, tw, labels, softcap, chunk, backend):
-        forward_stats, _ = _BACKENDS[backend]
-        lse_d, lse_t, label_logit, tv, msum = forward_stats(x, weight, th, tw, labels, softcap, chunk)
-        valid = labels >= 0
-        ce = torch.where(valid, lse_d - label_logit, torch.zeros_like(lse_d))
-        ctx.save_for_backward(x, weight, th, tw, labels, lse_d, lse_t, msum)
-        ctx.softcap, ctx.chunk, ctx.backend = softcap, chunk, backend
-        return ce, tv
+    def forward(ctx, x, trainable, weight, th, labels, a, b, c, softcap, chunk_rows, backend, grad_on):
+        n, k = x.shape
+        d = th.shape[1]
+        r = 0 if trainable is None else trainable.shape[1]
+        # Grad mode is off inside forward: the caller says whether autograd will want gradients.
+        want_x = grad_on and ctx.needs_input_grad[0]
+        want_t = grad_on and trainable is not None and ctx.needs_input_grad[1]
+        want_grad = want_x or want_t
+        md = weight.dtype  # the GEMM dtype
+        acc = _acc_dtype(x)
+        row_pass = _ROW_PASSES[backend]
+        with torch.autocast(x.device.type, enabled=False):
+            xm, thm = x.to(md), th.to(md)
+            head = weight[:, :d]
+            ce, tv, kl = (torch.empty(n, device=x.device, dtype=acc) for _ in range(3))
+            grad_x = torch.empty((n, k), device=x.device, dtype=md) if want_x else None
+            grad_t = torch.zeros(trainable.shape, device=x.device, dtype=acc) if want_t else None
+            for r0 in range(0, n, chunk_rows):
+                r1 = min(n, r0 + chunk_rows)
+                zd = _mm_f32(xm[r0:r1], weight.T)
+                zt = _mm_f32(thm[r0:r1], head.T)
+                ce[r0:r1], tv[r0:r1], kl[r0:r1], dz = row_pass(
+                    zd, zt, labels[r0:r1], a[r0:r1], b[r0:r1], c[r0:r1], softcap, want_grad, md
+                )
+                del zd, zt
+                if want_x:
+                    torch.mm(dz, weight, out=grad_x[r0:r1])
+                if want_t:
+                    grad_t += _mm_f32(dz.T, xm[r0:r1, k - r :])
+            valid = labels >= 0
+            loss = (torch.where(valid, a, torch.zeros_like(a)).to(acc) * ce).sum()
+            loss = loss + (b.to(acc) * tv).sum() + (c.to(acc) * kl).sum()
+        ctx.save_for_backward(grad_x, grad_t)
+        ctx.x_dtype = x.dtype
+        ctx.t_dtype = None if trainable is None else trainable.dtype
+        ctx.mark_non_differentiable(ce, tv, kl)
+        return loss, ce, tv, kl
 
     @staticmethod
-    def backward(ctx, g_ce, g_tv):
-        x, weight, th, tw, labels, lse_d, lse_t, msum = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n, v = x.shape[0], weight.shape[0]
-        acc = lse_d.dtype
-        # An unused output arrives as None: it contributes nothing.
-        g_ce = torch.zeros(n, device=x.device, dtype=acc) if g_ce is None else g_ce.to(acc)
-        g_tv = torch.zeros(n, device=x.device, dtype=acc) if g_tv is None else g_tv.to(acc).contiguous()
-        g_ce = torch.where(labels >= 0, g_ce, torch.zeros_like(g_ce)).contiguous()
-        _, dz_fn = _BACKENDS[ctx.backend]
-        grad_x = torch.zeros(x.shape, device=x.device, dtype=acc) if need_x else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        for v0 in range(0, v, ctx.chunk):
-            v1 = min(v, v0 + ctx.chunk)
-            w_c = weight[v0:v1]
-            dz = dz_fn(
-                x, w_c, th, tw[v0:v1], labels, v0, lse_d, lse_t, msum, g_ce, g_tv, ctx.softcap, x.dtype
-            )
-            if need_x:
-                grad_x += (dz @ w_c).to(acc)
-            if need_w:
-                torch.mm(dz.T, x, out=grad_w[v0:v1])
-        if need_x:
-            grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
-
-
-def _run_chunked(x, weight, target_hidden, target_weight, labels, softcap, chunk, backend) -> DraftLoss:
-    _check(x, weight, target_hidden, target_weight, labels, softcap)
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
-    th = target_hidden.detach().contiguous()
-    tw = target_weight.detach().contiguous()
-    ce, tv = _ChunkedDraftLoss.apply(
-        x.contiguous(),
-        weight.contiguous(),
-        th,
-        tw,
-        labels.contiguous(),
-        None if softcap is None else float(softcap),
-        int(chunk),
-        backend,
-    )
-    return DraftLoss(ce, tv)
-
-
-def chunked_draft_loss(
-    x: Tensor,
-    weight: Tensor,
-    target_hidden: Tensor,
-    target_weight: Tensor,
-    labels: Tensor,
-    softcap: float | None = None,
-    *,
-    chunk: int = 4096,
-) -> DraftLoss:
-    """Pure-PyTorch chunked forward/backward: O(N·chunk) extra memory instead of O(N·V)."""
-    return _run_chunked(x, weight, target_hidden, target_weight, labels, softcap, chunk, "torch")
+    def backward(ctx, g_loss, *_):
+        grad_x, grad_t = ctx.saved_tensors
+        gx = None if grad_x is None else (grad_x * g_loss.to(grad_x.dtype)).to(ctx.x_dtype)
+        gt = None if grad_t is None else (grad_t * g_loss.to(grad_t.dtype)).to(ctx.t_dtype)
+        return gx, gt, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_draft_loss(
     x: Tensor,
     weight: Tensor,
     target_hidden: Tensor,
-    target_weight: Tensor,
     labels: Tensor,
-    softcap: float | None = None,
+    row_weights: RowWeights,
     *,
-    chunk: int = 4096,
+    trainable: Tensor | None = None,
+    softcap: float | None = None,
     impl: str = "auto",
+    chunk_rows: int | None = None,
 ) -> DraftLoss:
-    """Dispatcher: ``"triton"`` kernels (CUDA) or the ``"torch"`` chunked path; ``"auto"`` picks.
+    """The loss, its per-row terms and (when autograd asks) its gradient, in row chunks.
 
-    ``chunk`` bounds the backward's [N, chunk] dz buffer (and the torch path's logit chunks).
-    """
-    backend = resolve_impl(impl, x, weight, target_hidden, target_weight, labels)
-    if backend == "triton" and torch.float64 in (x.dtype, target_hidden.dtype):
+    ``weight`` [V, K] is a constant; when ``trainable`` [V, r] is given, weight[:, K-r:] must hold
+    its values and the gradient of the loss w.r.t. it is returned through autograd. The GEMMs run
+    in weight's dtype. ``impl``: ``"triton"`` row kernel (CUDA), ``"torch"``, or ``"auto"``."""
+    _check(x, weight, target_hidden, labels, row_weights, trainable, softcap)
+    if weight.requires_grad:
+        raise ValueError("weight is a constant here: pass its trainable columns as `trainable`")
+    backend = resolve_impl(impl, x, weight, target_hidden, labels)
+    if backend == "triton" and torch.float64 in (x.dtype, weight.dtype):
         if impl == "triton":
-            raise ValueError("the Triton loss kernels take float32 / bfloat16 / float16 inputs")
+            raise ValueError("the Triton loss kernel takes float32 / bfloat16 / float16 inputs")
         backend = "torch"
-    return _run_chunked(x, weight, target_hidden, target_weight, labels, softcap, chunk, backend)
+    chunk = int(chunk_rows or default_chunk_rows(weight.shape[0]))
+    if chunk <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    loss, ce, tv, kl = _FusedDraftLoss.apply(
+        x,
+        trainable,
+        weight.detach().contiguous(),
+        target_hidden.detach().contiguous(),
+        labels.contiguous(),
+        *(w.detach().to(_acc_dtype(x)).contiguous() for w in row_weights),
+        None if softcap is None else float(softcap),
+        chunk,
+        backend,
+        torch.is_grad_enabled(),
+    )
+    return DraftLoss(loss, ce, tv, kl)

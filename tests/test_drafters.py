@@ -5,7 +5,7 @@ import torch
 from conftest import load_group
 
 from dspark.drafters import Shared, TargetDims, build_drafter
-from dspark.drafters.dflash import block_targets, packed_block_mask, sample_anchors
+from dspark.drafters.dflash import block_targets, packed_block_mask, packed_block_sparsity, sample_anchors
 from dspark.objectives import LossWeights, block_loss, compute_loss, position_weights
 
 VARIANTS = [
@@ -85,6 +85,31 @@ def test_packed_mask_shape_and_semantics():
     assert m[0, 0, 6:].tolist() == [True] * 3 + [False] * 3
 
 
+@pytest.mark.parametrize("ctx_len,gamma,block", [(300, 7, 32), (256, 4, 64), (50, 16, 16)])
+def test_flex_tiles_are_exactly_the_dense_mask_tiles(ctx_len, gamma, block):
+    """The tiles flex attention visits (partial or full) are exactly those where the dense mask has
+    any True entry, and the ones it treats as full are all True: nothing seen is skipped, nothing
+    unseen is computed, no mask is applied where it would change something."""
+    g = torch.Generator().manual_seed(ctx_len)
+    lm = torch.rand(3, ctx_len, generator=g) < 0.8
+    anchors = sample_anchors(lm, 40, g)
+    anchors[2, 30:] = -1  # padding anchors, as a short sequence has
+    dense = packed_block_mask(anchors, ctx_len, gamma)  # [B, Q, C+Q]
+    b, q, kv = dense.shape
+    pad = torch.zeros(b, -(-q // block) * block, -(-kv // block) * block, dtype=torch.bool)
+    pad[:, :q, :kv] = dense
+    tiles = pad.view(b, pad.shape[1] // block, block, pad.shape[2] // block, block)
+    real = torch.zeros_like(pad)
+    real[:, :q, :kv] = True
+    real = real.view_as(tiles)
+    any_true = tiles.any(4).any(2)
+    all_true = (tiles | ~real).all(4).all(2)
+    partial, full = packed_block_sparsity(anchors, ctx_len, gamma, block)
+    assert torch.equal(partial[:, 0] | full[:, 0], any_true)
+    assert not (partial & full).any()
+    assert bool(all_true[full[:, 0]].all())
+
+
 def test_eval_mask_is_contiguous():
     ids = torch.arange(10)[None]
     lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -121,7 +146,10 @@ def test_sampling_probabilities_are_exact(tiny_target, head):
     hidden = drafter.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
     prev = torch.cat([ids[:, 10:11], prop.tokens[:, :-1]], 1)
     feats, conf = drafter.head_features(hidden, prev)
-    logits = feats @ drafter.output_weight(shared).t()
+    weight = shared.lm_weight
+    if drafter.bias_weight() is not None:
+        weight = torch.cat([weight, drafter.bias_weight()], 1)
+    logits = feats @ weight.t()
     torch.testing.assert_close(prop.probs, torch.softmax(logits.float(), -1), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(prop.confidence_logits, conf, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(3, drafter.gamma), rtol=0, atol=1e-4)
@@ -155,7 +183,9 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
     pw = position_weights(drafter.gamma, w.gamma_decay)
     num = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
     den = 0.0
-    weight = out.weight
+    weight = tiny_target.lm_head_weight
+    if out.bias_weight is not None:
+        weight = torch.cat([weight, out.bias_weight], 1)
     for r in range(2):
         for j, a in enumerate(anchors[r].tolist()):
             if a < 0:

@@ -108,6 +108,7 @@ class Throughput(L.Callback):
         self.steady_mark = None  # (time, tokens, samples, batches, val_seconds) at the end of warm-up
         self.world_size = 1
         self.totals = None
+        self._pending = None  # device tensor: tokens of batches not yet counted on the host
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.start is None:
@@ -122,8 +123,16 @@ class Throughput(L.Callback):
             self.val_seconds += time.perf_counter() - self._val_start
             self._val_start = None
 
+    def _count_tokens(self) -> None:
+        """Fold the device-side token count into `tokens` (a host sync: only when a number is read)."""
+        if self._pending is not None:
+            self.tokens += int(self._pending)
+            self._pending = None
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.tokens += int(batch["attention_mask"].sum())
+        # Tokens are summed on the device and read only when logged: no host sync per batch.
+        n = batch["attention_mask"].sum()
+        self._pending = n if self._pending is None else self._pending + n
         self.samples += int(batch["input_ids"].shape[0])
         self.batches += 1
         now = time.perf_counter()
@@ -131,8 +140,11 @@ class Throughput(L.Callback):
         self.world_size = int(trainer.world_size)
         warmup_batches = self.warmup_steps * int(trainer.accumulate_grad_batches)
         if self.steady_mark is None and self.batches >= warmup_batches:
+            self._count_tokens()
             self.steady_mark = (now, self.tokens, self.samples, self.batches, self.val_seconds)
-        if self.elapsed > 0:
+        stepped = (self.batches % int(trainer.accumulate_grad_batches)) == 0
+        if stepped and trainer.global_step % max(1, int(trainer.log_every_n_steps)) == 0 and self.elapsed > 0:
+            self._count_tokens()
             # This rank's count times the world size: ranks run the same number of batches.
             rate = self.tokens * self.world_size / self.elapsed
             module.log("train/tokens_per_s", rate, on_step=True, prog_bar=False)
@@ -140,6 +152,7 @@ class Throughput(L.Callback):
     def on_train_end(self, trainer, module) -> None:
         """Sum the counts over ranks (a collective: every rank calls this hook)."""
         end = time.perf_counter()
+        self._count_tokens()
         mark = self.steady_mark or (end, self.tokens, self.samples, self.batches, self.val_seconds)
         local = torch.tensor(
             [self.tokens, self.samples, self.tokens - mark[1], self.samples - mark[2]], dtype=torch.float64

@@ -62,23 +62,30 @@ class MetricSums:
         self.total: Tensor | None = None
 
     def add(self, metrics: dict, weight: float = 1.0) -> None:
-        loss = metrics["loss"]
-        v = torch.zeros(self.size, device=loss.device, dtype=torch.float64)
-        n = len(MEAN_KEYS)
-        for i, key in enumerate(MEAN_KEYS):
+        """Add one micro-batch's metrics (device tensors; nothing here waits for the device)."""
+        ref = metrics["loss"].detach()
+        f64 = dict(device=ref.device, dtype=torch.float64)
+
+        def vec(value) -> Tensor:
+            return torch.as_tensor(value).detach().to(**f64).reshape(-1)
+
+        w = float(weight)
+        parts = []
+        for key in MEAN_KEYS:
             if key in metrics:
-                v[2 * i] = float(weight) * torch.as_tensor(metrics[key]).detach().double()
-                v[2 * i + 1] = float(weight)
-        for i, key in enumerate(COUNT_KEYS):
-            v[2 * n + i] = float(metrics.get(key, 0))
-        o = 2 * n + len(COUNT_KEYS)
-        if "_tau_sums" in metrics:
-            v[o : o + 4] = metrics["_tau_sums"].double()
+                parts += [vec(metrics[key]) * w, torch.full((1,), w, **f64)]
+            else:
+                parts.append(torch.zeros(2, **f64))
+        parts += [vec(metrics[key]) if key in metrics else torch.zeros(1, **f64) for key in COUNT_KEYS]
+        parts.append(vec(metrics["_tau_sums"]) if "_tau_sums" in metrics else torch.zeros(4, **f64))
         if "_pos_sums" in metrics:
             pos = metrics["_pos_sums"]
             if pos.shape[-1] != self.gamma:
                 raise ValueError(f"acceptance has {pos.shape[-1]} positions, the metric sums {self.gamma}")
-            v[o + 4 :] = pos.double().flatten()
+            parts.append(vec(pos))
+        else:
+            parts.append(torch.zeros(2 * self.gamma, **f64))
+        v = torch.cat(parts)
         self.total = v if self.total is None else self.total + v
 
     def take(self, device) -> Tensor:
@@ -104,13 +111,34 @@ class MetricSums:
         return out
 
 
-def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
-    """Linear warm-up, then cosine decay to min_ratio of the peak."""
-    warmup = max(1, int(total * warmup_ratio))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def lr_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Learning-rate multiplier at a fraction ``progress`` in [0, 1] of the run: linear warm-up over
+    the first ``warmup_ratio``, then cosine decay to ``min_ratio`` of the peak at the end."""
+    progress = min(max(float(progress), 0.0), 1.0)
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return max(progress / warmup_ratio, 1e-3)
+    rest = (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, rest)))
+
+
+def run_progress(trainer) -> float:
+    """How far a fit is, in [0, 1], counting the optimizer step about to be taken: the larger of
+    steps / trainer.max_steps and, for a run with a clock (trainer.max_time), its elapsed training
+    time / max_time, the same clock Lightning stops the run by. So a run bounded by time gets its
+    whole schedule (warm-up and decay) inside that time, and a step-bounded one inside its steps;
+    with neither, the steps Lightning estimates for max_epochs."""
+    from lightning.pytorch.callbacks import Timer
+
+    step = int(trainer.global_step) + 1
+    fractions = []
+    if trainer.max_steps and trainer.max_steps > 0:
+        fractions.append(step / trainer.max_steps)
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is not None and timer._duration:
+        fractions.append(timer.time_elapsed("train") / timer._duration)
+    if not fractions:
+        fractions.append(step / max(1, int(trainer.estimated_stepping_batches)))
+    return min(1.0, max(fractions))
 
 
 class DraftingModule(L.LightningModule):
@@ -163,13 +191,13 @@ class DraftingModule(L.LightningModule):
         world, rank, accumulate = self._world()
         micro = (batch_idx % accumulate) * world + rank
         seed = (self.seed * 1_000_003 + int(self.global_step)) * 10_007 + micro
-        return torch.Generator().manual_seed(seed % (2**63))
+        return torch.Generator(device=self.device).manual_seed(seed % (2**63))
 
     def _step(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         with torch.no_grad():
             taps, last_hidden = self.features(batch, self.target)
         loss_mask = batch["loss_mask"]
-        anchors = sample_anchors(loss_mask, self.num_anchors, generator).to(loss_mask.device)
+        anchors = sample_anchors(loss_mask, self.num_anchors, generator)
         out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)
         metrics = compute_loss(
             out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights
@@ -206,24 +234,31 @@ class DraftingModule(L.LightningModule):
         t = self._trainer
         return bool(t is not None and t.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
+    def _log_due(self) -> bool:
+        """Whether the optimizer step being taken is one Lightning logs (every log_every_n_steps, and
+        the last one): only then are the metric sums reduced and read, the step's one host sync."""
+        t = self._trainer
+        if t is None:
+            return True
+        step = int(t.global_step) + 1
+        return step % max(1, int(t.log_every_n_steps)) == 0 or (0 < t.max_steps <= step)
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         metrics = self._step(batch, self.anchor_generator(batch_idx))
         self.train_sums.add(metrics, 1.0)
-        if self._window_ends(batch_idx):
-            # One small all-reduce per optimizer step: the logged numbers describe the global batch.
+        if self._window_ends(batch_idx) and self._log_due():
+            # One small all-reduce per logged step: the numbers describe the global batches since the
+            # last log. Every rank takes the same branch (it depends on the step only).
             self._log_values(self._reduce(self.train_sums), "train")
-        loss = metrics["loss"]
-        if not metrics.get("rows", 1):
-            # No valid block in this micro-batch: touch every trainable parameter with a zero, so DDP
-            # (find_unused_parameters=false) still sees a gradient for each and ranks stay in step.
-            loss = loss + sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0
-        return loss
+        # Rows without a valid block carry weight 0 in the loss, so every trainable parameter gets a
+        # (zero) gradient even from an empty micro-batch and DDP ranks stay in step.
+        return metrics["loss"]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         # Fixed anchors per batch, so validation numbers are comparable across epochs; rank r runs
         # batches r, r+W, … of the fixed list (DraftDataModule.val_dataloader), seeded by that index.
         world, rank, _ = self._world()
-        gen = torch.Generator().manual_seed(1_000_003 + batch_idx * world + rank)
+        gen = torch.Generator(device=self.device).manual_seed(1_000_003 + batch_idx * world + rank)
         metrics = self._step(batch, gen)
         self.val_sums.add(metrics, batch["input_ids"].shape[0])
         out = metrics.pop("_out")
@@ -238,8 +273,7 @@ class DraftingModule(L.LightningModule):
     def _confidence_record(out, metrics) -> dict:
         """Teacher-forced calibration data: per block, confidence logits and the soft prefix-survival
         labels Π_{i≤k} c*_i."""
-        c = torch.zeros(out.valid.shape, device=out.valid.device)
-        c[out.valid] = metrics["_c_star"].float()
+        c = metrics["_c_star"].float()  # [B, A, γ], 0 where invalid
         return {
             "logits": out.confidence_logits.flatten(0, 1).float().cpu(),
             "labels": c.flatten(0, 1).cumprod(-1).cpu(),
@@ -267,8 +301,9 @@ class DraftingModule(L.LightningModule):
             weight_decay=self.optim["weight_decay"],
             betas=tuple(self.optim["betas"]),
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = self.optim["warmup_ratio"], self.optim["min_lr_ratio"]
+        # The multiplier follows the run's progress (steps or clock), not the scheduler's own count.
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_lambda(s, total, self.optim["warmup_ratio"], self.optim["min_lr_ratio"])
+            opt, lambda _: lr_factor(run_progress(self.trainer), warmup, floor)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

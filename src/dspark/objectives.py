@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark.kernels.fused_loss import fused_draft_loss, materialized_draft_loss
+from dspark.kernels.fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 
 from .drafters.base import DraftOutput
 
@@ -27,7 +27,7 @@ class LossWeights:
     confidence: float = 1.0
     gamma_decay: float = 4.0
     impl: str = "auto"  # auto | torch | triton | materialized
-    chunk_size: int = 8192
+    chunk_rows: int | None = None  # rows per fused-loss chunk (None: sized from the vocabulary)
     kind: str = "block"
     kl: float = 1.0
     step_weight: float = 0.8
@@ -43,123 +43,151 @@ def position_weights(gamma: int, decay: float, device=None) -> Tensor:
     return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
 
 
-def _rows(out: DraftOutput, target_hidden: Tensor):
-    """Flatten the valid (sequence, anchor, k) rows and gather their target hidden states."""
-    valid = out.valid
-    b, a, g = valid.shape
-    idx = out.target_positions.flatten(1)  # [B, A·γ]
-    th = torch.gather(target_hidden, 1, idx[..., None].expand(-1, -1, target_hidden.shape[-1])).view(
-        b, a, g, -1
-    )
-    k = torch.arange(g, device=valid.device).expand(b, a, g)
-    return out.features[valid], th[valid], out.labels[valid], k[valid]
+class _StackedHead:
+    """[W_lm | W2] in the LM head's dtype, for the fused loss: the frozen columns are copied once
+    per LM head (and again only if it changes), the trainable ones on every call (V × r, cheap)."""
+
+    def __init__(self):
+        self.key = None
+        self.buffer: Tensor | None = None
+
+    def __call__(self, lm_weight: Tensor, bias_weight: Tensor) -> Tensor:
+        v, d = lm_weight.shape
+        key = (lm_weight.data_ptr(), lm_weight._version, v, d, bias_weight.shape[1], lm_weight.dtype)
+        if key != self.key or self.buffer is None or self.buffer.device != lm_weight.device:
+            self.buffer = lm_weight.new_empty(v, d + bias_weight.shape[1])
+            self.buffer[:, :d] = lm_weight.detach()
+            self.key = key
+        with torch.no_grad():
+            self.buffer[:, d:] = bias_weight
+        return self.buffer
 
 
-def draft_target_distances(x, weight, th, tw, labels, softcap, impl: str, chunk: int):
-    """Per-row CE and ‖p_d - p_t‖₁."""
-    th = th.to(tw.dtype)
-    if x.dtype != weight.dtype:
-        weight = weight.to(x.dtype)
-    if impl == "auto" and x.device.type == "cpu" and x.shape[0] * weight.shape[0] * 4 < CPU_MATERIALIZE_BYTES:
-        impl = "materialized"  # on CPU the chunked path trades 2-3x time for memory we do not need here
+_stacked_head = _StackedHead()
+
+
+def draft_target_distances(
+    x: Tensor,
+    lm_weight: Tensor,
+    bias_weight: Tensor | None,
+    th: Tensor,
+    labels: Tensor,
+    row_weights: RowWeights,
+    softcap,
+    impl: str,
+    chunk_rows: int | None = None,
+) -> DraftLoss:
+    """The weighted loss and per-row CE, ‖p_d - p_t‖₁ and KL(p_t ‖ p_d) of draft logits
+    x @ [W_lm | bias_weight]ᵀ against the target's th @ W_lmᵀ."""
+    n, v = x.shape[0], lm_weight.shape[0]
+    if impl == "auto" and x.device.type == "cpu" and n * v * 4 < CPU_MATERIALIZE_BYTES:
+        impl = "materialized"  # small CPU problems: full logits are cheaper than chunking them
     if impl == "materialized":
-        return materialized_draft_loss(x, weight, th, tw, labels, softcap)
-    return fused_draft_loss(x, weight, th, tw, labels, softcap, chunk=chunk, impl=impl)
+        weight = lm_weight if bias_weight is None else torch.cat([lm_weight.to(bias_weight.dtype), bias_weight], 1)
+        return materialized_draft_loss(x.to(weight.dtype), weight, th.to(weight.dtype), labels, row_weights, softcap)
+    weight = lm_weight if bias_weight is None else _stacked_head(lm_weight, bias_weight)
+    return fused_draft_loss(
+        x, weight, th, labels, row_weights, trainable=bias_weight, softcap=softcap, impl=impl, chunk_rows=chunk_rows
+    )
+
+
+def _flat_rows(out: DraftOutput, target_hidden: Tensor):
+    """Every (sequence, anchor, k) row, valid or not (no host sync): features [N, K], the target
+    hidden state each row is compared with [N, D], labels (-1 where invalid), validity, k."""
+    b, a, g = out.valid.shape
+    idx = out.target_positions.reshape(b, a * g)
+    th = torch.gather(target_hidden, 1, idx[..., None].expand(-1, -1, target_hidden.shape[-1]))
+    valid = out.valid.reshape(-1)
+    labels = torch.where(valid, out.labels.reshape(-1), torch.full_like(valid, -1, dtype=out.labels.dtype))
+    k = torch.arange(g, device=valid.device).repeat(b * a)
+    return out.features.reshape(b * a * g, -1), th.reshape(b * a * g, -1), labels, valid, k
 
 
 def block_loss(
     out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
 ) -> dict:
-    """DFlash / DSpark loss and its diagnostics. Returns a dict with 'loss' and float metrics."""
-    x, th, labels, k = _rows(out, target_hidden)
+    """DFlash / DSpark loss and its diagnostics (tensors on the device; nothing waits for the host).
+    Returns a dict with 'loss' and the metrics. Invalid rows are computed with weight 0: they keep
+    the shapes static, and every parameter still receives a (zero) gradient."""
+    x, th, labels, valid, k = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
-    if x.shape[0] == 0:
-        zero = out.features.sum() * 0
-        return {"loss": zero, "rows": 0}
-    res = draft_target_distances(x, out.weight, th, target_lm_weight, labels, softcap, w.impl, w.chunk_size)
-    pw = position_weights(gamma, w.gamma_decay, x.device)[k]
-    norm = pw.sum()
-    ce = (pw * res.ce).sum() / norm
-    tv = (pw * res.tv).sum() / norm
-    c_star = (1 - 0.5 * res.tv).detach().clamp(0, 1)
-    loss = w.ce * ce + w.tv * tv
-    metrics = {"ce": ce.detach(), "tv": tv.detach()}
+    pw = position_weights(gamma, w.gamma_decay, x.device)[k] * valid
+    norm = pw.sum().clamp_min(1e-12)
+    unit = pw / norm
+    weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=torch.zeros_like(unit))
+    res = draft_target_distances(
+        x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows
+    )
+    c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
+    loss = res.loss
+    metrics = {"ce": (unit * res.ce).sum(), "tv": (unit * res.tv).sum()}
     if out.confidence_logits is not None:
-        z = out.confidence_logits[out.valid].float()
+        z = out.confidence_logits.reshape(-1).float()
         bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
-        conf = (pw * bce).sum() / norm
+        conf = (unit * bce).sum()
         loss = loss + w.confidence * conf
         pred = torch.sigmoid(z.detach())
+        count = valid.sum().clamp_min(1)
         metrics.update(
             conf_loss=conf.detach(),
-            conf_abs_err=(pred - c_star).abs().mean(),
-            conf_bias=(pred - c_star).mean(),
+            conf_abs_err=((pred - c_star).abs() * valid).sum() / count,
+            conf_bias=((pred - c_star) * valid).sum() / count,
         )
-    metrics.update(acceptance_metrics(c_star, out.valid))
-    metrics.update(loss=loss, rows=int(x.shape[0]), _c_star=c_star)
+    metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
+    metrics.update(loss=loss, rows=valid.sum(), _c_star=c_star.view(out.valid.shape))
     return metrics
 
 
-def acceptance_metrics(c_star_rows: Tensor, valid: Tensor) -> dict:
+def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict:
     """Mean c*_k per position and τ_prob = 1 + Σ_k Π_{i≤k} c*_i, the expected accepted length
     (with the bonus token) if the target sampled from these distributions. τ_prob averages over
-    blocks whose γ positions are all inside the data, so end-of-sequence truncation does not bias it."""
+    blocks whose γ positions are all inside the data, so end-of-sequence truncation does not bias
+    it (blocks with only some valid positions serve when no block is whole). ``c_star`` [B, A, γ]
+    is 0 where ``valid`` is False. Tensors only: no host sync."""
     gamma = valid.shape[-1]
-    c = torch.zeros(valid.shape, device=valid.device)
-    c[valid] = c_star_rows.float()
-    flat_c, flat_v = c.flatten(0, 1), valid.flatten(0, 1)
-    per_pos = (flat_c * flat_v).sum(0) / flat_v.sum(0).clamp(min=1)
-    full = flat_v.all(-1)
-    blocks = flat_c[full] if full.any() else flat_c[flat_v[:, 0]]
-    tau = 1 + blocks.cumprod(-1).sum(-1).mean() if blocks.numel() else torch.tensor(1.0)
-    out = {"tau_prob": tau.detach(), "acceptance_blocks": int(blocks.shape[0])}
-    out.update({f"c_star_{i + 1}": per_pos[i].detach() for i in range(gamma)})
+    flat_c, flat_v = (c_star.float() * valid).flatten(0, 1), valid.flatten(0, 1)
+    den = flat_v.sum(0).float()
+    per_pos = (flat_c * flat_v).sum(0) / den.clamp(min=1)
+    full = flat_v.all(-1).float()
+    partial = flat_v[:, 0].float()
+    prefix = flat_c.cumprod(-1).sum(-1)
     # Numerators and denominators, so τ_prob and c*_k over many batches (and ranks) are exact ratios
     # of sums, not means of per-batch means: [Σ_full Σ_k Π c*, #full, Σ_partial Σ_k Π c*, #partial].
-    partial = flat_v[:, 0]
-    out["_tau_sums"] = torch.stack(
-        [
-            flat_c[full].cumprod(-1).sum(),
-            full.sum().float(),
-            flat_c[partial].cumprod(-1).sum(),
-            partial.sum().float(),
-        ]
-    ).detach()
-    out["_pos_sums"] = torch.stack([(flat_c * flat_v).sum(0), flat_v.sum(0).float()]).detach()  # [2, γ]
+    tau_sums = torch.stack([(prefix * full).sum(), full.sum(), (prefix * partial).sum(), partial.sum()])
+    use_full = tau_sums[1] > 0
+    num = torch.where(use_full, tau_sums[0], tau_sums[2])
+    cnt = torch.where(use_full, tau_sums[1], tau_sums[3])
+    out = {"tau_prob": (1 + num / cnt.clamp(min=1)).detach(), "acceptance_blocks": cnt.detach()}
+    out.update({f"c_star_{i + 1}": per_pos[i].detach() for i in range(gamma)})
+    out["_tau_sums"] = tau_sums.detach()
+    out["_pos_sums"] = torch.stack([(flat_c * flat_v).sum(0), den]).detach()  # [2, γ]
     return out
 
 
 def eagle3_loss(
     out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
 ) -> dict:
-    """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i."""
-    x, th, labels, k = _rows(out, target_hidden)
-    if x.shape[0] == 0:
-        return {"loss": out.features.sum() * 0, "rows": 0}
+    """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i (CE and TV are
+    reported, not trained on). Same fused loss as the block drafters, with weight on KL only."""
+    x, th, labels, valid, k = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
-    sw = torch.tensor([w.step_weight**i for i in range(gamma)], device=x.device)[k]
-    logits_d = x @ out.weight.t().to(x.dtype)
-    logits_t = th.to(target_lm_weight.dtype) @ target_lm_weight.t()
-    if softcap:
-        logits_d = torch.tanh(logits_d / softcap) * softcap
-        logits_t = torch.tanh(logits_t / softcap) * softcap
-    logp_d = torch.log_softmax(logits_d.float(), -1)
-    with torch.no_grad():
-        logp_t = torch.log_softmax(logits_t.float(), -1)
-        p_t = logp_t.exp()
-    kl = (p_t * (logp_t - logp_d)).sum(-1)
-    loss = w.kl * (sw * kl).sum() / sw.sum()
-    with torch.no_grad():
-        tv = (logp_d.exp() - p_t).abs().sum(-1)
-        ce = -logp_d.gather(1, labels[:, None]).squeeze(1)
+    steps = w.step_weight ** torch.arange(gamma, device=x.device, dtype=torch.float32)
+    sw = steps[k] * valid
+    unit = sw / sw.sum().clamp_min(1e-12)
+    zero = torch.zeros_like(unit)
+    res = draft_target_distances(
+        x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
+        softcap, w.impl, w.chunk_rows,
+    )  # fmt: skip
+    c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     metrics = {
-        "loss": loss,
-        "kl": kl.detach().mean(),
-        "ce": (sw * ce).sum() / sw.sum(),
-        "tv": (sw * tv).sum() / sw.sum(),
+        "loss": res.loss,
+        "kl": (unit * res.kl).sum(),
+        "ce": (unit * res.ce).sum(),
+        "tv": (unit * res.tv).sum(),
     }
-    metrics.update(acceptance_metrics((1 - 0.5 * tv).clamp(0, 1), out.valid))
-    metrics["rows"] = int(x.shape[0])
+    metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
+    metrics["rows"] = valid.sum()
     return metrics
 
 

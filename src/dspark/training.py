@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
@@ -255,6 +255,7 @@ def run_training(cfg: DictConfig) -> dict:
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every, save_top_k=0),
         DrafterExport(out_dir / "drafter", cfg.drafter, cfg.get("head"), every),
         throughput,
+        LearningRateMonitor(logging_interval="step"),  # logged as lr-AdamW
         RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10),
     ]
     if cfg.callbacks.get("calibration", True) and getattr(drafter, "confidence", None) is not None:

@@ -61,13 +61,12 @@ class Shared:
 class DraftOutput:
     """Teacher-forced drafts for training. Rows are (sequence, anchor, position k)."""
 
-    features: Tensor  # [B, A, γ, K]: x such that draft logits = x @ weightᵀ
-    weight: Tensor  # [V, K]
+    features: Tensor  # [B, A, γ, d + r]: draft logits = features @ [W_lm | bias_weight]ᵀ
+    bias_weight: Tensor | None  # [V, r] trainable low-rank logit bias (DSpark's W2); None: r = 0
     confidence_logits: Tensor | None  # [B, A, γ]
     target_positions: Tensor  # [B, A, γ]: position whose target distribution matches draft k
     valid: Tensor  # [B, A, γ] bool: eval mask (contiguous loss mask, inside the sequence)
     labels: Tensor  # [B, A, γ] the true next tokens
-    step_weights: Tensor | None = None  # [γ] per-position weight override (Eagle3 TTT steps)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from .base import (
     layer_shape,
     output_logits,
 )
-from .layers import DraftLayer
+from .layers import DraftLayer, RMSNorm, matmul_input
 
 
 def packed_block_mask(anchors: Tensor, ctx_len: int, gamma: int) -> Tensor:
@@ -49,6 +49,62 @@ def packed_block_mask_mod(anchors: Tensor, ctx_len: int, gamma: int):
         return torch.where(kv < ctx_len, sees_ctx, sees_own)
 
     return mask_mod
+
+
+FLEX_BLOCK = 128  # flex attention's tile: the block mask records which 128 × 128 tiles to visit
+
+
+def packed_block_sparsity(anchors: Tensor, ctx_len: int, gamma: int, block: int = FLEX_BLOCK):
+    """Which [block × block] tiles of the packed layout any query sees (partial) and which every
+    query sees whole (full), [B, 1, ⌈Q/block⌉, ⌈(C+Q)/block⌉] each, from the anchors alone: no
+    [Q, C+Q] mask is ever built. Needs each sequence's valid anchors ascending (`sample_anchors`)."""
+    b, a = anchors.shape
+    q_len, kv_len = a * gamma, ctx_len + a * gamma
+    device = anchors.device
+    start = anchors.clamp(min=0)
+    q0 = torch.arange(0, q_len, block, device=device)  # first row of each query tile
+    lo = q0 // gamma  # first and last anchor block whose rows fall in the tile
+    hi = torch.clamp((q0 + block - 1) // gamma, max=a - 1)
+    span = torch.arange(block // gamma + 2, device=device)
+    members = torch.minimum(lo[:, None] + span, hi[:, None])  # [nQ, W] anchor blocks in each tile
+    seen = start[:, members]  # [B, nQ, W]
+    a_min, a_max = seen.min(-1).values, seen.max(-1).values
+    k0 = torch.arange(0, kv_len, block, device=device)
+    k1 = k0 + block
+    in_ctx = k0 < ctx_len
+    # Context keys: a tile is seen by some query if it starts before the largest anchor, by all
+    # queries (whole) if it ends inside the context before the smallest anchor.
+    ctx_part = in_ctx & (k0[None, None] < a_max[..., None])
+    ctx_full = (k1 <= ctx_len) & (k1[None, None] <= a_min[..., None])
+    own_lo, own_hi = ctx_len + gamma * lo, ctx_len + gamma * (hi + 1)  # the tile's own block keys
+    own = (k0[None] < own_hi[:, None]) & (k1[None] > own_lo[:, None])  # [nQ, nK]
+    partial = (ctx_part | own[None]) & ~ctx_full
+    return partial[:, None], ctx_full[:, None]
+
+
+def flex_block_mask(anchors: Tensor, ctx_len: int, gamma: int):
+    """The packed training mask as a flex-attention BlockMask, its tiles from
+    `packed_block_sparsity` and the element rule inside partial tiles from `packed_block_mask_mod`."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def indices(tiles: Tensor):
+        count = tiles.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count, order
+
+    partial, full = packed_block_sparsity(anchors, ctx_len, gamma)
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full)
+    q_len = anchors.shape[1] * gamma
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=packed_block_mask_mod(anchors, ctx_len, gamma),
+        seq_lengths=(q_len, ctx_len + q_len),
+    )
 
 
 def flex_available() -> bool:
@@ -80,7 +136,8 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     lm = loss_mask.bool()
     ok = torch.zeros_like(lm)
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
-    scores = torch.rand(ok.shape, generator=generator, device="cpu").to(ok.device)
+    # Drawn where the generator lives (the GPU in training: no host round trip per step).
+    scores = torch.rand(ok.shape, generator=generator, device=generator.device if generator else ok.device)
     scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
     n = min(num_anchors, ok.shape[1])
     top = scores.topk(n, dim=1)
@@ -104,34 +161,47 @@ class BlockDrafter(nn.Module):
         # CUDA). Flex is tested equal to dense on CPU (forward); it has not yet run on a GPU, so the
         # default stays dense until it has.
         self.attention = cfg.get("attention", "dense")
+        # torch.compile the draft layers for training on CUDA (inference and CPU stay eager).
+        self.compile_training = bool(cfg.get("compile", False))
+        self._compiled_layers = None
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
-        self.hidden_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.hidden_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
-        self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.apply(_init_linear)
 
     # ---- shared pieces -----------------------------------------------------------------------
     def context(self, taps: Tensor) -> Tensor:
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(matmul_input(taps, self.fc.weight)))
 
-    def backbone(self, x: Tensor, positions: Tensor, ctx_kv_per_layer, mask: Tensor) -> Tensor:
-        for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
+    def backbone(self, x: Tensor, positions: Tensor, ctx_kv_per_layer, mask: Tensor, layers=None) -> Tensor:
+        for layer, ctx_kv in zip(layers or self.layers, ctx_kv_per_layer):
             x, _ = layer(x, positions, ctx_kv, mask)
         return self.norm(x)
+
+    def training_layers(self, device) -> list:
+        """The draft layers as the training step runs them: compiled wrappers (sharing the
+        parameters, kept out of the module tree) when `compile` is set and the step is on CUDA."""
+        if not (self.compile_training and device.type == "cuda"):
+            return list(self.layers)
+        if self._compiled_layers is None:
+            self._compiled_layers = [torch.compile(layer) for layer in self.layers]  # a list: not registered
+        return self._compiled_layers
 
     def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
         ids = anchor_tokens[..., None].expand(*anchor_tokens.shape, self.gamma).clone()
         ids[..., 1:] = self.dims.mask_token_id
-        return shared.embed(ids).to(self.fc.weight.dtype)
+        return matmul_input(shared.embed(ids), self.fc.weight)
 
     # ---- hooks a sequential head overrides ---------------------------------------------------
     def head_features(self, hidden: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced: hidden [N, γ, d], prev [N, γ] -> (features [N, γ, K], confidence logits)."""
         return hidden, None
 
-    def output_weight(self, shared: Shared) -> Tensor:
-        return shared.lm_weight
+    def bias_weight(self) -> Tensor | None:
+        """The trainable columns appended to the frozen LM head (None: logits = h @ W_lmᵀ)."""
+        return None
 
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
         logits = output_logits(hidden, shared.lm_weight, shared.softcap)
@@ -151,14 +221,14 @@ class BlockDrafter(nn.Module):
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.gamma, device=x.device)).flatten(1)
         mask = self.training_mask(anchors, t, x.device)
         ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
-        hidden = self.backbone(x, pos, ctx_kv, mask).view(b, a, self.gamma, -1)
+        hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(b, a, self.gamma, -1)
         pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
         # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
         prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
         feats, conf = self.head_features(hidden.flatten(0, 1), prev.flatten(0, 1))
         return DraftOutput(
             features=feats.view(b, a, self.gamma, -1),
-            weight=self.output_weight(shared),
+            bias_weight=self.bias_weight(),
             confidence_logits=None if conf is None else conf.view(b, a, self.gamma),
             target_positions=pred_pos,
             valid=valid,
@@ -168,12 +238,7 @@ class BlockDrafter(nn.Module):
     def training_mask(self, anchors: Tensor, ctx_len: int, device):
         if self.attention != "flex" or not flex_available():
             return packed_block_mask(anchors, ctx_len, self.gamma)
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        b, a = anchors.shape
-        q_len = a * self.gamma
-        mod = packed_block_mask_mod(anchors, ctx_len, self.gamma)
-        return create_block_mask(mod, b, None, q_len, ctx_len + q_len, device=device)
+        return flex_block_mask(anchors, ctx_len, self.gamma)
 
     # ---- inference ---------------------------------------------------------------------------
     def new_cache(self, r: int, device, dtype=None) -> DraftCache:

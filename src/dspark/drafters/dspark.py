@@ -39,10 +39,8 @@ class DSparkDrafter(BlockDrafter):
             return hidden, conf
         return torch.cat([hidden, self.head.sequence(hidden, prev).to(hidden.dtype)], dim=-1), conf
 
-    def output_weight(self, shared: Shared) -> Tensor:
-        if self.head is None:
-            return shared.lm_weight
-        return torch.cat([shared.lm_weight.to(self.head.W2.weight.dtype), self.head.W2.weight], dim=1)
+    def bias_weight(self) -> Tensor | None:
+        return None if self.head is None else self.head.W2.weight
 
     def sample_block(self, hidden, anchor, shared, temperature, u):
         """Left to right: each position's exact distribution is conditioned on the token actually

@@ -25,7 +25,7 @@ from .base import (
     output_logits,
 )
 from .dflash import _init_linear, block_targets
-from .layers import DraftLayer
+from .layers import DraftLayer, RMSNorm, matmul_input
 
 
 def ttt_mask(t: int, step: int, device) -> Tensor:
@@ -50,15 +50,15 @@ class Eagle3Drafter(nn.Module):
         s = layer_shape(dims, cfg)
         d = s.hidden_size
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, d, bias=False)
-        self.embed_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
-        self.feature_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.embed_norm = RMSNorm(d, eps=s.rms_norm_eps)
+        self.feature_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.in_proj = nn.Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
-        self.norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.apply(_init_linear)
 
     def _inputs(self, tokens: Tensor, feature: Tensor, shared: Shared) -> Tensor:
-        e = shared.embed(tokens).to(self.fc.weight.dtype)
+        e = matmul_input(shared.embed(tokens), self.fc.weight)
         return self.in_proj(torch.cat([self.embed_norm(e), self.feature_norm(feature)], dim=-1))
 
     def _layers(self, x, pos, ctx_kv_per_layer, mask):
@@ -75,7 +75,7 @@ class Eagle3Drafter(nn.Module):
         b, t = input_ids.shape
         steps = self.ttt_steps
         pos = torch.arange(t, device=input_ids.device).expand(b, -1)
-        f = self.fc(taps.to(self.fc.weight.dtype))
+        f = self.fc(matmul_input(taps, self.fc.weight))
         feature = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)  # feature_{t-1}
         lm = loss_mask.bool()
         all_anchors = torch.where(lm, pos, torch.full_like(pos, -1))
@@ -102,7 +102,7 @@ class Eagle3Drafter(nn.Module):
         pred_pos, labels, valid = block_targets(input_ids, loss_mask, all_anchors, steps)
         return DraftOutput(
             features=feats,
-            weight=shared.lm_weight,
+            bias_weight=None,
             confidence_logits=None,
             target_positions=pred_pos,
             valid=valid,
@@ -123,7 +123,7 @@ class Eagle3Drafter(nn.Module):
         """Committed features at positions p..p+n-1 and the tokens at p+1..p+n: step-0 entries at
         p+1..p+n, whose last output (the anchor's) seeds the next chain."""
         r, n = next_tokens.shape
-        feature = self.fc(taps.to(self.fc.weight.dtype))
+        feature = self.fc(matmul_input(taps, self.fc.weight))
         x = self._inputs(next_tokens, feature, shared)
         c = cache.k[0].shape[2]
         old = torch.arange(c, device=x.device)[None, None, :] < cache.length[:, None, None]

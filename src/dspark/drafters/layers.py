@@ -36,6 +36,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm with float32 statistics that returns its input's dtype: under bf16 autocast the
+    residual stream stays bf16 (``nn.RMSNorm`` runs in, and returns, float32 there)."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+def matmul_input(x: Tensor, weight: Tensor) -> Tensor:
+    """``x`` as a linear layer's input: unchanged under autocast (which casts for the matmul
+    itself, so a float32 copy of a bf16 activation would be wasted), else in the weight's dtype."""
+    return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
+
+
 _compiled_flex = None
 
 
@@ -60,8 +81,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
-        self.q_norm = nn.RMSNorm(s.head_dim, eps=s.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(s.head_dim, eps=s.rms_norm_eps)
+        self.q_norm = RMSNorm(s.head_dim, eps=s.rms_norm_eps)
+        self.k_norm = RMSNorm(s.head_dim, eps=s.rms_norm_eps)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         return x.view(*x.shape[:-1], n, self.s.head_dim).transpose(1, 2)  # [B, n, T, hd]
@@ -118,9 +139,9 @@ class DraftLayer(nn.Module):
 
     def __init__(self, s: LayerShape):
         super().__init__()
-        self.input_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.input_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.attn = Attention(s)
-        self.post_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.post_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.mlp = SwiGLU(s.hidden_size, s.intermediate_size)
 
     def context_kv(self, ctx: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
