@@ -135,8 +135,10 @@ def main(argv=None):
         args.out,
         report,
         ["variant", "loss+grad ms", "peak MiB", "TFLOP/s"],
-        [[r["variant"], cell(r["median_ms"], ".2f"), cell(r["peak_mib"], ".0f"), cell(r["tflops"], ".1f")]
-         for r in rows],  # fmt: skip
+        [
+            [r["variant"], cell(r["median_ms"], ".2f"), cell(r["peak_mib"], ".0f"), cell(r["tflops"], ".1f")]
+            for r in rows
+        ],  # fmt: skip
     )
     return rows
 

@@ -183,9 +183,7 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
     pw = position_weights(drafter.gamma, w.gamma_decay)
     num = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
     den = 0.0
-    weight = tiny_target.lm_head_weight
-    if out.bias_weight is not None:
-        weight = torch.cat([weight, out.bias_weight], 1)
+    logits = out.logits(tiny_target.lm_head_weight)
     for r in range(2):
         for j, a in enumerate(anchors[r].tolist()):
             if a < 0:
@@ -194,7 +192,7 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
                 t = a + k + 1
                 if t >= ids.shape[1] or not bool(lm[r, a + 1 : t + 1].all()):
                     break
-                p_d = torch.softmax(out.features[r, j, k] @ weight.t(), -1)
+                p_d = torch.softmax(logits[r, j, k], -1)
                 p_t = torch.softmax(tiny_target.lm_head(step.last_hidden[r, a + k]), -1)
                 tv = (p_d - p_t).abs().sum()
                 num["ce"] += pw[k] * -torch.log(p_d[ids[r, t]])

@@ -51,7 +51,7 @@ def _outputs(drafter, target, seed=0):
     anchors = torch.tensor([[3, 8, 12], [2, 9, 14]])
     with torch.no_grad():
         out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
-        logits = out.features @ out.weight.t().to(out.features.dtype)
+        logits = out.logits(shared.lm_weight)
         cache = drafter.new_cache(2, "cpu")
         pos = torch.arange(10).expand(2, -1)
         drafter.extend_context(

@@ -94,9 +94,18 @@ def fused(x, lm, bias, th, labels, rw, softcap=None, **kw):
     x = x.detach().clone().requires_grad_()
     b = bias.detach().clone().requires_grad_()
     trainable = b if b.shape[1] else None
-    out = fused_draft_loss(x, torch.cat([lm, bias], 1), th, labels, rw, trainable=trainable, softcap=softcap, **kw)
+    out = fused_draft_loss(
+        x, torch.cat([lm, bias], 1), th, labels, rw, trainable=trainable, softcap=softcap, **kw
+    )
     out.loss.backward()
-    return out.loss.detach(), out.ce, out.tv, out.kl, x.grad, b.grad if trainable is not None else torch.zeros_like(b)
+    return (
+        out.loss.detach(),
+        out.ce,
+        out.tv,
+        out.kl,
+        x.grad,
+        b.grad if trainable is not None else torch.zeros_like(b),
+    )
 
 
 def assert_loss_close(got, ref, tol):
@@ -133,7 +142,9 @@ def test_fused_loss_gradcheck():
 
         def f(x_, b_, softcap=softcap):
             weight = torch.cat([lm, b_.detach()], 1)
-            return fused_draft_loss(x_, weight, th, labels, rw, trainable=b_, softcap=softcap, impl="torch", chunk_rows=2).loss
+            return fused_draft_loss(
+                x_, weight, th, labels, rw, trainable=b_, softcap=softcap, impl="torch", chunk_rows=2
+            ).loss
 
         assert torch.autograd.gradcheck(f, (x, bias), eps=1e-6, atol=1e-7)
 
@@ -391,7 +402,10 @@ def test_gpu_fused_loss(dtype, softcap):
     prob = loss_problem(GPU_N, GPU_D, GPU_R, GPU_V, seed=20, dtype=dtype, device="cuda")
     # Ground truth: float64 for fp32 inputs, float32 math on the same bf16-rounded inputs for bf16.
     ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
-    ref = reference(*[t.to(ref_dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in prob], softcap=softcap)
+    ref = reference(
+        *[t.to(ref_dtype) if torch.is_tensor(t) and t.is_floating_point() else t for t in prob],
+        softcap=softcap,
+    )
     # fp32: the TV gradient has sign(p_d - p_t), which flips on near-ties under any rounding change.
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     for impl in ("triton", "torch"):

@@ -82,3 +82,40 @@ def test_checkpoint_excludes_target(tmp_path, data_dir):
     run_training(cfg_for(out, data_dir, "trainer.max_steps=1"))
     state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
     assert state and all(k.startswith("drafter.") for k in state)
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor():
+    from dspark.module import lr_factor
+
+    f = [lr_factor(p / 100, 0.1, 0.1) for p in range(101)]
+    assert f[5] == pytest.approx(0.5) and f[10] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(f[:11], f[1:11]))  # warm-up rises
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # then only decays
+    assert f[100] == pytest.approx(0.1)
+    assert lr_factor(0.0, 0.1, 0.1) > 0  # the first step still moves
+
+
+def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
+    """A run that stops on the clock (trainer.max_time, max_steps out of reach) warms up to the peak
+    learning rate and decays towards the floor within that time, and logs the learning rate."""
+    import csv
+
+    out = tmp_path / "clock"
+    run_training(
+        cfg_for(
+            out,
+            data_dir,
+            "trainer.max_steps=100000",
+            "trainer.max_time=00:00:00:12",
+            "trainer.val_check_interval=1000",
+            "optim.warmup_ratio=0.2",
+            "optim.min_lr_ratio=0.1",
+        )  # fmt: skip
+    )
+    with (out / "logs" / "metrics.csv").open() as f:
+        lrs = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
+    peak = 6e-4  # conf/train.yaml optim.lr
+    assert len(lrs) >= 10, lrs
+    top = max(range(len(lrs)), key=lrs.__getitem__)
+    assert lrs[top] > 0.8 * peak and 0 < top < len(lrs) - 3, lrs  # reached mid-run, not at the end
+    assert lrs[0] < 0.5 * peak and lrs[-1] < 0.35 * peak, lrs  # warm-up, then decay towards the floor

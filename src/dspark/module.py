@@ -300,10 +300,11 @@ class DraftingModule(L.LightningModule):
             lr=self.optim["lr"],
             weight_decay=self.optim["weight_decay"],
             betas=tuple(self.optim["betas"]),
+            fused=self.device.type == "cuda",  # one kernel for all parameters (4 ms -> <1 at 45M)
         )
         warmup, floor = self.optim["warmup_ratio"], self.optim["min_lr_ratio"]
         # The multiplier follows the run's progress (steps or clock), not the scheduler's own count.
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda _: lr_factor(run_progress(self.trainer), warmup, floor)
+            opt, lambda _: lr_factor(run_progress(self._trainer) if self._trainer else 0.0, warmup, floor)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -83,11 +83,23 @@ def draft_target_distances(
     if impl == "auto" and x.device.type == "cpu" and n * v * 4 < CPU_MATERIALIZE_BYTES:
         impl = "materialized"  # small CPU problems: full logits are cheaper than chunking them
     if impl == "materialized":
-        weight = lm_weight if bias_weight is None else torch.cat([lm_weight.to(bias_weight.dtype), bias_weight], 1)
-        return materialized_draft_loss(x.to(weight.dtype), weight, th.to(weight.dtype), labels, row_weights, softcap)
+        weight = (
+            lm_weight if bias_weight is None else torch.cat([lm_weight.to(bias_weight.dtype), bias_weight], 1)
+        )
+        return materialized_draft_loss(
+            x.to(weight.dtype), weight, th.to(weight.dtype), labels, row_weights, softcap
+        )
     weight = lm_weight if bias_weight is None else _stacked_head(lm_weight, bias_weight)
     return fused_draft_loss(
-        x, weight, th, labels, row_weights, trainable=bias_weight, softcap=softcap, impl=impl, chunk_rows=chunk_rows
+        x,
+        weight,
+        th,
+        labels,
+        row_weights,
+        trainable=bias_weight,
+        softcap=softcap,
+        impl=impl,
+        chunk_rows=chunk_rows,
     )
 
 

@@ -68,6 +68,11 @@ class DraftOutput:
     valid: Tensor  # [B, A, γ] bool: eval mask (contiguous loss mask, inside the sequence)
     labels: Tensor  # [B, A, γ] the true next tokens
 
+    def logits(self, lm_weight: Tensor) -> Tensor:
+        """Full draft logits [B, A, γ, V] (the loss never builds these; tests and tools do)."""
+        weight = lm_weight if self.bias_weight is None else torch.cat([lm_weight, self.bias_weight], 1)
+        return self.features @ weight.t().to(self.features.dtype)
+
 
 @dataclass
 class Proposal:

@@ -157,12 +157,14 @@ class BlockDrafter(nn.Module):
         self.dims = dims
         self.gamma = int(cfg.block_size)
         self.num_anchors = int(cfg.get("num_anchors", 512))
-        # Training attention: "dense" (boolean mask, SDPA) or "flex" (sparse block mask, compiled on
-        # CUDA). Flex is tested equal to dense on CPU (forward); it has not yet run on a GPU, so the
-        # default stays dense until it has.
-        self.attention = cfg.get("attention", "dense")
-        # torch.compile the draft layers for training on CUDA (inference and CPU stay eager).
-        self.compile_training = bool(cfg.get("compile", False))
+        # Training attention: "dense" (boolean mask, SDPA), "flex" (block-sparse, compiled on CUDA;
+        # it has no CPU backward) or "auto" (flex on CUDA, dense elsewhere). Flex is tested equal to
+        # dense (CPU forward, GPU tests); on the H200 it is the faster one once the layers are
+        # compiled (docs/results, train_step).
+        self.attention = cfg.get("attention", "auto")
+        # torch.compile the draft layers for training: true, false, or "auto" (on CUDA). Inference
+        # and CPU runs stay eager either way.
+        self.compile_training = cfg.get("compile", "auto")
         self._compiled_layers = None
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
@@ -183,7 +185,7 @@ class BlockDrafter(nn.Module):
     def training_layers(self, device) -> list:
         """The draft layers as the training step runs them: compiled wrappers (sharing the
         parameters, kept out of the module tree) when `compile` is set and the step is on CUDA."""
-        if not (self.compile_training and device.type == "cuda"):
+        if self.compile_training in (False, "false") or device.type != "cuda":
             return list(self.layers)
         if self._compiled_layers is None:
             self._compiled_layers = [torch.compile(layer) for layer in self.layers]  # a list: not registered
@@ -221,7 +223,9 @@ class BlockDrafter(nn.Module):
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.gamma, device=x.device)).flatten(1)
         mask = self.training_mask(anchors, t, x.device)
         ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
-        hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(b, a, self.gamma, -1)
+        hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(
+            b, a, self.gamma, -1
+        )
         pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
         # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
         prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
@@ -236,7 +240,10 @@ class BlockDrafter(nn.Module):
         )
 
     def training_mask(self, anchors: Tensor, ctx_len: int, device):
-        if self.attention != "flex" or not flex_available():
+        use_flex = self.attention == "flex" or (
+            self.attention == "auto" and torch.device(device).type == "cuda"
+        )
+        if not use_flex or not flex_available():
             return packed_block_mask(anchors, ctx_len, self.gamma)
         return flex_block_mask(anchors, ctx_len, self.gamma)
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..decoding.verify import probs_from_logits, sample_from
-from .base import Shared, TargetDims, output_logits
+from .base import TargetDims, output_logits
 from .dflash import BlockDrafter
 from .heads import HEADS, ConfidenceHead
 
