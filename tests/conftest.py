@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "src" / "dspark" / "conf"
 BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
 
 torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "1")))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONF
 from omegaconf import OmegaConf
 
 from dspark.data import benchmarks as bm
@@ -43,13 +44,13 @@ BENCH = ROOT.parent / "shared" / "benchmarks"
 
 
 def target_cfg(name: str):
-    cfg = OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml")
+    cfg = OmegaConf.load(CONF / "target" / f"{name}.yaml")
     cfg.device = "cpu"
     return cfg
 
 
 def data_cfg(tmp: Path, **over):
-    cfg = OmegaConf.load(ROOT / "conf" / "data" / "quick.yaml")
+    cfg = OmegaConf.load(CONF / "data" / "quick.yaml")
     cfg.dir = str(tmp)
     cfg.benchmark_dir = str(BENCH) if BENCH.is_dir() else None
     for k, v in over.items():

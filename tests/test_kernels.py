@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dspark.kernels import (
     chunked_draft_loss,
     fused_draft_loss,

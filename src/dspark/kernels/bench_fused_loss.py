@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from dspark.kernels import chunked_draft_loss, fused_draft_loss, materialized_draft_loss, triton_available
 from dspark.kernels import fused_loss as _fused_loss
 
