@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF
+from conftest import BENCHMARKS, CONF
 from omegaconf import OmegaConf
 
 from dspark.data import benchmarks as bm
@@ -39,9 +39,6 @@ from dspark.data.tokenize import (
     tokenize_conversation,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT.parent / "shared" / "benchmarks"
-
 
 def target_cfg(name: str):
     cfg = OmegaConf.load(CONF / "target" / f"{name}.yaml")
@@ -52,7 +49,6 @@ def target_cfg(name: str):
 def data_cfg(tmp: Path, **over):
     cfg = OmegaConf.load(CONF / "data" / "quick.yaml")
     cfg.dir = str(tmp)
-    cfg.benchmark_dir = str(BENCH) if BENCH.is_dir() else None
     for k, v in over.items():
         OmegaConf.update(cfg, k, v, force_add=True)
     return cfg
@@ -72,16 +68,28 @@ def tok(tiny):
 # benchmarks
 
 
-needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"no benchmark folder at {BENCH}")
-
-
-@needs_bench
 def test_benchmarks_load_by_name_and_domains():
-    assert set(bm.DOMAINS) == {p.stem for p in BENCH.glob("*.jsonl")}
-    turns = bm.first_turns("gsm8k", BENCH)
+    assert set(bm.DOMAINS) == {p.stem for p in BENCHMARKS.glob("*.jsonl")}
+    assert (BENCHMARKS / "README.md").is_file()  # sources and licence travel with the files
+    rows = {name: len(bm.load_benchmark(name, bm.PACKAGED_BENCHMARKS, hub=False)) for name in bm.DOMAINS}
+    # the row counts of the README table
+    assert rows == {
+        "gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "mt-bench": 80
+    }
+    turns = bm.first_turns("gsm8k", BENCHMARKS)
     assert len(turns) == 1319 and turns[0].startswith("Janet")
-    assert len(bm.first_turns("mt-bench", BENCH, max_prompts=5)) == 5
-    assert len(bm.load_benchmark("mt-bench", BENCH)[0]) == 2  # all turns kept by load_benchmark
+    assert len(bm.first_turns("mt-bench", BENCHMARKS, max_prompts=5)) == 5
+    assert len(bm.load_benchmark("mt-bench", BENCHMARKS)[0]) == 2  # all turns kept by load_benchmark
+
+
+def test_benchmark_dir_of_ones_own_and_a_missing_one(tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"turns": ["my own prompt", "and a follow-up"]}\n')
+    assert bm.first_turns("mine", tmp_path) == ["my own prompt"]
+    assert bm.available_benchmarks(tmp_path) == ["mine"]
+    with pytest.raises(DataError, match="benchmark_dir '.*nowhere' is not a folder.*pkg://dspark/data/benchmark_prompts"):
+        bm.first_turns("gsm8k", tmp_path / "nowhere")
+    with pytest.raises(DataError, match="data.benchmark_dir '.*nowhere' is not a folder"):
+        bm.benchmark_prompt_keys(tmp_path / "nowhere")
 
 
 def test_benchmark_hub_fallback_errors_clearly(tmp_path, monkeypatch):
@@ -108,14 +116,13 @@ def test_benchmark_hub_offline_errors_clearly(tmp_path, monkeypatch):
         load_hub_prompts(OmegaConf.create({"name": "mlabonne/open-perfectblend"}))
 
 
-@needs_bench
 def test_benchmark_prompts_are_dropped(tok):
-    keys = bm.benchmark_prompt_keys(BENCH)
+    keys = bm.benchmark_prompt_keys(BENCHMARKS)
     flt = PromptFilter(tokenizer=tok, max_prompt_tokens=10_000, benchmark_keys=keys)
-    gsm = bm.first_turns("gsm8k", BENCH)[3]
+    gsm = bm.first_turns("gsm8k", BENCHMARKS)[3]
     bare_question = gsm[: -len(bm.MATH_SUFFIX)]
-    mbpp = bm.first_turns("mbpp", BENCH)[0]
-    mt_second_turn = bm.load_benchmark("mt-bench", BENCH)[0][1]
+    mbpp = bm.first_turns("mbpp", BENCHMARKS)[0]
+    mt_second_turn = bm.load_benchmark("mt-bench", BENCHMARKS)[0][1]
     for text in (gsm, "  " + gsm.replace(" ", "\n  ") + " ", bare_question, mbpp, mt_second_turn):
         flt.seen.clear()  # each variant on its own (the whitespace variant is also a duplicate of the first)
         assert not flt.accept({"prompt": text}), text[:60]

@@ -1,8 +1,9 @@
 """Benchmark prompt suites (evaluation only, never training data).
 
-Local form: a folder of ``<name>.jsonl`` files, one ``{"turns": [...]}`` per line (the DeepSpec
-files under ``../shared/benchmarks``). Hub form: the source datasets, converted to the same turns
-with the same prompt wording, for machines that reach the Hugging Face hub.
+Local form: a folder of ``<name>.jsonl`` files, one ``{"turns": [...]}`` per line; the six DeepSpec
+files ship inside the package (``PACKAGED_BENCHMARKS``, the configs' default). Hub form: the source
+datasets, converted to the same turns with the same prompt wording, for machines that reach the
+Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import DataError, normalize_text, resolve_path
+from .io import PROJECT_ROOT, DataError, normalize_text, resolve_path
+
+# The DeepSpec prompt files shipped with dspark (README.md there: sources and licence).
+PACKAGED_BENCHMARKS = "pkg://dspark/data/benchmark_prompts"
 
 DOMAINS = {
     "gsm8k": "math",
@@ -77,17 +81,29 @@ def _load_from_hub(name: str) -> list[list[str]]:
     except Exception as err:  # the hub client raises many types for "offline"/"not found"
         raise DataError(
             f"could not load benchmark '{name}' ({suite.dataset}) from the Hugging Face hub: "
-            f"{err.__class__.__name__}: {err}. Offline? Point benchmark_dir at a folder of turns-JSONL files "
-            f"(e.g. ../shared/benchmarks)."
+            f"{err.__class__.__name__}: {err}. Offline? Set benchmark_dir={PACKAGED_BENCHMARKS} (the six "
+            f"suites shipped with dspark) or to a folder of turns-JSONL files."
         ) from err
     return [suite.to_turns(row) for row in ds]
 
 
+def benchmark_folder(benchmark_dir: str | Path) -> Path:
+    """The folder a `benchmark_dir` setting names, or a one-line error saying how to fix it."""
+    folder = resolve_path(benchmark_dir)
+    if not folder.is_dir():
+        raise DataError(
+            f"benchmark_dir '{benchmark_dir}' is not a folder (looked under {Path.cwd()} and "
+            f"{PROJECT_ROOT}): point it at a folder of <name>.jsonl turns files, or use "
+            f"{PACKAGED_BENCHMARKS} for the suites shipped with dspark"
+        )
+    return folder
+
+
 def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool = True) -> list[list[str]]:
-    """Turns of every row of a suite: from `benchmark_dir/<name>.jsonl` when present, else the hub."""
+    """Turns of every row of a suite: from `benchmark_dir/<name>.jsonl` when present, else the hub
+    (benchmark_dir=None: the hub only)."""
     if benchmark_dir is not None:
-        folder = resolve_path(benchmark_dir)
-        path = folder / f"{name}.jsonl"
+        path = benchmark_folder(benchmark_dir) / f"{name}.jsonl"
         if path.exists():
             return _read_turns_file(path)
     if name not in HUB_SUITES:
@@ -103,8 +119,7 @@ def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool
 def available_benchmarks(benchmark_dir: str | Path | None) -> list[str]:
     if benchmark_dir is None:
         return []
-    folder = resolve_path(benchmark_dir)
-    return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+    return sorted(p.stem for p in benchmark_folder(benchmark_dir).glob("*.jsonl"))
 
 
 def first_turns(
@@ -132,10 +147,10 @@ def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None
     folder = resolve_path(benchmark_dir)
     if not folder.is_dir():
         raise DataError(
-            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under the working directory "
-            f"and the project root): training prompts must be checked against the benchmarks. Point it "
-            f"at a folder of "
-            f"turns-JSONL files, or set data.benchmark_dir=null to skip decontamination (not recommended)."
+            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under {Path.cwd()} and "
+            f"{PROJECT_ROOT}): training prompts must be checked against the benchmarks. Point it at a "
+            f"folder of turns-JSONL files, use {PACKAGED_BENCHMARKS} (the suites shipped with dspark), "
+            f"or set data.benchmark_dir=null to skip decontamination (not recommended)."
         )
     keys: set[str] = set()
     for name in names or available_benchmarks(folder):
