@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def tok(tiny):
 def test_benchmarks_load_by_name_and_domains():
     assert set(bm.DOMAINS) == {p.stem for p in BENCHMARKS.glob("*.jsonl")}
     assert (BENCHMARKS / "README.md").is_file()  # sources and licence travel with the files
-    rows = {name: len(bm.load_benchmark(name, bm.PACKAGED_BENCHMARKS, hub=False)) for name in bm.DOMAINS}
+    rows = {name: len(bm.load_benchmark(name, hub=False)) for name in bm.DOMAINS}  # the packaged default
     # the row counts of the README table
     assert rows == {
         "gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "mt-bench": 80
@@ -86,10 +87,22 @@ def test_benchmark_dir_of_ones_own_and_a_missing_one(tmp_path):
     (tmp_path / "mine.jsonl").write_text('{"turns": ["my own prompt", "and a follow-up"]}\n')
     assert bm.first_turns("mine", tmp_path) == ["my own prompt"]
     assert bm.available_benchmarks(tmp_path) == ["mine"]
-    with pytest.raises(DataError, match="benchmark_dir '.*nowhere' is not a folder.*pkg://dspark/data/benchmark_prompts"):
+    missing = f"benchmark_dir '.*nowhere' is not a folder.*use {bm.PACKAGED_BENCHMARKS}"
+    with pytest.raises(DataError, match=missing):
         bm.first_turns("gsm8k", tmp_path / "nowhere")
     with pytest.raises(DataError, match="data.benchmark_dir '.*nowhere' is not a folder"):
         bm.benchmark_prompt_keys(tmp_path / "nowhere")
+
+
+def test_a_missing_decontamination_folder_stops_prepare_before_the_target_loads(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "dspark.prepare", "target=tiny", f"data.dir={tmp_path / 'data'}",
+         f"data.benchmark_dir={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("dspark: error: data.benchmark_dir ") and "is not a folder" in run.stderr
+    assert "loaded" not in run.stdout + run.stderr
 
 
 def test_benchmark_hub_fallback_errors_clearly(tmp_path, monkeypatch):

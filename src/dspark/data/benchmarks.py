@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import PROJECT_ROOT, DataError, normalize_text, resolve_path
+from .io import PACKAGE_SCHEME, PROJECT_ROOT, DataError, normalize_text, resolve_path
 
 # The DeepSpec prompt files shipped with dspark (README.md there: sources and licence).
 PACKAGED_BENCHMARKS = "pkg://dspark/data/benchmark_prompts"
@@ -87,19 +87,31 @@ def _load_from_hub(name: str) -> list[list[str]]:
     return [suite.to_turns(row) for row in ds]
 
 
+def _not_a_folder(key: str, benchmark_dir: str | Path, folder: Path) -> str:
+    text = str(benchmark_dir)
+    if text.startswith(PACKAGE_SCHEME):
+        where = f" ({folder})"
+    elif Path(text).expanduser().is_absolute():
+        where = ""
+    else:
+        where = f" (looked under {Path.cwd()} and {PROJECT_ROOT})"
+    return f"{key} '{benchmark_dir}' is not a folder{where}"
+
+
 def benchmark_folder(benchmark_dir: str | Path) -> Path:
     """The folder a `benchmark_dir` setting names, or a one-line error saying how to fix it."""
     folder = resolve_path(benchmark_dir)
     if not folder.is_dir():
         raise DataError(
-            f"benchmark_dir '{benchmark_dir}' is not a folder (looked under {Path.cwd()} and "
-            f"{PROJECT_ROOT}): point it at a folder of <name>.jsonl turns files, or use "
-            f"{PACKAGED_BENCHMARKS} for the suites shipped with dspark"
+            f"{_not_a_folder('benchmark_dir', benchmark_dir, folder)}: point it at a folder of "
+            f"<name>.jsonl turns files, or use {PACKAGED_BENCHMARKS} for the suites shipped with dspark"
         )
     return folder
 
 
-def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool = True) -> list[list[str]]:
+def load_benchmark(
+    name: str, benchmark_dir: str | Path | None = PACKAGED_BENCHMARKS, hub: bool = True
+) -> list[list[str]]:
     """Turns of every row of a suite: from `benchmark_dir/<name>.jsonl` when present, else the hub
     (benchmark_dir=None: the hub only)."""
     if benchmark_dir is not None:
@@ -123,7 +135,7 @@ def available_benchmarks(benchmark_dir: str | Path | None) -> list[str]:
 
 
 def first_turns(
-    name: str, benchmark_dir: str | Path | None = None, max_prompts: int | None = None
+    name: str, benchmark_dir: str | Path | None = PACKAGED_BENCHMARKS, max_prompts: int | None = None
 ) -> list[str]:
     """First user turn of each row (speculative-decoding evaluation uses the first turn only)."""
     rows = [turns[0] for turns in load_benchmark(name, benchmark_dir) if turns]
@@ -141,17 +153,23 @@ def decontamination_keys(text: str) -> set[str]:
     return {k for k in keys if k}
 
 
-def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None = None) -> set[str]:
-    """Every turn of every local suite (all turns, not only the first: a later MT-Bench turn is still
-    benchmark text)."""
+def decontamination_folder(benchmark_dir: str | Path) -> Path:
+    """The folder `data.benchmark_dir` names, or a one-line error saying how to fix it."""
     folder = resolve_path(benchmark_dir)
     if not folder.is_dir():
         raise DataError(
-            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under {Path.cwd()} and "
-            f"{PROJECT_ROOT}): training prompts must be checked against the benchmarks. Point it at a "
-            f"folder of turns-JSONL files, use {PACKAGED_BENCHMARKS} (the suites shipped with dspark), "
-            f"or set data.benchmark_dir=null to skip decontamination (not recommended)."
+            f"{_not_a_folder('data.benchmark_dir', benchmark_dir, folder)}: training prompts must be "
+            f"checked against the benchmarks. Point it at a folder of turns-JSONL files, use "
+            f"{PACKAGED_BENCHMARKS} (the suites shipped with dspark), or set data.benchmark_dir=null to "
+            f"skip decontamination (not recommended)."
         )
+    return folder
+
+
+def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None = None) -> set[str]:
+    """Every turn of every local suite (all turns, not only the first: a later MT-Bench turn is still
+    benchmark text)."""
+    folder = decontamination_folder(benchmark_dir)
     keys: set[str] = set()
     for name in names or available_benchmarks(folder):
         for turns in load_benchmark(name, folder, hub=False):
