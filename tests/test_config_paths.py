@@ -1,7 +1,7 @@
 """No default config points outside the repository: every string the composed default configs hold,
 read as a path, stays inside the checkout (`pkg://` paths: inside the installed package, and they
 exist), so a fresh clone with nothing beside it trains and evaluates. Every YAML file of the config
-tree gets the same check, and the check itself is shown to catch `../shared/...`, absolute paths
+tree gets the same check, and the check itself is shown to catch a `../` path, absolute paths
 and a packaged path that is not there."""
 
 import os
@@ -78,7 +78,7 @@ def test_every_config_file_stays_inside_the_repository(path):
 
 
 def test_the_check_catches_paths_outside():
-    cfg = compose_default("train", "data.benchmark_dir=../shared/benchmarks", "data.dir=/srv/elsewhere")
+    cfg = compose_default("train", "data.benchmark_dir=../beside/benchmarks", "data.dir=/srv/elsewhere")
     assert set(paths_outside(cfg)) == {"data.benchmark_dir", "data.dir"}
     cfg = compose_default("evaluate", "benchmark_dir=pkg://dspark/data/nowhere", "hydra.run.dir=/srv/runs")
     assert set(paths_outside(cfg)) == {"benchmark_dir", "hydra.run.dir"}
