@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200: the fast engine's target step with torch.compile'd layer functions (issue 8 follow-up):
 # the compiled == eager GPU test, then SPS(B) of the graph path with --compile (HF column skipped;
-# it is in docs/results/engine_sps.json). Needs /root/stage (../shared/GPU.md).
+# it is in docs/results/engine_sps.json). Needs /root/stage (the GGUF and wheels staged beforehand).
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200: the fast engine's GPU tests and benchmarks (issue #8), in two back-to-back calls on one held
-# machine (it keeps outputs/ between calls while warm). Needs /root/stage (../shared/GPU.md) and the
-# benchmark prompts copied into ./bench.
+# machine (it keeps outputs/ between calls while warm). Needs /root/stage (the GGUF and wheels staged
+# beforehand); the benchmark prompts ship with the package.
 #   bash scripts/h200_fast_path.sh 1   # GPU tests, SPS(B), prepare data, train DSpark (~9 min)
 #   bash scripts/h200_fast_path.sh 2   # end-to-end tok/s: target-only vs DSpark, same engine (~4 min)
 #   bash scripts/h200_fast_path.sh 3   # prepare + train + end-to-end in one call (~7 min)
@@ -12,9 +12,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
 T="target=smollm2_135m target.path=/root/stage target.device=cuda"
 R=outputs/h200/fast
 mkdir -p $R
-E2E="--drafter-dir $R/dspark/drafter --benchmark gsm8k --benchmark-dir bench --prompts 32 --concurrency 1,64,256 \
+E2E="--drafter-dir $R/dspark/drafter --benchmark gsm8k --prompts 32 --concurrency 1,64,256 \
   --max-new-tokens 128 --temperature 0 --policies fixed,hardware_aware --cost-table $R/cost_table.json"
-DATA="data=full data.num_prompts=${NUM_PROMPTS:-2000} data.max_length=1024 data.anchors_per_sequence=128 data.benchmark_dir=bench"
+DATA="data=full data.num_prompts=${NUM_PROMPTS:-2000} data.max_length=1024 data.anchors_per_sequence=128"
 train() {
   python3 -m dspark.prepare $T $DATA hydra.run.dir=$R/prepare 2>&1 | tail -3
   python3 -m dspark.train $T $DATA trainer=gpu trainer.max_time=${TRAIN_TIME:-00:00:03:30} \

@@ -5,12 +5,12 @@
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 T="target=smollm2_135m target.path=/root/stage target.device=cuda"
-DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 data.anchors_per_sequence=128 data.benchmark_dir=bench"
+DATA="data=full data.num_prompts=${NUM_PROMPTS:-3000} data.max_length=1024 data.anchors_per_sequence=128"
 TRAIN="trainer=gpu trainer.max_time=${TRAIN_TIME:-00:00:02:00} trainer.max_steps=100000 trainer.val_check_interval=200"
 for d in dflash eagle3; do
   python3 -m dspark.train $T $DATA $TRAIN drafter=$d hydra.run.dir=outputs/h200/$d 2>&1 | tail -3
 done
-EVAL="benchmarks=[gsm8k,math500,aime25,humaneval,mbpp,mt-bench] benchmark_dir=bench temperature=1.0 max_prompts=${EVAL_PROMPTS:-16} max_new_tokens=192 concurrency=16"
+EVAL="benchmarks=[gsm8k,math500,aime25,humaneval,mbpp,mt-bench] temperature=1.0 max_prompts=${EVAL_PROMPTS:-16} max_new_tokens=192 concurrency=16"
 python3 -m dspark.evaluate $T $EVAL drafter_dir=outputs/h200/dspark/drafter policy=fixed policy.gamma=null calibrate=true hydra.run.dir=outputs/h200/eval_dspark 2>&1 | tail -3
 for d in dflash eagle3; do
   python3 -m dspark.evaluate $T $EVAL drafter_dir=outputs/h200/$d/drafter policy=fixed policy.gamma=null hydra.run.dir=outputs/h200/eval_$d 2>&1 | tail -3

@@ -7,7 +7,7 @@
 # max |loss difference|, commands, commit, machine) and copies it with the logs to $OUT when set.
 #
 # Needs the SmolLM2 GGUF and the hydra/omegaconf/antlr/gguf wheels staged under /root/stage first
-# (../shared/GPU.md, as for scripts/h200_stage1.sh). Then, from the repository root:
+# (as for scripts/h200_stage1.sh). Then, from the repository root:
 #     bash scripts/h200x2_distributed.sh          # about 6 minutes on 2 H200s
 # Knobs (environment): STEPS=150 PER_DEVICE=8 GLOBAL_BATCH=16 NUM_PROMPTS=1200, WARMUP=5 (optimizer
 # steps left out of samples/s), MAX_TIME=00:00:02:30 (a safety stop per training run, so the script
@@ -55,7 +55,7 @@ else
   [[ "$GPUS" -ge 2 ]] || { echo "needs 2 GPUs, torch sees $GPUS" >&2; exit 1; }
   T="target=smollm2_135m target.path=/root/stage target.device=cuda"
   DATA="data=full data.dir=data/smollm2_135m/distributed data.num_prompts=$NUM_PROMPTS data.max_length=1024"
-  DATA="$DATA data.anchors_per_sequence=128 data.benchmark_dir=bench"
+  DATA="$DATA data.anchors_per_sequence=128"
   ONE="trainer=gpu trainer.devices=1"
   TWO="trainer=ddp trainer.devices=2"
   EXTRA=""

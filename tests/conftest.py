@@ -5,9 +5,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dspark.data.benchmarks import PACKAGED_BENCHMARKS
+from dspark.data.io import resolve_path
+
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
+CONF = ROOT / "src" / "dspark" / "conf"
+BENCHMARKS = resolve_path(PACKAGED_BENCHMARKS)  # the suites shipped with dspark, inside the repository
 
 torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "1")))
 

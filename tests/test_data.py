@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import BENCHMARKS, CONF
 from omegaconf import OmegaConf
 
 from dspark.data import benchmarks as bm
@@ -38,20 +40,16 @@ from dspark.data.tokenize import (
     tokenize_conversation,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT.parent / "shared" / "benchmarks"
-
 
 def target_cfg(name: str):
-    cfg = OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml")
+    cfg = OmegaConf.load(CONF / "target" / f"{name}.yaml")
     cfg.device = "cpu"
     return cfg
 
 
 def data_cfg(tmp: Path, **over):
-    cfg = OmegaConf.load(ROOT / "conf" / "data" / "quick.yaml")
+    cfg = OmegaConf.load(CONF / "data" / "quick.yaml")
     cfg.dir = str(tmp)
-    cfg.benchmark_dir = str(BENCH) if BENCH.is_dir() else None
     for k, v in over.items():
         OmegaConf.update(cfg, k, v, force_add=True)
     return cfg
@@ -71,16 +69,40 @@ def tok(tiny):
 # benchmarks
 
 
-needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"no benchmark folder at {BENCH}")
-
-
-@needs_bench
 def test_benchmarks_load_by_name_and_domains():
-    assert set(bm.DOMAINS) == {p.stem for p in BENCH.glob("*.jsonl")}
-    turns = bm.first_turns("gsm8k", BENCH)
+    assert set(bm.DOMAINS) == {p.stem for p in BENCHMARKS.glob("*.jsonl")}
+    assert (BENCHMARKS / "README.md").is_file()  # sources and licence travel with the files
+    rows = {name: len(bm.load_benchmark(name, hub=False)) for name in bm.DOMAINS}  # the packaged default
+    # the row counts of the README table
+    assert rows == {
+        "gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "mt-bench": 80
+    }
+    turns = bm.first_turns("gsm8k", BENCHMARKS)
     assert len(turns) == 1319 and turns[0].startswith("Janet")
-    assert len(bm.first_turns("mt-bench", BENCH, max_prompts=5)) == 5
-    assert len(bm.load_benchmark("mt-bench", BENCH)[0]) == 2  # all turns kept by load_benchmark
+    assert len(bm.first_turns("mt-bench", BENCHMARKS, max_prompts=5)) == 5
+    assert len(bm.load_benchmark("mt-bench", BENCHMARKS)[0]) == 2  # all turns kept by load_benchmark
+
+
+def test_benchmark_dir_of_ones_own_and_a_missing_one(tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"turns": ["my own prompt", "and a follow-up"]}\n')
+    assert bm.first_turns("mine", tmp_path) == ["my own prompt"]
+    assert bm.available_benchmarks(tmp_path) == ["mine"]
+    missing = f"benchmark_dir '.*nowhere' is not a folder.*use {bm.PACKAGED_BENCHMARKS}"
+    with pytest.raises(DataError, match=missing):
+        bm.first_turns("gsm8k", tmp_path / "nowhere")
+    with pytest.raises(DataError, match="data.benchmark_dir '.*nowhere' is not a folder"):
+        bm.benchmark_prompt_keys(tmp_path / "nowhere")
+
+
+def test_a_missing_decontamination_folder_stops_prepare_before_the_target_loads(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "dspark.prepare", "target=tiny", f"data.dir={tmp_path / 'data'}",
+         f"data.benchmark_dir={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("dspark: error: data.benchmark_dir ") and "is not a folder" in run.stderr
+    assert "loaded" not in run.stdout + run.stderr
 
 
 def test_benchmark_hub_fallback_errors_clearly(tmp_path, monkeypatch):
@@ -107,14 +129,13 @@ def test_benchmark_hub_offline_errors_clearly(tmp_path, monkeypatch):
         load_hub_prompts(OmegaConf.create({"name": "mlabonne/open-perfectblend"}))
 
 
-@needs_bench
 def test_benchmark_prompts_are_dropped(tok):
-    keys = bm.benchmark_prompt_keys(BENCH)
+    keys = bm.benchmark_prompt_keys(BENCHMARKS)
     flt = PromptFilter(tokenizer=tok, max_prompt_tokens=10_000, benchmark_keys=keys)
-    gsm = bm.first_turns("gsm8k", BENCH)[3]
+    gsm = bm.first_turns("gsm8k", BENCHMARKS)[3]
     bare_question = gsm[: -len(bm.MATH_SUFFIX)]
-    mbpp = bm.first_turns("mbpp", BENCH)[0]
-    mt_second_turn = bm.load_benchmark("mt-bench", BENCH)[0][1]
+    mbpp = bm.first_turns("mbpp", BENCHMARKS)[0]
+    mt_second_turn = bm.load_benchmark("mt-bench", BENCHMARKS)[0][1]
     for text in (gsm, "  " + gsm.replace(" ", "\n  ") + " ", bare_question, mbpp, mt_second_turn):
         flt.seen.clear()  # each variant on its own (the whitespace variant is also a duplicate of the first)
         assert not flt.accept({"prompt": text}), text[:60]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONF
 from omegaconf import OmegaConf
 
 from dspark.data.cache import CacheMismatch, FeatureCache, build_cache, target_fingerprint
@@ -16,11 +17,9 @@ from dspark.data.io import DataError
 from dspark.data.tokenize import load_tokens
 from dspark.target import load_target
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def target_cfg(name: str, **over):
-    cfg = OmegaConf.load(ROOT / "conf" / "target" / f"{name}.yaml")
+    cfg = OmegaConf.load(CONF / "target" / f"{name}.yaml")
     cfg.device = "cpu"
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
@@ -54,7 +53,7 @@ def dataset(tiny, tmp_path_factory):
     ]
     rows = [{"turns": [f"Prompt {i}: " + " ".join(words[: 1 + (i * 5) % 12])]} for i in range(24)]
     (tmp / "src.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = OmegaConf.load(ROOT / "conf" / "data" / "quick.yaml")
+    cfg = OmegaConf.load(CONF / "data" / "quick.yaml")
     over = {
         "dir": str(tmp / "data"),
         "source": "jsonl",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dspark.kernels import (
     RowWeights,
     fused_draft_loss,

@@ -22,6 +22,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .cli import user_errors
+from .data.benchmarks import decontamination_folder
 from .data.io import DataError, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, resolve_path
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,15 @@ def _check_build(data_dir: Path, key: dict) -> None:
             )
 
 
+def check_data_config(cfg_data) -> None:
+    """Data settings that would otherwise fail only after the target has loaded."""
+    if cfg_data.get("benchmark_dir"):
+        decontamination_folder(cfg_data.benchmark_dir)
+
+
 def check_data_dir(cfg_data, cfg_target) -> None:
-    """Refuse a data.dir built for another config before any model loads."""
+    """Refuse a data.dir built for another config, or a bad data config, before any model loads."""
+    check_data_config(cfg_data)
     _check_build(resolve_path(cfg_data.dir), build_key(cfg_data, cfg_target))
 
 
@@ -294,11 +303,13 @@ def ensure_dataset(cfg_data, cfg_target, target=None, features: str | None = Non
 def main(cfg: DictConfig) -> None:
     from .config import check_target
 
-    check_target(cfg.target)
-    if cfg.get("force", False):
-        path = prepare_dataset(cfg.data, cfg.target, force=True)
-    else:  # finished stages are reused; an already finished data.dir only gains a missing cache
-        path = ensure_dataset(cfg.data, cfg.target)
+    with user_errors():
+        check_target(cfg.target)
+        check_data_config(cfg.data)
+        if cfg.get("force", False):
+            path = prepare_dataset(cfg.data, cfg.target, force=True)
+        else:  # finished stages are reused; an already finished data.dir only gains a missing cache
+            path = ensure_dataset(cfg.data, cfg.target)
     done = read_done(path)
     print(
         f"dataset ready: {path}  ({done['counts']['conversations']} conversations, "

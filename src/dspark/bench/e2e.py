@@ -1,7 +1,7 @@
 """End-to-end decoding speed in one engine: target-only vs speculative decoding with a drafter.
 
     python -m dspark.bench.e2e --drafter-dir <checkpoint> target=smollm2_135m target.device=cuda \\
-        [--engine fast] [--benchmark gsm8k] [--benchmark-dir ../shared/benchmarks] [--prompts 32] \\
+        [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
         [--concurrency 1,64,256] [--max-new-tokens 128] [--temperature 0] \\
         [--policies fixed,hardware_aware --cost-table cost_table.json] [--out e2e.json]
 
@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..data.benchmarks import PACKAGED_BENCHMARKS
+
 
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m dspark.bench.e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--drafter-dir", required=True)
     ap.add_argument("--engine", default="fast", choices=["plain", "fast"])
     ap.add_argument("--benchmark", default="gsm8k")
-    ap.add_argument("--benchmark-dir", default="../shared/benchmarks")
+    ap.add_argument("--benchmark-dir", default=PACKAGED_BENCHMARKS, help="default: the suites dspark ships")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)

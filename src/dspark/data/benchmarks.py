@@ -1,8 +1,9 @@
 """Benchmark prompt suites (evaluation only, never training data).
 
-Local form: a folder of ``<name>.jsonl`` files, one ``{"turns": [...]}`` per line (the DeepSpec
-files under ``../shared/benchmarks``). Hub form: the source datasets, converted to the same turns
-with the same prompt wording, for machines that reach the Hugging Face hub.
+Local form: a folder of ``<name>.jsonl`` files, one ``{"turns": [...]}`` per line; the six DeepSpec
+files ship inside the package (``PACKAGED_BENCHMARKS``, the configs' default). Hub form: the source
+datasets, converted to the same turns with the same prompt wording, for machines that reach the
+Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import DataError, normalize_text, resolve_path
+from .io import PACKAGE_SCHEME, PROJECT_ROOT, DataError, normalize_text, resolve_path
+
+# The DeepSpec prompt files shipped with dspark (README.md there: sources and licence).
+PACKAGED_BENCHMARKS = "pkg://dspark/data/benchmark_prompts"
 
 DOMAINS = {
     "gsm8k": "math",
@@ -77,17 +81,41 @@ def _load_from_hub(name: str) -> list[list[str]]:
     except Exception as err:  # the hub client raises many types for "offline"/"not found"
         raise DataError(
             f"could not load benchmark '{name}' ({suite.dataset}) from the Hugging Face hub: "
-            f"{err.__class__.__name__}: {err}. Offline? Point benchmark_dir at a folder of turns-JSONL files "
-            f"(e.g. ../shared/benchmarks)."
+            f"{err.__class__.__name__}: {err}. Offline? Set benchmark_dir={PACKAGED_BENCHMARKS} (the six "
+            f"suites shipped with dspark) or to a folder of turns-JSONL files."
         ) from err
     return [suite.to_turns(row) for row in ds]
 
 
-def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool = True) -> list[list[str]]:
-    """Turns of every row of a suite: from `benchmark_dir/<name>.jsonl` when present, else the hub."""
+def _not_a_folder(key: str, benchmark_dir: str | Path, folder: Path) -> str:
+    text = str(benchmark_dir)
+    if text.startswith(PACKAGE_SCHEME):
+        where = f" ({folder})"
+    elif Path(text).expanduser().is_absolute():
+        where = ""
+    else:
+        where = f" (looked under {Path.cwd()} and {PROJECT_ROOT})"
+    return f"{key} '{benchmark_dir}' is not a folder{where}"
+
+
+def benchmark_folder(benchmark_dir: str | Path) -> Path:
+    """The folder a `benchmark_dir` setting names, or a one-line error saying how to fix it."""
+    folder = resolve_path(benchmark_dir)
+    if not folder.is_dir():
+        raise DataError(
+            f"{_not_a_folder('benchmark_dir', benchmark_dir, folder)}: point it at a folder of "
+            f"<name>.jsonl turns files, or use {PACKAGED_BENCHMARKS} for the suites shipped with dspark"
+        )
+    return folder
+
+
+def load_benchmark(
+    name: str, benchmark_dir: str | Path | None = PACKAGED_BENCHMARKS, hub: bool = True
+) -> list[list[str]]:
+    """Turns of every row of a suite: from `benchmark_dir/<name>.jsonl` when present, else the hub
+    (benchmark_dir=None: the hub only)."""
     if benchmark_dir is not None:
-        folder = resolve_path(benchmark_dir)
-        path = folder / f"{name}.jsonl"
+        path = benchmark_folder(benchmark_dir) / f"{name}.jsonl"
         if path.exists():
             return _read_turns_file(path)
     if name not in HUB_SUITES:
@@ -103,12 +131,11 @@ def load_benchmark(name: str, benchmark_dir: str | Path | None = None, hub: bool
 def available_benchmarks(benchmark_dir: str | Path | None) -> list[str]:
     if benchmark_dir is None:
         return []
-    folder = resolve_path(benchmark_dir)
-    return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+    return sorted(p.stem for p in benchmark_folder(benchmark_dir).glob("*.jsonl"))
 
 
 def first_turns(
-    name: str, benchmark_dir: str | Path | None = None, max_prompts: int | None = None
+    name: str, benchmark_dir: str | Path | None = PACKAGED_BENCHMARKS, max_prompts: int | None = None
 ) -> list[str]:
     """First user turn of each row (speculative-decoding evaluation uses the first turn only)."""
     rows = [turns[0] for turns in load_benchmark(name, benchmark_dir) if turns]
@@ -126,17 +153,23 @@ def decontamination_keys(text: str) -> set[str]:
     return {k for k in keys if k}
 
 
-def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None = None) -> set[str]:
-    """Every turn of every local suite (all turns, not only the first: a later MT-Bench turn is still
-    benchmark text)."""
+def decontamination_folder(benchmark_dir: str | Path) -> Path:
+    """The folder `data.benchmark_dir` names, or a one-line error saying how to fix it."""
     folder = resolve_path(benchmark_dir)
     if not folder.is_dir():
         raise DataError(
-            f"data.benchmark_dir '{benchmark_dir}' is not a folder (looked under the working directory "
-            f"and the project root): training prompts must be checked against the benchmarks. Point it "
-            f"at a folder of "
-            f"turns-JSONL files, or set data.benchmark_dir=null to skip decontamination (not recommended)."
+            f"{_not_a_folder('data.benchmark_dir', benchmark_dir, folder)}: training prompts must be "
+            f"checked against the benchmarks. Point it at a folder of turns-JSONL files, use "
+            f"{PACKAGED_BENCHMARKS} (the suites shipped with dspark), or set data.benchmark_dir=null to "
+            f"skip decontamination (not recommended)."
         )
+    return folder
+
+
+def benchmark_prompt_keys(benchmark_dir: str | Path, names: Iterable[str] | None = None) -> set[str]:
+    """Every turn of every local suite (all turns, not only the first: a later MT-Bench turn is still
+    benchmark text)."""
+    folder = decontamination_folder(benchmark_dir)
     keys: set[str] = set()
     for name in names or available_benchmarks(folder):
         for turns in load_benchmark(name, folder, hub=False):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.resources
 import json
 import math
 import os
@@ -14,6 +15,8 @@ from typing import Any
 
 # src/dspark/data/io.py -> the repository root (meaningful for an editable install / a checkout).
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
+# `pkg://<package>/<path>` names a file or folder shipped inside an installed package.
+PACKAGE_SCHEME = "pkg://"
 
 
 class DataError(ValueError):
@@ -90,9 +93,26 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
+def packaged_path(spec: str) -> Path:
+    """The file or folder `pkg://<package>/<path>` names, found through importlib.resources so that a
+    wheel install finds its data as well as a checkout does."""
+    package, _, inner = spec.removeprefix(PACKAGE_SCHEME).partition("/")
+    try:
+        root = importlib.resources.files(package)
+    except ModuleNotFoundError:
+        raise DataError(f"'{spec}': no installed package '{package}' (pkg://<package>/<path>)") from None
+    return Path(root.joinpath(*inner.split("/"))) if inner else Path(root)
+
+
 def resolve_path(path: str | Path, must_exist: bool = False) -> Path:
-    """Relative paths mean the working directory when they exist there, else the project root (so the
-    configs' `../shared/benchmarks` works from any directory of an editable install)."""
+    """`pkg://<package>/<path>` means a packaged file; other relative paths mean the working directory
+    when they exist there, else the project root (so `data/...` works from any directory of a
+    checkout)."""
+    if str(path).startswith(PACKAGE_SCHEME):
+        p = packaged_path(str(path))
+        if must_exist and not p.exists():
+            raise DataError(f"path '{path}' is not in the installed package (looked at {p})")
+        return p
     p = Path(str(path)).expanduser()
     if p.is_absolute() or p.exists():
         return p.resolve() if p.exists() else p
