@@ -30,4 +30,4 @@ test-all: setup
 	$(PY) -m pytest -m "not gpu" $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src kernels tests

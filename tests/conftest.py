@@ -9,7 +9,7 @@ from dspark.data.benchmarks import PACKAGED_BENCHMARKS
 from dspark.data.io import resolve_path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "src" / "dspark" / "conf"
+CONF = ROOT / "conf"  # installed as dspark.conf (src/dspark/conf links here)
 BENCHMARKS = resolve_path(PACKAGED_BENCHMARKS)  # the suites shipped with dspark, inside the repository
 
 torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "1")))

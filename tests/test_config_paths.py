@@ -54,7 +54,8 @@ def outside(value: str) -> str | None:
     """Where `value` leads when it leaves the repository (or names a missing packaged file), else None."""
     if value.startswith(PACKAGE_SCHEME):
         path = resolve_path(value)
-        return None if path.exists() and is_within(path.resolve(), PACKAGE_DIR.resolve()) else str(path)
+        # Inside the package as installed (conf/ and kernels/ enter it through links: not resolved).
+        return None if path.exists() and is_within(Path(os.path.normpath(path)), PACKAGE_DIR) else str(path)
     if "://" in value:  # a URL, not a file
         return None
     path = Path(os.path.normpath(ROOT / Path(value).expanduser()))

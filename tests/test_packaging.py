@@ -1,8 +1,9 @@
-"""What an install gets: the wheel carries every file of src/dspark (the Hydra configs and the
-benchmark prompt sets included), and neither the wheel nor the editable build has anything to warn
+"""What an install gets: the wheel carries every file of src/dspark (the Hydra configs and kernels
+it links to and the benchmark prompt sets included), and neither the wheel nor the editable build has anything to warn
 about (the editable one is a plain path entry, not a meta path finder). Builds run through
 setuptools' own backend from a copy of the project, offline, in seconds."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,11 @@ def build(tmp_path: Path, hook: str) -> tuple[Path, str]:
     """Run `setuptools.build_meta.<hook>` on a copy of the project (the checkout stays clean);
     return the wheel and everything the backend printed."""
     project = tmp_path / "project"
-    shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    # src/dspark/{conf,kernels} are symbolic links to the top-level folders: copied as links, as a
+    # checkout has them, so the build has to follow them.
+    for name in ("src", "conf", "kernels"):
+        shutil.copytree(ROOT / name, project / name, symlinks=True, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, project / name)
     out = tmp_path / "dist"
@@ -47,10 +52,12 @@ def test_wheel_ships_configs_and_benchmark_prompts_quietly(tmp_path):
     assert warnings_in(log) == []
     names = set(zipfile.ZipFile(wheel).namelist())
     source = {
-        f"dspark/{p.relative_to(PACKAGE).as_posix()}"
-        for p in PACKAGE.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
+        f"dspark/{(Path(folder) / f).relative_to(PACKAGE).as_posix()}"
+        for folder, _, files in os.walk(PACKAGE, followlinks=True)  # into conf/ and kernels/ too
+        for f in files
+        if "__pycache__" not in Path(folder).parts
     }
+    assert any(n.startswith("dspark/kernels/") for n in source)
     assert source - names == set()  # every file of the package tree is in the wheel
     prompts = {n.split("/")[-1] for n in names if n.startswith("dspark/data/benchmark_prompts/")}
     suites = ("gsm8k", "math500", "aime25", "humaneval", "mbpp", "mt-bench")
