@@ -472,7 +472,7 @@ def test_stop_token_ends_a_continuation(tiny, tok):
     for g, ref in zip(got, free):
         cut = ref.tokens.index(stop) if stop in ref.tokens else None
         assert g.tokens == ref.tokens[:cut] and g.finished == (cut is not None)
-    assert got[1].finished and len(got[1].tokens) == 3
+    assert got[1].finished
 
 
 def test_engine_options_from_config(tmp_path):
