@@ -1,5 +1,6 @@
-"""Data pipeline: prompt sources and filters, benchmarks, chat-template loss masks, regeneration
-shards (resume, failing writes), prepare/ensure_dataset. Runs on the tiny target (seconds)."""
+"""Data pipeline: prompt sources and filters, benchmarks, chat-template loss masks, decoding through
+the engine (fast path == plain path), regeneration shards (resume, failing writes),
+prepare/ensure_dataset. Runs on the tiny target (seconds)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from conftest import BENCHMARKS, CONF
 from omegaconf import OmegaConf
 
 from dspark.data import benchmarks as bm
+from dspark.data.generation import (
+    Continuation,
+    Sampling,
+    engine_options,
+    generate_continuations,
+)
 from dspark.data.io import DataError, atomic_open, atomic_write_jsonl
 from dspark.data.prompts import (
     PromptFilter,
@@ -25,14 +32,7 @@ from dspark.data.prompts import (
     self_generate_prompts,
     split_train_val,
 )
-from dspark.data.regenerate import (
-    Continuation,
-    Sampling,
-    generate_continuations,
-    load_conversations,
-    nucleus,
-    regenerate_split,
-)
+from dspark.data.regenerate import load_conversations, regenerate_split
 from dspark.data.tokenize import (
     TemplateError,
     end_markers,
@@ -260,7 +260,7 @@ def test_self_generation_filters_and_mixes_topics(tiny, tok, tmp_path, monkeypat
             ids = tok(next(texts), add_special_tokens=False)["input_ids"]
             on_result(j, Continuation(ids, finished=j % 7 != 6))
 
-    monkeypatch.setattr("dspark.data.regenerate.generate_continuations", fake_generate)
+    monkeypatch.setattr("dspark.data.generation.generate_continuations", fake_generate)
     cfg = data_cfg(tmp_path, num_prompts=5, **{"self_generated.batch_size": 4})
     flt = PromptFilter(tokenizer=tok, max_prompt_tokens=128)
     got = self_generate_prompts(tiny, cfg, flt)
@@ -417,67 +417,93 @@ def test_truncation_policy_and_unfinished_answers(tok):
 # generation
 
 
-def test_nucleus_fast_path_matches_full_sort():
-    torch.manual_seed(0)
-    # Peaked rows (nucleus inside the top 512) and flat rows (it is not): both must match a full sort.
-    logits = torch.cat([torch.randn(4, 4096) * 8, torch.randn(4, 4096) * 0.1])
-    probs = torch.softmax(logits, -1)
-    for top_k, top_p in [(0, 0.9), (0, 0.99), (50, 0.8), (1000, 0.95), (0, 1.0)]:
-        w, ids = nucleus(probs, top_k, top_p)
-        fast = torch.zeros_like(probs).scatter_add(1, ids, w)
-        srt, order = probs.sort(-1, descending=True)
-        if top_k:
-            srt, order = srt[:, :top_k], order[:, :top_k]
-        d = srt / srt.sum(-1, keepdim=True)
-        keep = (d.cumsum(-1) - d) < top_p
-        ref = torch.zeros_like(probs).scatter_add(1, order, srt * keep)
-        torch.testing.assert_close(fast / fast.sum(-1, keepdim=True), ref / ref.sum(-1, keepdim=True))
+def greedy_reference(target, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    """Greedy decoding by full forwards (no cache): the independent reference."""
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(target.model(torch.tensor([seq])).logits[0, -1].argmax())
+            if tok in eos:
+                break
+            out.append(tok)
+            seq.append(tok)
+    return out
 
 
-def test_decode_loop_matches_hf_generate_greedy(tiny, tok):
-    prompts = ["Hi", "What is the capital of France?", "Write a poem."]
-    pre = [prompt_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
-    s = Sampling(temperature=0.0, max_new_tokens=12)
-    ref = generate_continuations(tiny, pre, s, batch_size=3, seed=0, backend="hf")
-    # batch_size 2 < 3 prompts: the third joins the running batch (cache merge with left padding).
-    for bs in (3, 2):
-        got = generate_continuations(tiny, pre, s, batch_size=bs, seed=0, backend="loop")
-        assert [c.tokens for c in got] == [c.tokens for c in ref]
-    assert tiny.model.config._attn_implementation == "sdpa"  # the decoding attention was switched back
-    # Sampling is reproducible from the seed alone and changes with it.
-    s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=8)
-    x = generate_continuations(tiny, pre, s, batch_size=2, seed=1)
-    assert [c.tokens for c in x] == [
-        c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=1)
-    ]
-    assert [c.tokens for c in x] != [
-        c.tokens for c in generate_continuations(tiny, pre, s, batch_size=2, seed=2)
+def chat_prefixes(tok, n: int) -> list[list[int]]:
+    words = ["rain", "a poem", "prime numbers", "the sea", "Paris", "sorting", "bread", "stars"]
+    return [
+        prompt_ids(tok, [{"role": "user", "content": f"Tell me {i} things about {words[i % 8]}."}])
+        for i in range(n)
     ]
 
 
-def test_decode_loop_drops_finished_rows(tiny, tok, monkeypatch):
-    """A row that stops leaves the batch; the others go on with a consistent cache."""
-    eos = tiny.eos_token_ids[0]
-    pre = [prompt_ids(tok, [{"role": "user", "content": p}]) for p in ("a b c", "d e f g", "h")]
-    s = Sampling(temperature=0.0, max_new_tokens=10)
-    ref = generate_continuations(tiny, pre, s, batch_size=3, seed=0)
-    calls = {"n": 0}
-    real = __import__("dspark.data.regenerate", fromlist=["sample_next"]).sample_next
+def test_greedy_continuations_match_full_forward(tiny, tok):
+    pre = chat_prefixes(tok, 3)
+    got = generate_continuations(
+        tiny, pre, Sampling(temperature=0.0, max_new_tokens=12), batch_size=2, seed=0
+    )
+    eos = set(tiny.eos_token_ids)
+    assert [c.tokens for c in got] == [greedy_reference(tiny, p, 12, eos) for p in pre]
 
-    def stop_row_once(logits, sampling, gen):  # force one row to emit eos at step 3
-        out = real(logits, sampling, gen)
-        calls["n"] += 1
-        if calls["n"] == 3:
-            out[0] = eos
-        return out
 
-    monkeypatch.setattr("dspark.data.regenerate.sample_next", stop_row_once)
-    got = generate_continuations(tiny, pre, s, batch_size=3, seed=0)
-    stopped = [i for i, c in enumerate(got) if c.finished]
-    assert len(stopped) == 1 and len(got[stopped[0]].tokens) == 2
-    for i in range(3):
-        if i not in stopped:
-            assert got[i].tokens == ref[i].tokens and not got[i].finished
+@pytest.mark.parametrize(
+    "sampling", [Sampling(0.0, 1.0, 0, 30), Sampling(0.8, 0.9, 0, 30), Sampling(1.0, 0.95, 30, 30)], ids=str
+)
+def test_fast_engine_regeneration_equals_plain(tiny, tok, sampling):
+    """The fast engine's path (static caches, static top-p) and the plain engine's decode the same
+    tokens, with more prompts than rows (continuous batching, rows leaving two at a time) and
+    per-prompt limits; results stream through on_result in completion order."""
+    pre = chat_prefixes(tok, 20)
+    limits = [4 + (7 * i) % 24 for i in range(len(pre))]
+    runs = {}
+    for engine in ("plain", "fast"):
+        order, report = [], {}
+        got = generate_continuations(
+            tiny, pre, sampling, batch_size=16, seed=[3, "x"], max_new_tokens=limits,
+            on_result=lambda i, c, order=order: order.append(i), engine=engine, report=report,
+        )  # fmt: skip
+        assert sorted(order) == list(range(len(pre))) and order != sorted(order)
+        assert report["engine"] == engine and report["concurrency"] == 16
+        runs[engine] = got
+    assert [c.tokens for c in runs["fast"]] == [c.tokens for c in runs["plain"]]
+    assert [c.finished for c in runs["fast"]] == [c.finished for c in runs["plain"]]
+    assert all(len(c.tokens) == m for c, m in zip(runs["plain"], limits) if not c.finished)
+    # Reproducible from the seed alone, and it changes with it.
+    if sampling.temperature > 0:
+        again = generate_continuations(tiny, pre[:4], sampling, batch_size=2, seed=1)
+        assert [c.tokens for c in again] == [
+            c.tokens for c in generate_continuations(tiny, pre[:4], sampling, batch_size=2, seed=1)
+        ]
+        assert [c.tokens for c in again] != [
+            c.tokens for c in generate_continuations(tiny, pre[:4], sampling, batch_size=2, seed=2)
+        ]
+
+
+def test_stop_token_ends_a_continuation(tiny, tok):
+    """A continuation that samples a stop token is finished and excludes it; limits cut others."""
+    pre = chat_prefixes(tok, 4)
+    free = generate_continuations(tiny, pre, Sampling(0.0, max_new_tokens=10), batch_size=4, seed=0)
+    stop = free[1].tokens[3]
+    tiny.eos_token_ids.append(stop)
+    try:
+        got = generate_continuations(tiny, pre, Sampling(0.0, max_new_tokens=10), batch_size=4, seed=0)
+    finally:
+        tiny.eos_token_ids.remove(stop)
+    for g, ref in zip(got, free):
+        cut = ref.tokens.index(stop) if stop in ref.tokens else None
+        assert g.tokens == ref.tokens[:cut] and g.finished == (cut is not None)
+    assert got[1].finished
+
+
+def test_engine_options_from_config(tmp_path):
+    assert engine_options(data_cfg(tmp_path)) == {"engine": "auto", "compile": False}
+    assert engine_options(data_cfg(tmp_path, engine="fast", engine_compile=True))["compile"]
+    assert engine_options(data_cfg(tmp_path, generate_backend="loop"))["engine"] == "auto"  # the old default
+    with pytest.raises(DataError, match="generate_backend=hf was removed"):
+        engine_options(data_cfg(tmp_path, generate_backend="hf"))
+    with pytest.raises(DataError, match="data.engine 'hf'"):
+        engine_options(data_cfg(tmp_path, engine="hf"))
 
 
 PROMPTS = [
@@ -585,6 +611,8 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
         counts["prompts"]["counts"]["malformed_line"] == 1 and counts["prompts"]["counts"]["empty_line"] == 1
     )
     assert done["rate"]["conversations_per_min"] > 0 and done["config"]["data"]["num_prompts"] == 8
+    answers = done["generation"]["answers"]
+    assert answers["engine"] == "plain" and answers["concurrency"] == 8 and answers["answer_tokens"] > 0
     train = load_tokens(tokens_path(out, "train"))
     assert len(train) == 7 and train.meta["pad_token_id"] == tok_pad(tiny)
     assert all(train.sample(i)[1].any() for i in range(len(train)))
@@ -606,7 +634,7 @@ def tok_pad(target) -> int:
 
 
 def test_thread_governor_follows_the_load(monkeypatch):
-    from dspark.data.regenerate import ThreadGovernor
+    from dspark.data.generation import ThreadGovernor
 
     threads = torch.get_num_threads()
     monkeypatch.setattr("os.cpu_count", lambda: 2)

@@ -458,6 +458,27 @@ def test_eos_stops_requests(small_target):
     assert res.generations[0].finish == "eos" and len(res.generations[0].tokens) <= 7
 
 
+def test_refill_streaming_and_no_round_records(small_target):
+    """Finished rows idle until ``refill`` of them leave together (with a drafter, whose context
+    must not grow for idle rows): greedy tokens are those of immediate retirement, results stream
+    through on_result in completion order, and record_rounds=False only drops the records."""
+    t = small_target
+    prompts = prompts_for(t, 9, seed=18)
+    budgets = [3, 17, 8, 25, 5, 12, 30, 2, 9]
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    base = Engine(t, None, temperature=0, concurrency=4, eos_token_ids=()).generate(reqs)
+    order = []
+    lazy = Engine(
+        t, Oracle(t, gamma=3), temperature=0, concurrency=4, eos_token_ids=(), seed=4, refill=3,
+        record_rounds=False,
+    ).generate(reqs, on_result=lambda i, g: order.append(i))  # fmt: skip
+    assert [g.tokens for g in lazy.generations] == [g.tokens for g in base.generations]
+    assert sorted(order) == list(range(9)) and order != list(range(9))
+    assert lazy.rounds == [] and sum(g.accepted for g in lazy.generations) > 0
+    # Rows idled: some rounds decoded fewer live requests than rows while the queue was not empty.
+    assert min(s["batch"] for s in lazy.steps[:10]) < 4
+
+
 # ----------------------------------------------------------------------------------------------
 # confidences, calibration, policies
 

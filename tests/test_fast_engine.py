@@ -120,6 +120,20 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     assert [g.tokens for g in again.generations] == [g.tokens for g in plain.generate(reqs[:2]).generations]
 
 
+def test_fast_engine_filtered_sampling_with_refill_matches_plain(small_target):
+    """Top-k / top-p (the static sort inside the target step against the plain engine's candidate
+    search) with rows leaving two at a time, with and without a drafter."""
+    t = small_target
+    prompts = prompts_for(t, 9, seed=19)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [6, 19, 3, 25, 11, 2, 17, 9, 14])]
+    for drafter in (None, make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]):
+        for top_k, top_p in ((0, 0.8), (30, 0.9)):
+            plain, fast = _engines(t, drafter, 1.0, top_k=top_k, top_p=top_p, refill=2)
+            a, b = plain.generate(reqs), fast.generate(reqs)
+            assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
+            assert [r.accepted for r in b.rounds] == [r.accepted for r in a.rounds]
+
+
 def test_fast_engine_refusals(small_target):
     t = small_target
     eagle = make_drafter(t, "eagle3", gamma=3)[0]
@@ -180,5 +194,29 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         if temperature == 0:
             plain = Engine(t, drafter, generator=gen(), **kw).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
+    finally:
+        small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (40, 0.9)])
+def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
+    """Target-only decoding as the data pipeline runs it (top-k / top-p inside the graphs, rows
+    leaving in batches, no round records): graph replay == the eager static path."""
+    t = small_target.to("cuda")
+    try:
+        prompts = prompts_for(t, 40, seed=17)
+        reqs = [Request(prompt=p, max_new_tokens=4 + (5 * i) % 23) for i, p in enumerate(prompts)]
+        kw = dict(
+            temperature=0.8, top_k=top_k, top_p=top_p, concurrency=16, eos_token_ids=(), refill=4,
+            record_rounds=False, buckets=(1, 2, 4, 8, 16),
+        )  # fmt: skip
+        gen = lambda: torch.Generator("cuda").manual_seed(9)  # noqa: E731
+        eager = FastEngine(t, None, graphs=False, generator=gen(), **kw).generate(reqs)
+        graphed_engine = FastEngine(t, None, graphs=True, generator=gen(), **kw)
+        graphed = graphed_engine.generate(reqs)
+        assert len(graphed_engine.bank) >= 2
+        assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
     finally:
         small_target.to("cpu")

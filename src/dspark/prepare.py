@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 DONE = "DONE.json"
 BUILD = "build.json"
 # The data keys that define a dataset. Anything else in `data` (training batch size, workers,
-# bucketing, anchors, cache options, generation batch/backend/threads...) changes only how a folder
+# bucketing, anchors, cache options, generation batch/engine/threads...) changes only how a folder
 # is built or read, so it may change between runs without a rebuild.
 CONTENT_KEYS = (
     "source", "num_prompts", "val_fraction", "seed", "max_length", "max_prompt_length", "min_prompt_chars",
@@ -124,8 +124,9 @@ def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> P
 def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     import torch
 
+    from .data.generation import Sampling, engine_options
     from .data.prompts import build_prompts
-    from .data.regenerate import Sampling, load_conversations, regenerate
+    from .data.regenerate import load_conversations, regenerate
     from .data.tokenize import end_markers, save_tokens, tokenize_records
 
     t_start = time.perf_counter()
@@ -136,13 +137,14 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     key = build_key(cfg_data, cfg_target)
     _check_build(data_dir, key)
+    engine = engine_options(cfg_data)  # refuse a bad data.engine before loading the model
     atomic_write_json(data_dir / BUILD, key)
     target = target if target is not None else _load_target(cfg_target)
     tok, chat_kwargs = target.tokenizer, _chat_kwargs(cfg_target)
     timings: dict[str, float] = {}
     governor = None
     if target.device.type == "cpu":
-        from .data.regenerate import ThreadGovernor
+        from .data.generation import ThreadGovernor
 
         governor = ThreadGovernor(cfg_data.get("cpu_threads", "auto"))
         log.info(
@@ -158,6 +160,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     if (pdir / "stats.json").exists():
         splits = {s: read_jsonl(pdir / f"{s}.jsonl") for s in ("train", "val")}
         prompt_stats = read_json(pdir / "stats.json")
+        prompt_gen = {"reused": True}
     else:
         train, val, stats = build_prompts(
             cfg_data, tok, target=target, chat_kwargs=chat_kwargs, on_step=on_step
@@ -167,6 +170,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
             atomic_write_jsonl(pdir / f"{s}.jsonl", rows)
         prompt_stats = stats.as_dict() | {"train": len(train), "val": len(val)}
         atomic_write_json(pdir / "stats.json", prompt_stats)
+        prompt_gen = dict(stats.generation)
     timings["prompts_s"] = time.perf_counter() - t
 
     # 2. answers (resumable shards)
@@ -182,8 +186,8 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
         seed=int(cfg_data.seed),
         max_length=int(cfg_data.max_length),
         chat_kwargs=chat_kwargs,
-        backend=str(cfg_data.get("generate_backend", "loop")),
         on_step=on_step,
+        **engine,
     )
     regen = {s: st.as_dict() for s, st in per_split.items()} | {"total": regen_total.as_dict()}
     timings["answers_s"] = time.perf_counter() - t
@@ -240,6 +244,18 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
             "answer_tokens_per_s": round(answer_tokens / timings["answers_s"], 2)
             if timings["answers_s"]
             else None,
+        },
+        # How this run decoded: engine, concurrency and wall time of each phase.
+        "generation": {
+            "prompts": prompt_gen | {"seconds": round(timings["prompts_s"], 2)},
+            "answers": {
+                "engine": regen_total.engine,
+                "compile": engine["compile"] and regen_total.engine == "fast",
+                "concurrency": regen_total.concurrency,
+                "seconds": round(timings["answers_s"], 2),
+                "conversations": regen_total.conversations,
+                "answer_tokens": answer_tokens,
+            },
         },
         "offline_cache": bool(cfg_data.get("offline_cache", False)),
         "device": str(target.device),

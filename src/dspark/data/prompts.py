@@ -33,6 +33,7 @@ SOURCES = ("self_generated", "jsonl", "hub")
 class PromptStats:
     counts: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first few offenders (line numbers / texts)
+    generation: dict = field(default_factory=dict)  # self-generation: engine, concurrency, tokens, decode_s
 
     def drop(self, reason: str, example: object = None) -> None:
         self.counts[reason] += 1
@@ -42,7 +43,8 @@ class PromptStats:
                 ex.append(example)
 
     def as_dict(self) -> dict:
-        return {"counts": dict(self.counts), "examples": self.examples}
+        out = {"counts": dict(self.counts), "examples": self.examples}
+        return out | ({"generation": self.generation} if self.generation else {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,19 +279,24 @@ def self_generate_prompts(
     domain (round-robin by weight), until `num_prompts` pass the filter or `max_candidates_factor` x
     that many candidates were sampled. Candidates are filtered as they complete and generation stops
     as soon as enough passed. A candidate cut at max_new_tokens is kept only up to its last question
-    mark (`salvage_unfinished`), else dropped: with SmolLM2 about 40% of candidates run on."""
-    from .regenerate import Sampling, decode, generate_continuations
+    mark (`salvage_unfinished`), else dropped: with SmolLM2 about 40% of candidates run on.
+    `prompt_filter.stats.generation` records the engine, its concurrency, the candidate tokens
+    and the decoding wall time (decode_s)."""
+    from . import generation  # module attribute: tests replace generate_continuations
 
     sg = cfg_data.self_generated
     n = int(cfg_data.num_prompts)
     topics = [dict(t) for t in sg.topics] or [{"domain": "chat", "system": None}]
     wheel = [i for i, t in enumerate(topics) for _ in range(int(t.get("weight", 1)))]
     prefixes = [magpie_prefix(target.tokenizer, t.get("system"), chat_kwargs) for t in topics]
-    sampling = Sampling(
+    sampling = generation.Sampling(
         float(sg.temperature), float(sg.top_p), int(sg.get("top_k", 0) or 0), int(sg.max_new_tokens)
     )
     max_candidates = int(math.ceil(n * float(sg.max_candidates_factor)))
     salvage = bool(sg.get("salvage_unfinished", True))
+    engine = generation.engine_options(cfg_data)
+    gen_stats = prompt_filter.stats.generation
+    gen_stats.update(tokens=0, decode_s=0.0)
     accepted: list[dict] = []
     drawn, rnd = 0, 0
     bar = tqdm(total=n, desc="self-generating prompts", unit="prompt")
@@ -302,8 +309,9 @@ def self_generate_prompts(
 
             def on_result(j: int, c, chosen=chosen, base=base) -> None:
                 prompt_filter.stats.counts["candidates_done"] += 1
+                gen_stats["tokens"] += len(c.tokens) + c.finished
                 bar.set_postfix(candidates=prompt_filter.stats.counts["candidates_done"])
-                text = decode(target.tokenizer, c.tokens)
+                text = generation.decode(target.tokenizer, c.tokens)
                 if not c.finished:  # cut at max_new_tokens: keep its leading complete question, if any
                     text = salvage_question(text) if salvage else ""
                     prompt_filter.stats.counts["salvaged" if text else "unfinished"] += 1
@@ -322,8 +330,9 @@ def self_generate_prompts(
                     if len(accepted) >= n:
                         raise _Enough
 
+            report: dict = {}
             with contextlib.suppress(_Enough):
-                generate_continuations(
+                generation.generate_continuations(
                     target,
                     [prefixes[t] for t in chosen],
                     sampling,
@@ -331,8 +340,13 @@ def self_generate_prompts(
                     seed=[cfg_data.seed, "prompts", rnd],
                     on_result=on_result,
                     on_step=on_step,
-                    backend=str(cfg_data.get("generate_backend", "loop")),
+                    report=report,
+                    **engine,
                 )
+            gen_stats.update(
+                {k: report.get(k) for k in ("engine", "compile", "concurrency")},
+                decode_s=gen_stats["decode_s"] + report.get("seconds", 0.0),
+            )
             drawn += m
             rnd += 1
     finally:

@@ -11,7 +11,14 @@ One round for the R running requests:
 Requests stop at EOS or max_new_tokens; waiting prompts join as others finish (continuous
 batching: finished rows are dropped from both caches, new rows are prefilled and appended).
 Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
-which is the baseline and the reference of the losslessness tests.
+which is the baseline and the reference of the losslessness tests. p_t is softmax(logits / T),
+filtered by top-k / top-p when asked (``decoding.sampling``), for sampling and verification alike.
+
+For bulk generation (the data pipeline) three knobs trade bookkeeping for throughput: ``refill``
+(finished rows idle until that many are free, then leave together and the waiting prompts join in
+one prefill: one cache compaction per batch of finished rows instead of one per row),
+``record_rounds=False`` (no per-row ``RoundRecord``) and ``generate(on_result=...)`` (each request
+is handed over the moment it finishes).
 
 ``FastEngine`` (fast_engine.py) runs the same rounds over static caches with CUDA graphs: it
 overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commit``,
@@ -29,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +46,8 @@ from torch import Tensor
 
 from ..drafters.base import Shared, select_cache
 from .kv import RaggedKV, concat_draft_caches
-from .verify import probs_from_logits, sample_from, verify
+from .sampling import target_probs
+from .verify import sample_from, verify
 
 __all__ = [
     "NEEDS_CONFIDENCE",
@@ -137,6 +145,8 @@ class Engine:
         drafter: any drafter with ``new_cache / extend_context / propose`` (None = target only).
         policy: a ``scheduling.policies.Policy`` (default: verify the whole drafted block).
         temperature: sampling temperature of target and drafter (0 = greedy).
+        top_k, top_p: the target's filter (0 and 1 = none): p_t keeps the k most likely tokens,
+            then the top-p nucleus of their renormalised distribution (transformers' warpers).
         concurrency: requests decoded together; more prompts wait in a queue.
         max_new_tokens: default per-request budget.
         calibration: STS temperatures [γ] for the confidence logits (a list, a tensor, a
@@ -145,7 +155,12 @@ class Engine:
         eos_token_ids: stop tokens (default: the target's); ``()`` never stops early.
         seed / generator: the random stream (see the module docstring).
         progress: show a progress bar over finished requests.
+        refill: finished rows leave the batch (and waiting requests join) once at least this
+            many are finished; until then they idle in their rows (1: at once).
+        record_rounds: keep a ``RoundRecord`` per request per round (``EngineResult.rounds``).
     """
+
+    _static_sampling = False  # top-p by candidates with host syncs; FastEngine sorts statically
 
     def __init__(
         self,
@@ -154,6 +169,8 @@ class Engine:
         policy=None,
         *,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         concurrency: int = 8,
         max_new_tokens: int = 256,
         calibration=None,
@@ -163,15 +180,22 @@ class Engine:
         generator: torch.Generator | None = None,
         progress: bool = False,
         desc: str = "decode",
+        refill: int = 1,
+        record_rounds: bool = True,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
         self.target = target
         self.drafter = drafter
         self.temperature = float(temperature)
+        self.top_k, self.top_p = int(top_k), float(top_p)
         self.concurrency = int(concurrency)
+        self.refill = max(1, min(int(refill), self.concurrency))
+        self.record_rounds = bool(record_rounds)
         self.max_new_tokens = int(max_new_tokens)
         self.eos = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.generator = generator or torch.Generator().manual_seed(int(seed))
@@ -217,7 +241,13 @@ class Engine:
         return cls(target, drafter, policy, **kw)
 
     # ------------------------------------------------------------------------------------------
-    def generate(self, requests: Iterable[Request | Sequence[int]]) -> EngineResult:
+    def generate(
+        self,
+        requests: Iterable[Request | Sequence[int]],
+        on_result: Callable[[int, Generation], None] | None = None,
+    ) -> EngineResult:
+        """Decode every request. ``on_result(index, generation)`` is called as each request
+        finishes (completion order; ``index`` is its position in ``requests``)."""
         reqs = [r if isinstance(r, Request) else Request(prompt=list(r)) for r in requests]
         for i, r in enumerate(reqs):
             if r.id is None:
@@ -236,8 +266,25 @@ class Engine:
         anchors = anchor_pos = None  # [R] long each
         start = time.perf_counter()
         bar = _progress(len(reqs), self.desc, self.progress)
+
+        def finished(items: list[_Live]) -> None:
+            for item in items:
+                gen = Generation(
+                    id=item.req.id,
+                    prompt_len=len(item.req.prompt),
+                    tokens=item.tokens,
+                    finish=item.finish,
+                    rounds=item.rounds,
+                    accepted=item.accepted,
+                )
+                done[item.index] = gen
+                if bar is not None:
+                    bar.update(1)
+                if on_result is not None:
+                    on_result(item.index, gen)
+
         step = 0
-        with torch.inference_mode():
+        with torch.inference_mode():  # an on_result that raises leaves state the next run resets
             while queue or live:
                 if queue and len(live) < self.concurrency:
                     take = [queue.popleft() for _ in range(min(self.concurrency - len(live), len(queue)))]
@@ -245,22 +292,26 @@ class Engine:
                     live += new_live
                     anchors = first if anchors is None else torch.cat([anchors, first])
                     anchor_pos = pos if anchor_pos is None else torch.cat([anchor_pos, pos])
-                    anchors, anchor_pos = self._retire(live, anchors, anchor_pos, done, bar)
+                    finished([item for item in new_live if item.finish is not None])
+                    anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                     continue
                 t0 = time.perf_counter()
-                recs, anchors, anchor_pos, verified = self._round(live, anchors, anchor_pos, step)
+                recs, anchors, anchor_pos, verified, ended, batch = self._round(
+                    live, anchors, anchor_pos, step
+                )
                 _sync(self.device)
                 steps.append(
                     {
                         "step": step,
-                        "batch": len(recs),
+                        "batch": batch,
                         "verified": verified,
                         "ms": 1e3 * (time.perf_counter() - t0),
                     }
                 )
                 rounds += recs
                 step += 1
-                anchors, anchor_pos = self._retire(live, anchors, anchor_pos, done, bar)
+                finished(ended)
+                anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                 if bar is not None and rounds:
                     bar.set_postfix(
                         tau=f"{sum(r.accepted + 1 for r in rounds) / len(rounds):.2f}", refresh=False
@@ -285,7 +336,8 @@ class Engine:
 
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
         """Prompts [n, P] (right-padded to P; real lengths ``lens``) into new cache rows
-        row0..row0+n-1: their target cache and drafter context. Returns (last hidden, taps)."""
+        row0..row0+n-1. Returns the final hidden state at each prompt's last token [n, d] and
+        the tap features [n, P, m·d] for the drafter's context (None without a drafter)."""
         n, width = ids.shape
         kv = RaggedKV.empty(
             self.target.model.config, n, width + self._gamma + 2, self.target.dtype, self.device
@@ -300,13 +352,13 @@ class Engine:
         )
         kv.commit(lens)
         self._kv = RaggedKV.concat(self._kv, kv)
-        return out.last_hidden, out.taps
+        return out.last_hidden[torch.arange(n, device=self.device), lens - 1], out.taps
 
     def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Verification forward of ids [R, G+1]: (target probabilities [R, G+1, V], taps)."""
         mask = self._kv.plan(ids.shape[1], self.target.dtype)
         out = self.target(ids, positions=positions, cache=self._kv, attention_mask=mask, use_cache=True)
-        return probs_from_logits(out.logits, self.temperature), out.taps
+        return self._target_probs(out.logits), out.taps
 
     def _commit(self, kept: Tensor, taps: Tensor, positions: Tensor, next_tokens: Tensor) -> None:
         """Keep kept[r] tokens of the last step in row r (the anchor and the accepted drafts) and
@@ -332,6 +384,9 @@ class Engine:
             target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
         )
 
+    def _target_probs(self, logits: Tensor) -> Tensor:
+        return target_probs(logits, self.temperature, self.top_k, self.top_p, static=self._static_sampling)
+
     # ------------------------------------------------------------------------------------------
     @property
     def _gamma(self) -> int:
@@ -345,16 +400,16 @@ class Engine:
         and seed their drafter context with the prompt features. Returns the new live requests,
         their first tokens (the next anchors) and the anchors' positions."""
         n = len(reqs)
-        lens = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
-        width = int(lens.max())
-        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        width = max(len(r.prompt) for r in reqs)
+        ids = torch.zeros(n, width, dtype=torch.long)  # built on the host, moved once
         for i, r in enumerate(reqs):
             ids[i, : len(r.prompt)] = torch.as_tensor(list(r.prompt), dtype=torch.long)
+        ids = ids.to(self.device)
+        lens = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
         positions = torch.arange(width, device=self.device).expand(n, -1)
-        last_hidden, taps = self._prefill_forward(ids, positions, lens, row0)
+        last, taps = self._prefill_forward(ids, positions, lens, row0)
         rows = torch.arange(n, device=self.device)
-        logits = self.target.lm_head(last_hidden[rows, lens - 1])
-        first = sample_from(probs_from_logits(logits, self.temperature), self._uniform(n))
+        first = sample_from(self._target_probs(self.target.lm_head(last)), self._uniform(n))
         if self.drafter is not None:
             # next_tokens[r, p] = token at p + 1: the prompt shifted left, then the first sampled token.
             nxt = torch.zeros_like(ids)
@@ -408,36 +463,52 @@ class Engine:
         # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
         nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
         nxt[torch.arange(r, device=device), n] = res.next_token
-        self._commit(n + 1, taps, positions, nxt)  # the rest is overwritten next round
+        # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
+        # stay in place, re-verifying the same position until they leave.
+        idle = [i for i, item in enumerate(live) if item.finish is not None]
+        kept, next_anchors = n + 1, res.next_token
+        if idle:
+            index = torch.tensor(idle, device=device)
+            kept = kept.index_fill(0, index, 0)
+            next_anchors = next_anchors.index_copy(0, index, anchors[index])
+        self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
 
         # Python bookkeeping (host copies once per round, after verification).
-        n_l, next_l, len_l, pos_l = n.tolist(), res.next_token.tolist(), lengths.tolist(), anchor_pos.tolist()
-        draft_l = drafts.tolist()
-        flags_l = res.accept_flags.tolist()
-        zl = conf_logits.tolist() if conf_logits is not None else None
-        cl = conf.tolist() if conf is not None else None
-        recs = []
+        n_l, next_l = n.tolist(), res.next_token.tolist()
+        draft_l = drafts.tolist() if g else None
+        record = self.record_rounds
+        if record:
+            len_l, pos_l, flags_l = lengths.tolist(), anchor_pos.tolist(), res.accept_flags.tolist()
+            zl = conf_logits.tolist() if conf_logits is not None else None
+            cl = conf.tolist() if conf is not None else None
+        recs, ended = [], []
+        batch = r - len(idle)
         for i, item in enumerate(live):
-            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
-            recs.append(
-                RoundRecord(
-                    request=item.req.id,
-                    round=item.rounds,
-                    step=step,
-                    batch=r,
-                    anchor_pos=pos_l[i],
-                    drafted=gamma,
-                    proposed=len_l[i],
-                    accepted=n_l[i],
-                    emitted=emitted,
-                    accept_flags=flags_l[i][: len_l[i]],
-                    confidence_logits=None if zl is None else zl[i],
-                    confidence=None if cl is None else cl[i],
+            if item.finish is not None:
+                continue
+            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]] if g else [next_l[i]])
+            if item.finish is not None:
+                ended.append(item)
+            if record:
+                recs.append(
+                    RoundRecord(
+                        request=item.req.id,
+                        round=item.rounds,
+                        step=step,
+                        batch=batch,
+                        anchor_pos=pos_l[i],
+                        drafted=gamma,
+                        proposed=len_l[i],
+                        accepted=n_l[i],
+                        emitted=emitted,
+                        accept_flags=flags_l[i][: len_l[i]],
+                        confidence_logits=None if zl is None else zl[i],
+                        confidence=None if cl is None else cl[i],
+                    )
                 )
-            )
             item.rounds += 1
             item.accepted += n_l[i]
-        return recs, res.next_token, anchor_pos + n + 1, r + int(lengths.sum())
+        return recs, next_anchors, anchor_pos + kept, r + int(lengths.sum()), ended, batch
 
     def _calibrated(self, z: Tensor) -> Tensor:
         if self.temperatures is None:
@@ -463,23 +534,13 @@ class Engine:
                 break
         return kept
 
-    def _retire(self, live: list[_Live], anchors, anchor_pos, done: dict, bar):
-        """Drop finished requests from the batch (both caches, anchors)."""
+    def _retire(self, live: list[_Live], anchors, anchor_pos):
+        """Drop finished requests from the batch (both caches, anchors) once ``refill`` of them
+        (or all) are finished."""
         keep = [i for i, item in enumerate(live) if item.finish is None]
-        if len(keep) == len(live):
+        idle = len(live) - len(keep)
+        if idle == 0 or (idle < self.refill and keep):
             return anchors, anchor_pos
-        for item in live:
-            if item.finish is not None:
-                done[item.index] = Generation(
-                    id=item.req.id,
-                    prompt_len=len(item.req.prompt),
-                    tokens=item.tokens,
-                    finish=item.finish,
-                    rounds=item.rounds,
-                    accepted=item.accepted,
-                )
-                if bar is not None:
-                    bar.update(1)
         live[:] = [live[i] for i in keep]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._keep_rows(index)

@@ -10,7 +10,11 @@ What changes against the plain engine (``engine.py``), and nothing else:
     (``buckets``) and verify width, then replayed; live requests are kept in rows 0..R-1 so the
     graphs read plain views; bucket padding rows are free rows, so their writes are harmless;
   * verification uses ``dspark.kernels.rejection_verify`` (Triton on CUDA, its reference on CPU),
-    which never synchronises with the host.
+    which never synchronises with the host;
+  * top-k / top-p filtering of p_t runs inside the target step's graph in its static form (one
+    topk or one full-vocabulary sort per row: ``decoding.sampling``);
+  * without a drafter the prefill pads each chunk of prompts to its own longest prompt and keeps
+    no tap features (the drafter's context is their only reader).
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
 fast engine reproduces the plain one token for token (tested); per round the host waits twice:
 for the verify width and for the bookkeeping.
@@ -29,7 +33,6 @@ from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, compact_rows
-from .verify import probs_from_logits
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
 
@@ -52,6 +55,8 @@ class FastEngine(Engine):
         compile: ``torch.compile`` the target's layer functions (fused norms / RoPE / SiLU; the
             first steps of each new shape pay the compilation).
     """
+
+    _static_sampling = True
 
     def __init__(
         self,
@@ -177,15 +182,18 @@ class FastEngine(Engine):
 
     # ---- Engine's cache hooks --------------------------------------------------------------
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
-        hidden, taps = [], []
-        for s in range(0, ids.shape[0], self.prefill_chunk):
-            h, t = self.static.forward(
-                ids[s : s + self.prefill_chunk], positions[s : s + self.prefill_chunk], row0 + s
-            )
-            hidden.append(h)
+        n, width = ids.shape
+        with_taps = self.drafter is not None  # the drafter's context takes every row at full width
+        spans = lens.tolist()
+        last, taps = [], []
+        for s in range(0, n, self.prefill_chunk):
+            e = min(s + self.prefill_chunk, n)
+            w = width if with_taps else max(spans[s:e])
+            h, t = self.static.forward(ids[s:e, :w], positions[s:e, :w], row0 + s, taps=with_taps)
+            last.append(h[torch.arange(e - s, device=self.device), lens[s:e] - 1])
             taps.append(t)
-        self.static.lengths[row0 : row0 + ids.shape[0]] = lens
-        return torch.cat(hidden), torch.cat(taps)
+        self.static.lengths[row0 : row0 + n] = lens
+        return torch.cat(last), torch.cat(taps) if with_taps else None
 
     def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
         self._write_context(taps, positions, row0)
@@ -196,10 +204,10 @@ class FastEngine(Engine):
 
         def step(rows: int) -> Tensor:
             i, p = self.in_ids[:rows, :w], self.in_pos[:rows, :w]
-            hidden, taps = self.static.forward(i, p)
+            hidden, taps = self.static.forward(i, p, taps=self.drafter is not None)
             if self.drafter is not None:
                 self._write_context(taps, p, 0)
-            return probs_from_logits(self.target.lm_head(hidden), self.temperature)
+            return self._target_probs(self.target.lm_head(hidden))
 
         rows = bucket_for(r, self.buckets) if self.use_graphs else r
         self.in_ids[:r, :w].copy_(ids)

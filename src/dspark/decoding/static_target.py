@@ -164,14 +164,17 @@ class StaticTarget:
         self.slots = torch.arange(self.capacity, device=device)
 
     # ---------------------------------------------------------------------------------------
-    def forward(self, ids: Tensor, positions: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, ids: Tensor, positions: Tensor, start: int = 0, taps: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Tokens ``ids`` [R, W] at ``positions`` [R, W] for cache rows start..start+R-1.
-        Returns (final normed hidden [R, W, d], concatenated tap features [R, W, m·d]). Writes the
-        K/V of every token; does not touch ``lengths``. Shapes only: no host synchronisation."""
+        Returns (final normed hidden [R, W, d], concatenated tap features [R, W, m·d], or None
+        when ``taps`` is false). Writes the K/V of every token; does not touch ``lengths``.
+        Shapes only: no host synchronisation."""
         r, w = ids.shape
         rows = slice(start, start + r)
         x = self.base.embed_tokens(ids)
-        taps = {-1: x} if -1 in self.taps else {}
+        tapped = {-1: x} if -1 in self.taps else {}
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [R, 1, W, hd]
         # query (r, head, t) may read slot s <= its position; heads folded as [R, Hkv, G·W].
         visible = self.slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
@@ -182,9 +185,9 @@ class StaticTarget:
             q, k, v = self._inputs(x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads)
             x = self._output(x, self._attend(q, k, v, mask, row_index, positions, i, rows), weights, self.eps)
             if i in self.taps:
-                taps[i] = x
+                tapped[i] = x
         hidden = self.base.norm(x)
-        return hidden, torch.cat([taps[i] for i in self.taps], dim=-1)
+        return hidden, torch.cat([tapped[i] for i in self.taps], dim=-1) if taps else None
 
     def _attend(self, q, k, v, mask, row_index, positions, i, rows) -> Tensor:
         """Write this step's keys/values at their positions, attend over the row's cache."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# H200: data at engine speed (issue #17). Prepares N conversations (default 30000) with SmolLM2:
+# self-generated prompts, then the target's answers, both decoded by the fast engine (static KV
+# caches + CUDA graphs, data.engine=auto on CUDA), and prints conversations/min and answer tokens/s
+# against the loop it replaced (1508 conversations/min, 6980 answer tokens/s; goal >= 5x, 30k
+# conversations in <= 5 minutes). Needs /root/stage (../shared/GPU.md). Benchmark prompts for
+# decontamination: BENCH_DIR if set, else ./bench if present, else the data config's default.
+#   bash scripts/h200_data.sh                     # N=30000, bfloat16 target, fresh data dir
+#   N=3000 DTYPE=float32 bash scripts/h200_data.sh
+#   EXTRA="data.engine_compile=true data.gen_batch_size=512" bash scripts/h200_data.sh
+set -euo pipefail
+export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
+N=${N:-30000}
+DTYPE=${DTYPE:-bfloat16}
+R=outputs/h200/data
+DIR=$R/smollm2_${N}_${DTYPE}
+mkdir -p $R
+BENCH=()
+if [ -n "${BENCH_DIR:-}" ]; then BENCH=(data.benchmark_dir="$BENCH_DIR")
+elif [ -d bench ]; then BENCH=(data.benchmark_dir=bench); fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/machine.txt
+# The graph path against its eager twin (top-k / top-p inside the graphs), before the timed run.
+python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py 2>&1 | tee $R/gpu_tests.log | tail -3 ||
+  echo "GPU TESTS FAILED (see $R/gpu_tests.log): the timings below are of a path that differs from its reference"
+# force=true: a fresh build, so the timings are this run's (a plain rerun would resume instead).
+LOG=$R/prepare_$N.log
+if ! python3 -m dspark.prepare target=smollm2_135m target.path=/root/stage target.device=cuda \
+  target.dtype=$DTYPE data=full data.num_prompts=$N data.dir=$DIR force=true ${BENCH[@]+"${BENCH[@]}"} \
+  hydra.run.dir=$R/prepare_$N ${EXTRA:-} > $LOG 2>&1; then
+  tr '\r' '\n' < $LOG | tail -30
+  exit 1
+fi
+tr '\r' '\n' < $LOG | grep -a "concurrency\|WARNING\|dataset ready" | tail -6 || true
+python3 - "$DIR/DONE.json" <<'EOF' | tee $R/summary_$N.txt
+import json, sys
+
+d = json.load(open(sys.argv[1]))
+t, g = d["timings"], d["generation"]
+p, a = g["prompts"], g["answers"]
+gen_s = t["prompts_s"] + t["answers_s"]
+conv_min, tok_s = d["rate"]["conversations_per_min"], d["rate"]["answer_tokens_per_s"]
+print(f"target {d['target']['name']} {d['target']['dtype']} on {d['device']}")
+print(f"prompts: {p.get('engine')} engine, concurrency {p.get('concurrency')}, {p.get('tokens')} tokens "
+      f"({p.get('decode_s', 0):.1f} s decoding) in {t['prompts_s']:.1f} s")
+print(f"answers: {a['engine']} engine, concurrency {a['concurrency']}, compile={a['compile']}, "
+      f"{a['answer_tokens']} tokens in {t['answers_s']:.1f} s")
+print(f"{a['conversations']} conversations in {gen_s:.1f} s (prompts + answers; goal: 30000 in <= 300 s)")
+print(f"conversations/min {conv_min}  ({conv_min / 1508:.1f}x the 1508 of the old loop; goal >= 5x)")
+print(f"answer tokens/s   {tok_s}  ({tok_s / 6980:.1f}x the 6980 of the old loop)")
+EOF
