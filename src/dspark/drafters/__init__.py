@@ -131,4 +131,6 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
     else:
         state = load_file(folder / WEIGHTS, device=str(device))
     drafter.load_state_dict(state)
-    return drafter.to(device).eval(), config
+    # Served in the target's precision (a bf16 target drafts with a bf16 drafter, as engines do).
+    dtype = target.dtype if target is not None else None
+    return drafter.to(device=device, dtype=dtype).eval(), config

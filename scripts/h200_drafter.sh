@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# H200: a strong SmolLM2-135M drafter (issue 17), in steps that each fit one device call on one
+# held machine (outputs/ survives between calls while the machine stays warm):
+#   bash scripts/h200_drafter.sh data [N]                          # N conversations (30000) via the fast engine
+#   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
+#   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = 0 on the six benchmarks
+# Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).
+# Everything worth keeping is copied under $OUT/<NAME>/ (logs, summaries, results; no weights).
+set -euo pipefail
+export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+N=${N:-30000}
+T="target=smollm2_135m target.path=/root/stage target.device=cuda target.dtype=bfloat16"
+DIR=outputs/h200/data/smollm2_${N}_bfloat16  # what scripts/h200_data.sh writes
+DATA="data=full data.num_prompts=$N data.dir=$DIR"
+OUTDIR=${OUT:-outputs/h200/out}
+step=${1:?data | train | eval}
+shift
+case $step in
+data)
+  N=${1:-$N} bash scripts/h200_data.sh
+  mkdir -p "$OUTDIR/data" && cp outputs/h200/data/summary_*.txt outputs/h200/data/gpu_tests.log "$OUTDIR/data/"
+  cp "outputs/h200/data/smollm2_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
+  ;;
+train)
+  name=$1 minutes=$2
+  shift 2
+  run=outputs/h200/$name
+  python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
+    trainer.max_time=00:00:$(printf %02d "$minutes"):00 trainer.max_steps=10000000 \
+    trainer.val_check_interval=250 trainer.limit_val_batches=40 hydra.run.dir=$run "$@" > $run.log 2>&1 ||
+    { tr '\r' '\n' < $run.log | tail -40; exit 1; }
+  tr '\r' '\n' < $run.log | grep -a -v Warning | tail -4
+  mkdir -p "$OUTDIR/$name"
+  cp $run/summary.json $run/config.yaml $run/logs/metrics.csv "$OUTDIR/$name/"
+  cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json"
+  cp $run/drafter/calibration*.json "$OUTDIR/$name/" 2>/dev/null || true
+  python3 - "$run/logs/metrics.csv" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+val = [(r["step"], r["val/tau_prob"]) for r in rows if r.get("val/tau_prob")]
+print("val tau_prob by step:", ", ".join(f"{s}:{float(t):.3f}" for s, t in val))
+EOF
+  ;;
+eval)
+  name=$1
+  shift
+  ev=outputs/h200/eval_$name
+  python3 -m dspark.evaluate $T drafter_dir=outputs/h200/$name/drafter temperature=0 engine=fast \
+    max_prompts=${EVAL_PROMPTS:-80} max_new_tokens=256 concurrency=32 hydra.run.dir=$ev "$@" > $ev.log 2>&1 ||
+    { tr '\r' '\n' < $ev.log | tail -40; exit 1; }
+  tr '\r' '\n' < $ev.log | grep -a -v Warning | tail -12
+  mkdir -p "$OUTDIR/$name"
+  cp $ev/results.json "$OUTDIR/$name/eval_t0.json"
+  ;;
+*)
+  echo "unknown step '$step': data | train | eval" >&2
+  exit 2
+  ;;
+esac
