@@ -12,8 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dspark.core.errors import DataError
+from dspark.core.io import atomic_open, atomic_write_jsonl
 from dspark.data import benchmarks as bm
-from dspark.data.io import DataError, atomic_open, atomic_write_jsonl
 from dspark.data.prompts import (
     PromptFilter,
     is_degenerate,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dspark.core.errors import DataError
 from dspark.data.cache import CacheMismatch, FeatureCache, build_cache, target_fingerprint
 from dspark.data.datamodule import BucketBatchSampler, DraftDataModule, SeededRandomSampler, tokens_path
-from dspark.data.io import DataError
 from dspark.data.tokenize import load_tokens
 from dspark.target import load_target
 

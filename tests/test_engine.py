@@ -23,6 +23,7 @@ import torch
 from conftest import load_group
 
 from dspark.calibration.sts import Calibration
+from dspark.core.sampling import probs_from_logits, sample_from
 from dspark.decoding import engine as engine_mod
 from dspark.decoding.engine import (
     Engine,
@@ -32,7 +33,7 @@ from dspark.decoding.engine import (
     threshold_sweep,
 )
 from dspark.decoding.kv import RaggedKV
-from dspark.decoding.verify import VerifyResult, probs_from_logits, sample_from
+from dspark.decoding.verify import VerifyResult
 from dspark.drafters import TargetDims, build_drafter, save_drafter
 from dspark.drafters.base import DraftCache, Proposal
 from dspark.scheduling.policies import Fixed, Threshold

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from .target import TargetError, validate_layer_ids
+from .core.errors import ConfigError, TargetError
+from .target import validate_layer_ids
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "gated", "rnn", "none")
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def check_target(target: DictConfig) -> None:

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
-import subprocess
-import sys
 import time
 import zlib
-from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+
+from .core.provenance import provenance
 
 log = logging.getLogger(__name__)
 
@@ -365,15 +363,7 @@ def run(cfg: DictConfig) -> dict:
         write_calibration_report(out, calibration, calib_report, rounds_by_bench, int(cfg.calibration.n_bins))
 
     meta = {
-        "command": " ".join([Path(sys.executable).name, "-m", "dspark.evaluate", *sys.argv[1:]]),
-        "commit": _git_commit(),
-        "machine": {
-            "host": platform.node(),
-            "platform": platform.platform(),
-            "device": str(target.device),
-            "torch": torch.__version__,
-        },
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **provenance("dspark.evaluate", device=target.device),
         "drafter_dir": str(Path(str(cfg.drafter_dir)).resolve()),
         "calibration_temperatures": None if calibration is None else calibration.temperatures,
         "report_prompts": {n: len(p) for n, p in report_prompts.items()},
@@ -443,22 +433,6 @@ def write_calibration_report(out: Path, calibration, fit: dict, rounds_by_bench:
 def _decode(tokenizer, tokens: list[int]) -> str | None:
     # Clean-up rewrites spaces around punctuation in BPE text (and transformers warns about it).
     return tokenizer.decode(tokens, clean_up_tokenization_spaces=False) if tokenizer is not None else None
-
-
-def _git_commit() -> str | None:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                cwd=Path(__file__).parent,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="evaluate")

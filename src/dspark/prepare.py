@@ -22,7 +22,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .data.io import DataError, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, resolve_path
+from .core.errors import DataError
+from .core.io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
+from .data.io import resolve_path
 
 log = logging.getLogger(__name__)
 

@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .cli import user_errors
-from .config import ConfigError
+from .core.errors import ConfigError
+from .core.provenance import provenance
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +191,8 @@ def run_analytical(cfg: DictConfig) -> tuple[dict, object, dict]:
 
 
 def _prompts(cfg: DictConfig, target) -> list[list[int]]:
+    from .core.errors import DataError
     from .data.benchmarks import first_turns
-    from .data.io import DataError
 
     chat_kw = cfg.target.get("chat_template_kwargs")
     chat_kw = OmegaConf.to_container(chat_kw, resolve=True) if chat_kw else {}
@@ -358,26 +355,13 @@ def write_outputs(cfg: DictConfig, out: Path, frontier: dict, cost, info: dict, 
     write_json(
         out / "meta.json",
         {
-            "command": " ".join([Path(sys.executable).name, "-m", "dspark.schedule", *sys.argv[1:]]),
-            "commit": _git_commit(),
-            "machine": {"host": platform.node(), "platform": platform.platform()},
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **provenance("dspark.schedule"),
             "wall_s": time.time() - started,
             **info,
             "config": OmegaConf.to_container(cfg, resolve=True),
         },
     )
     return result
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def run(cfg: DictConfig) -> dict:

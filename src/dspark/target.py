@@ -24,15 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .data.io import atomic_open
+from .core.errors import TargetError
+from .core.io import atomic_open
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TargetError(ValueError):
-    """A target that cannot be used as configured; the message names the fix."""
 
 
 @dataclass

@@ -187,8 +187,9 @@ def _launching_rank_zero() -> bool:
 def _wait_for_dataset(cfg_data, features: str, timeout_s: float = 6 * 3600) -> None:
     """Ranks other than 0 wait until rank 0 has prepared data.dir (and its feature cache with
     features=offline); for several nodes data.dir must be on a shared disk, or prepared beforehand."""
+    from .core.io import read_json
     from .data.cache import MANIFEST
-    from .data.io import read_json, resolve_path
+    from .data.io import resolve_path
     from .prepare import read_done
 
     data_dir = resolve_path(cfg_data.dir)

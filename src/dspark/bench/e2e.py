@@ -40,13 +40,14 @@ def main(argv=None) -> dict:
     import sys
 
     from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+    from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
     from ..drafters import load_drafter
     from ..scheduling.cost import CostModel
     from ..scheduling.frontier import make_policy, measure
     from ..scheduling.policies import Fixed
     from ..target import load_target
-    from .common import compose_target, publish, run_meta
+    from .common import compose_target, publish
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
                 }
             )
     report = {
-        **run_meta("dspark.bench.e2e", argv, target.device),
+        **provenance("dspark.bench.e2e", argv, target.device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "drafter": str(args.drafter_dir),

@@ -43,10 +43,11 @@ def _parse(argv):
 def main(argv=None) -> dict:
     import sys
 
+    from ..core.provenance import provenance
     from ..decoding.engine import Engine
     from ..decoding.fast_engine import FastEngine
     from ..target import load_target
-    from .common import compose_target, publish, run_meta
+    from .common import compose_target, publish
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
                 )
     draft_ms = _draft_times(target, args.drafter_dir, rows_all, ctx, cap, args) if args.drafter_dir else None
     report = {
-        **run_meta("dspark.bench.engine_sps", argv, device),
+        **provenance("dspark.bench.engine_sps", argv, device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,

@@ -39,7 +39,8 @@ def _overrides(spec: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    from .common import publish, run_meta
+    from ..core.provenance import provenance
+    from .common import publish
 
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parse(argv)
@@ -73,7 +74,7 @@ def main(argv=None) -> dict:
         print(f"{spec}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     import torch
 
-    report = {**run_meta("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
+    report = {**provenance("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
     publish(
         args.out,
         report,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark.calibration.metrics import _check_inputs, _ece_l1
-from dspark.data.io import atomic_write_json
+from ..core.io import atomic_write_json
+from .metrics import _check_inputs, _ece_l1
 
 __all__ = [
     "CALIBRATION_FILENAME",

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import DataError, normalize_text, resolve_path
+from ..core.errors import DataError
+from .io import normalize_text, resolve_path
 
 DOMAINS = {
     "gsm8k": "math",

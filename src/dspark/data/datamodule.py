@@ -21,8 +21,9 @@ import lightning as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
+from ..core.errors import DataError
 from .cache import FeatureCache
-from .io import DataError, resolve_path
+from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .io import DataError, atomic_write_jsonl, read_jsonl, stable_hash
+from ..core.errors import DataError
+from ..core.io import atomic_write_jsonl, read_jsonl
+from .io import stable_hash
 from .tokenize import prompt_ids
 
 log = logging.getLogger(__name__)

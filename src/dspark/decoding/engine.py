@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.sampling import probs_from_logits, sample_from
 from ..drafters.base import Shared, select_cache
 from .kv import RaggedKV, concat_draft_caches
-from .verify import probs_from_logits, sample_from, verify
+from .verify import verify
 
 __all__ = [
     "NEEDS_CONFIDENCE",

@@ -23,13 +23,13 @@ import math
 import torch
 from torch import Tensor
 
+from ..core.sampling import probs_from_logits
 from ..drafters.base import DraftCache, Proposal
 from ..drafters.dflash import BlockDrafter
 from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, compact_rows
-from .verify import probs_from_logits
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
 

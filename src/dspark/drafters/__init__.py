@@ -10,7 +10,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
-from ..data.io import atomic_save_safetensors, atomic_write_json
+from ..core.errors import DrafterCheckpointError
+from ..core.io import atomic_save_safetensors, atomic_write_json
 from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from .dflash import BlockDrafter
 from .dspark import DSparkDrafter
@@ -34,10 +35,6 @@ __all__ = [
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-
-
-class DrafterCheckpointError(ValueError):
-    pass
 
 
 def build_drafter(dims: TargetDims, drafter_cfg, head_cfg=None) -> torch.nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..decoding.verify import probs_from_logits, sample_from
+from ..core.sampling import probs_from_logits, sample_from
 from .base import (
     DraftCache,
     DraftOutput,

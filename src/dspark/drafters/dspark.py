@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..decoding.verify import probs_from_logits, sample_from
+from ..core.sampling import probs_from_logits, sample_from
 from .base import Shared, TargetDims, output_logits
 from .dflash import BlockDrafter
 from .heads import HEADS, ConfidenceHead

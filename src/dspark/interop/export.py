@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.io import atomic_save_safetensors, atomic_write_json
+from ..core.io import atomic_save_safetensors, atomic_write_json
 from ..drafters import load_drafter
 from ..drafters.base import layer_shape
 from . import formats
