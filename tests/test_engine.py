@@ -24,6 +24,7 @@ from conftest import load_group
 
 from dspark.calibration.sts import Calibration
 from dspark.core.sampling import probs_from_logits, sample_from
+from dspark.core.types import DraftCache, Proposal, TargetDims
 from dspark.decoding import engine as engine_mod
 from dspark.decoding.engine import (
     Engine,
@@ -34,8 +35,7 @@ from dspark.decoding.engine import (
 )
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
-from dspark.drafters import TargetDims, build_drafter, save_drafter
-from dspark.drafters.base import DraftCache, Proposal
+from dspark.drafters import Drafter, build_drafter, save_drafter
 from dspark.scheduling.policies import Fixed, Threshold
 
 try:
@@ -72,20 +72,22 @@ def make_drafter(target, name: str, head: str = "none", gamma: int = 4, seed: in
 BOS = 1  # every test prompt starts with it, so the oracle can rebuild position 0
 
 
-class Oracle(torch.nn.Module):
+class Oracle(Drafter):
     """A test drafter that rebuilds the committed tokens (BOS, then positions 1..a from
     ``next_tokens``) and re-runs the target on them: at T > 0 it samples from
     softmax(logits / (T * warp)), at T = 0 it proposes the argmax, replaced by a random token with
     probability ``corrupt``."""
 
     kind = "oracle"
-    confidence = None
 
     def __init__(self, target, gamma=4, warp=1.6, corrupt=0.3, width=256):
         super().__init__()
         self.target, self.gamma, self.warp, self.corrupt, self.width = target, gamma, warp, corrupt, width
 
-    def new_cache(self, r, device, dtype=None):
+    def train_forward(self, taps, input_ids, loss_mask, anchors, shared):
+        raise NotImplementedError("the oracle only decodes")
+
+    def new_cache(self, r, device, dtype=None, capacity=0):
         z = torch.zeros(r, dtype=torch.long, device=device)
         return DraftCache(k=[], v=[], length=z, extra={"hist": torch.zeros(r, self.width, dtype=torch.long)})
 
@@ -94,10 +96,10 @@ class Oracle(torch.nn.Module):
         cache.extra["hist"][rows, cache.length[rows] + cols] = next_tokens[rows, cols]
         cache.length = cache.length + valid.sum(1)
 
-    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None):
+    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None, uniforms=None):
         r, g = anchor_tokens.shape[0], self.gamma
         assert torch.equal(cache.length, anchor_pos)
-        u = torch.rand(r, g, generator=generator)
+        u = torch.rand(r, g, generator=generator) if uniforms is None else uniforms
         flip = torch.rand(r, g, generator=generator)
         rnd = torch.randint(0, self.target.vocab_size, (r, g), generator=generator)
         lens, rows = cache.length, torch.arange(r)

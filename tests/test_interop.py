@@ -13,10 +13,9 @@ import torch
 from conftest import load_group
 from safetensors.torch import load_file, save_file
 
+from dspark.core.types import Shared, TargetDims
 from dspark.drafters import (
     DrafterCheckpointError,
-    Shared,
-    TargetDims,
     build_drafter,
     load_drafter,
     read_drafter_config,

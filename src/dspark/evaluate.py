@@ -62,9 +62,10 @@ def check_config(cfg: DictConfig) -> dict:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").exists():
         raise EvaluateConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    from .drafters import read_drafter_config  # ours, or a DeepSpec/engine-format folder (translated)
+    from .drafters import DrafterSpec, read_drafter_config, static_cache_drafters
 
     dconf = read_drafter_config(folder)
+    spec = DrafterSpec.from_config(dconf)
     if not cfg.benchmarks:
         raise EvaluateConfigError("benchmarks is empty: e.g. benchmarks=[gsm8k,mt-bench]")
     if float(cfg.temperature) < 0:
@@ -76,14 +77,14 @@ def check_config(cfg: DictConfig) -> dict:
     engine = str(cfg.get("engine", "plain"))
     if engine not in ("plain", "fast"):
         raise EvaluateConfigError(f"engine={engine} is not one of plain, fast")
-    if engine == "fast" and dconf["drafter"]["name"] not in ("dspark", "dflash"):
+    if engine == "fast" and not spec.supports_static_cache:
         raise EvaluateConfigError(
-            f"engine=fast drafts with block drafters (dspark, dflash); {dconf['drafter']['name']} runs on "
-            f"engine=plain"
+            f"engine=fast drafts with block drafters ({', '.join(static_cache_drafters())}); "
+            f"{spec.kind} runs on engine=plain"
         )
     name = str(cfg.policy.name).lower().replace("-", "_")
-    gamma = int(dconf["drafter"]["block_size"])
-    has_conf = _has_confidence(dconf)
+    gamma = spec.gamma
+    has_conf = spec.has_confidence
     if name == "fixed" and cfg.policy.get("gamma") is not None and int(cfg.policy.gamma) > gamma:
         raise EvaluateConfigError(
             f"policy.gamma={cfg.policy.gamma} exceeds the drafter's block size {gamma}: "
@@ -107,16 +108,6 @@ def check_config(cfg: DictConfig) -> dict:
     if cfg.calibrate and not cfg.calibration.get("file") and int(cfg.calibration.prompts) < 1:
         raise EvaluateConfigError("calibrate=true needs calibration.prompts >= 1 or calibration.file=<jsonl>")
     return dconf
-
-
-def _has_confidence(dconf: dict) -> bool:
-    d = dconf["drafter"]
-    return d["name"] == "dspark" and bool((d.get("confidence") or {}).get("enabled", True))
-
-
-def drafter_label(dconf: dict) -> str:
-    d, head = dconf["drafter"], (dconf.get("head") or {}).get("name", "none")
-    return d["name"] if head in (None, "none") else f"{d['name']}-{head}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +187,7 @@ def run(cfg: DictConfig) -> dict:
         threshold_sweep,
     )
     from .decoding.fast_engine import build_engine
-    from .drafters import load_drafter
+    from .drafters import DrafterSpec, load_drafter
     from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot, write_json
     from .reporting.tables import table1
     from .scheduling.policies import Fixed
@@ -213,7 +204,7 @@ def run(cfg: DictConfig) -> dict:
     policy, cost = build_policy_from_cfg(cfg.policy)
     chat_kw = cfg.target.get("chat_template_kwargs")
     chat_kw = OmegaConf.to_container(chat_kw, resolve=True) if chat_kw else {}
-    has_conf = getattr(drafter, "confidence", None) is not None
+    has_conf = drafter.has_confidence
 
     def requests(prompts, tag):
         return [
@@ -301,7 +292,7 @@ def run(cfg: DictConfig) -> dict:
     domains = domain_map(report_prompts)
     results = {
         "target": target.name,
-        "drafter": drafter_label(dconf),
+        "drafter": DrafterSpec.from_config(dconf).label,
         "temperature": float(cfg.temperature),
         "policy": OmegaConf.to_container(cfg.policy, resolve=True),
         "benchmarks": {

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from .drafters import Shared
+from .core.types import Shared
 from .drafters.dflash import sample_anchors
 from .objectives import LossWeights, compute_loss
 

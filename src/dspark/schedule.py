@@ -74,13 +74,13 @@ def check_config(cfg: DictConfig) -> None:
     else:
         if cfg.drafter_dir is None:
             raise ConfigError("drafter_dir is required in measured mode: drafter_dir=<checkpoint dir>")
-        dconf = _drafter_config(cfg)
-        d = dconf["drafter"]
-        has_conf = d["name"] == "dspark" and bool((d.get("confidence") or {}).get("enabled", True))
+        from .drafters import DrafterSpec
+
+        spec = DrafterSpec.from_config(_drafter_config(cfg))
         needy = [s for s in cfg.policies if base_name(s) in NEEDS_CONFIDENCE]
-        if needy and not has_conf:
+        if needy and not spec.has_confidence:
             raise ConfigError(
-                f"policies {needy} need confidences, but the {d['name']} drafter in {cfg.drafter_dir} has "
+                f"policies {needy} need confidences, but the {spec.kind} drafter in {cfg.drafter_dir} has "
                 "no confidence head: keep fixed/mtp1 policies only"
             )
         if int(cfg.measured.max_new_tokens) < 1 or float(cfg.measured.temperature) < 0:

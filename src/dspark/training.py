@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
 from .config import ConfigError
-from .drafters import TargetDims, build_drafter
+from .core.types import TargetDims
+from .drafters import build_drafter
 from .module import DraftingModule
 from .objectives import LossWeights
 from .target import load_target
@@ -258,7 +259,7 @@ def run_training(cfg: DictConfig) -> dict:
         throughput,
         RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10),
     ]
-    if cfg.callbacks.get("calibration", True) and getattr(drafter, "confidence", None) is not None:
+    if cfg.callbacks.get("calibration", True) and drafter.has_confidence:
         callbacks.insert(0, CalibrationCallback())
     last = ckpt_dir / "last.ckpt"
     resume = last if cfg.resume and last.exists() else None

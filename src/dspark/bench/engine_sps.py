@@ -147,9 +147,9 @@ def _draft_times(target, drafter_dir: str, rows_all: list[int], ctx: int, cap: i
     eng._allocate(cap)
     out = {}
     with torch.inference_mode():
-        for buf in eng.dk + eng.dv:
+        for buf in eng.dcache.k + eng.dcache.v:
             buf.normal_()
-        eng.dlength.fill_(ctx)
+        eng.dcache.length.fill_(ctx)
         for r in rows_all:
             anchors = torch.randint(0, target.vocab_size, (r,), device=device)
             pos = torch.full((r,), ctx, device=device)

@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from ..core.sampling import probs_from_logits, sample_from
-from ..drafters.base import Shared, select_cache
-from .kv import RaggedKV, concat_draft_caches
+from ..core.types import Shared
+from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .verify import verify
 
 __all__ = [
@@ -181,7 +181,7 @@ class Engine:
         self.device = target.device
         self.shared = Shared.of(target)
         self.cost = cost
-        self.has_confidence = drafter is not None and getattr(drafter, "confidence", None) is not None
+        self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
 
@@ -320,7 +320,7 @@ class Engine:
     def _keep_rows(self, index: Tensor) -> None:
         self._kv = self._kv.select(index)
         if self._dcache is not None:
-            self._dcache = select_cache(self._dcache, index)
+            self._dcache = select_draft_cache(self._dcache, index)
 
     def _propose(self, anchors: Tensor, anchor_pos: Tensor):
         return self.drafter.propose(

@@ -6,27 +6,29 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
 from ..core.errors import DrafterCheckpointError
 from ..core.io import atomic_save_safetensors, atomic_write_json
-from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .dflash import BlockDrafter
-from .dspark import DSparkDrafter
-from .eagle3 import Eagle3Drafter
+from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
+from .base import Drafter
+from .registry import build_drafter, drafter_class, drafter_names, register, static_cache_drafters
+from .spec import DrafterSpec
 
 __all__ = [
-    "BlockDrafter",
-    "DSparkDrafter",
-    "Eagle3Drafter",
+    "Drafter",
+    "DrafterSpec",
     "DraftCache",
     "DraftOutput",
     "Proposal",
     "Shared",
     "TargetDims",
     "build_drafter",
+    "drafter_class",
+    "drafter_names",
+    "register",
+    "static_cache_drafters",
     "save_drafter",
     "load_drafter",
     "read_drafter_config",
@@ -35,17 +37,6 @@ __all__ = [
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-
-
-def build_drafter(dims: TargetDims, drafter_cfg, head_cfg=None) -> torch.nn.Module:
-    name = drafter_cfg.name
-    if name == "dflash":
-        return BlockDrafter(dims, drafter_cfg)
-    if name == "dspark":
-        return DSparkDrafter(dims, drafter_cfg, head_cfg)
-    if name == "eagle3":
-        return Eagle3Drafter(dims, drafter_cfg)
-    raise ValueError(f"unknown drafter '{name}': choose dspark, dflash or eagle3")
 
 
 def _plain(cfg):

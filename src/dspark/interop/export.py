@@ -92,7 +92,7 @@ def export_drafter(
     head = head_cfg.get("name", "none") or "none"
     if d["name"] == "dflash":
         head = "none"
-    confidence = getattr(drafter, "confidence", None) is not None
+    confidence = drafter.has_confidence
     tinfo = config.get("target") or {}
     taps = tinfo.get("layer_ids")
     if taps is None or len(taps) != drafter.dims.num_taps:

@@ -559,7 +559,7 @@ def profile_drafter(
     repeats: int = 5,
 ) -> dict[int, float]:
     """Step time (ms) of ``drafter.propose`` for R requests over ``context_len`` context positions."""
-    from ..drafters.base import Shared
+    from ..core.types import Shared
     from .cost import profile
 
     shared = Shared.of(target)
