@@ -6,9 +6,9 @@ import sys
 import torch
 
 from dspark.bench.common import compose_target
+from dspark.checkpoints import load_drafter
 from dspark.data.benchmarks import first_turns
 from dspark.decoding.fast_engine import FastEngine
-from dspark.drafters import load_drafter
 from dspark.target import load_target
 
 target = load_target(compose_target(sys.argv[2:]))

@@ -23,6 +23,7 @@ import torch
 from conftest import load_group
 
 from dspark.calibration.sts import Calibration
+from dspark.checkpoints import save_drafter
 from dspark.core.sampling import probs_from_logits, sample_from
 from dspark.core.types import DraftCache, Proposal, TargetDims
 from dspark.decoding import engine as engine_mod
@@ -35,7 +36,7 @@ from dspark.decoding.engine import (
 )
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
-from dspark.drafters import Drafter, build_drafter, save_drafter
+from dspark.drafters import Drafter, build_drafter
 from dspark.scheduling.policies import Fixed, Threshold
 
 try:

@@ -14,8 +14,9 @@ import torch
 from conftest import ROOT, load_group
 from hydra import compose, initialize_config_module
 
+from dspark.checkpoints import save_drafter
 from dspark.core.types import TargetDims
-from dspark.drafters import build_drafter, save_drafter
+from dspark.drafters import build_drafter
 from dspark.evaluate import EvaluateConfigError, check_config, macro, split_prompts
 
 

@@ -13,15 +13,11 @@ import torch
 from conftest import load_group
 from safetensors.torch import load_file, save_file
 
+from dspark.checkpoints import export_drafter, load_drafter, read_drafter_config, refusal, save_drafter
+from dspark.core.errors import DrafterCheckpointError
 from dspark.core.types import Shared, TargetDims
-from dspark.drafters import (
-    DrafterCheckpointError,
-    build_drafter,
-    load_drafter,
-    read_drafter_config,
-    save_drafter,
-)
-from dspark.interop import ExportError, InteropError, export_drafter, formats, refusal
+from dspark.drafters import build_drafter
+from dspark.interop import ExportError, InteropError, formats
 
 GAMMA, RANK = 4, 16
 
@@ -166,6 +162,8 @@ def test_refusals_name_the_problem(tiny_target, tmp_path):
     assert "[0, num_target_layers)" in refusal("sglang", gated)
     headless = read_drafter_config(_save(tiny_target, tmp_path / "hl", "dspark", "none", True, False))
     assert "markov_rank > 0" in refusal("sglang", headless)
+    other = {**headless, "drafter": {**headless["drafter"], "name": "medusa"}}  # a drafter added later
+    assert "no counterpart in the engines' layouts" in refusal("vllm", other)
     with pytest.raises(ExportError, match="target="):
         export_drafter(tmp_path / "gated", tmp_path / "y", "hf")  # hf ships embeddings: needs the target
 

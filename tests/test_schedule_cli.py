@@ -310,8 +310,9 @@ def one_thread():
 
 
 def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
+    from dspark.checkpoints import save_drafter
     from dspark.core.types import TargetDims
-    from dspark.drafters import build_drafter, save_drafter
+    from dspark.drafters import build_drafter
     from dspark.schedule import run
 
     dc, hc = load_group("drafter", "dspark"), load_group("head", "markov")

@@ -12,7 +12,7 @@ import torch
 
 from .calibration.metrics import position_metrics, summary
 from .calibration.sts import Calibration, fit_sts
-from .drafters import save_drafter
+from .checkpoints import save_drafter
 
 
 def gather_records(trainer, records: list[dict]) -> list[dict]:

@@ -62,7 +62,8 @@ def check_config(cfg: DictConfig) -> dict:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").exists():
         raise EvaluateConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    from .drafters import DrafterSpec, read_drafter_config, static_cache_drafters
+    from .checkpoints import read_drafter_config
+    from .drafters import DrafterSpec, static_cache_drafters
 
     dconf = read_drafter_config(folder)
     spec = DrafterSpec.from_config(dconf)
@@ -179,6 +180,7 @@ def run(cfg: DictConfig) -> dict:
     import torch
 
     from .calibration.sts import CALIBRATION_FILENAME, Calibration
+    from .checkpoints import load_drafter
     from .decoding.engine import (
         Request,
         calibration_arrays,
@@ -187,7 +189,7 @@ def run(cfg: DictConfig) -> dict:
         threshold_sweep,
     )
     from .decoding.fast_engine import build_engine
-    from .drafters import DrafterSpec, load_drafter
+    from .drafters import DrafterSpec
     from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot, write_json
     from .reporting.tables import table1
     from .scheduling.policies import Fixed

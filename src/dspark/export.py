@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 def check_config(cfg: DictConfig) -> tuple[dict, bool]:
     """Before any model loads: the folder, the format, and whether the target is needed."""
-    from .drafters import read_drafter_config
-    from .interop import FORMATS, refusal
+    from .checkpoints import read_drafter_config, refusal
+    from .interop import FORMATS
 
     for key in ("drafter_dir", "out"):
         if OmegaConf.is_missing(cfg, key) or cfg.get(key) is None:
@@ -57,7 +57,7 @@ def check_config(cfg: DictConfig) -> tuple[dict, bool]:
 
 def run(cfg: DictConfig) -> Path:
     _, embeddings = check_config(cfg)
-    from .interop import export_drafter
+    from .checkpoints import export_drafter
 
     target = None
     if embeddings:

@@ -74,9 +74,7 @@ def check_config(cfg: DictConfig) -> None:
     else:
         if cfg.drafter_dir is None:
             raise ConfigError("drafter_dir is required in measured mode: drafter_dir=<checkpoint dir>")
-        from .drafters import DrafterSpec
-
-        spec = DrafterSpec.from_config(_drafter_config(cfg))
+        spec = _drafter_spec(cfg)
         needy = [s for s in cfg.policies if base_name(s) in NEEDS_CONFIDENCE]
         if needy and not spec.has_confidence:
             raise ConfigError(
@@ -89,13 +87,13 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"context_len must be >= 1, got {cfg.context_len}")
 
 
-def _drafter_config(cfg: DictConfig) -> dict:
+def _drafter_spec(cfg: DictConfig):
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    from .drafters import read_drafter_config  # ours, or a DeepSpec/engine-format folder (translated)
+    from .checkpoints import read_drafter_spec  # ours, or a DeepSpec/engine-format folder (translated)
 
-    return read_drafter_config(folder)
+    return read_drafter_spec(folder)
 
 
 def _gamma(cfg: DictConfig, block: int) -> int:
@@ -212,7 +210,7 @@ def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
     import torch
 
     from .calibration.sts import CALIBRATION_FILENAME, Calibration
-    from .drafters import load_drafter
+    from .checkpoints import load_drafter
     from .scheduling.cost import CostModel
     from .scheduling.frontier import measure, profile_drafter, profile_target, settle_profile
     from .target import load_target

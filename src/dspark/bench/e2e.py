@@ -40,9 +40,9 @@ def main(argv=None) -> dict:
     import sys
 
     from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+    from ..checkpoints import load_drafter
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
-    from ..drafters import load_drafter
     from ..scheduling.cost import CostModel
     from ..scheduling.frontier import make_policy, measure
     from ..scheduling.policies import Fixed

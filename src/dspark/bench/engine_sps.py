@@ -137,8 +137,8 @@ def main(argv=None) -> dict:
 
 def _draft_times(target, drafter_dir: str, rows_all: list[int], ctx: int, cap: int, args) -> dict[int, float]:
     """Draft-step time (ms) per row count R: the fast engine's captured step where CUDA is used."""
+    from ..checkpoints import load_drafter
     from ..decoding.fast_engine import FastEngine
-    from ..drafters import load_drafter
     from .common import median_ms
 
     device = target.device

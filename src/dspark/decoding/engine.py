@@ -209,7 +209,7 @@ class Engine:
         """Load a saved drafter; its STS temperatures (``calibration.json`` in the folder) apply
         automatically unless ``calibration`` is given."""
         from ..calibration.sts import CALIBRATION_FILENAME, Calibration
-        from ..drafters import load_drafter
+        from ..checkpoints import load_drafter
 
         drafter, _ = load_drafter(drafter_dir, target, device=target.device)
         path = Path(drafter_dir) / CALIBRATION_FILENAME

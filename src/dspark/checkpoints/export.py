@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from ..core.io import atomic_save_safetensors, atomic_write_json
-from ..drafters import load_drafter
 from ..drafters.base import layer_shape
-from . import formats
-from .formats import ExportError
+from ..interop import formats
+from ..interop.formats import ExportError
+from .store import load_drafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINE = {"hf": "DeepSpec (transformers from_pretrained)", "vllm": "vLLM", "sglang": "SGLang"}
@@ -43,6 +43,8 @@ def refusal(fmt: str, config: dict) -> str | None:
             "and keep the feature as the residual (and vLLM's Llama Eagle3 has no q/k norm). Export a "
             "DSpark or DFlash drafter instead, or retrain Eagle3 in the engines' layout"
         )
+    if d["name"] not in formats.BLOCK_DRAFTERS:
+        return f"drafter {d['name']} has no counterpart in the engines' layouts {formats.BLOCK_DRAFTERS}"
     if fmt == "vllm" and d["name"] == "dspark" and head not in ("markov",):
         return (
             f"vLLM's Qwen3DSparkModel builds only the vanilla Markov head (markov_w1/markov_w2); this "
