@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import load_group
 
+from dspark.artifacts import DrafterFolder
 from dspark.calibration.sts import Calibration
 from dspark.checkpoints import save_drafter
 from dspark.core.sampling import probs_from_logits, sample_from
@@ -471,7 +472,7 @@ def test_engine_applies_calibration_temperatures(small_target, tmp_path):
     drafter, dc, hc = make_drafter(t, "dspark", "markov", gamma=4, seed=3)
     save_drafter(drafter, tmp_path, dc, hc, t.describe())
     temps = [0.5, 2.0, 3.0, 0.25]
-    Calibration(temps).save(tmp_path)
+    DrafterFolder(tmp_path).write_calibration(Calibration(temps))
     prompts = prompts_for(t, 3, seed=14)
     eng = Engine.from_checkpoint(
         t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()

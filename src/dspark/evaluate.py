@@ -26,7 +26,6 @@ into the drafter folder, where every later engine picks them up.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -179,7 +178,8 @@ def run(cfg: DictConfig) -> dict:
     dconf = check_config(cfg)
     import torch
 
-    from .calibration.sts import CALIBRATION_FILENAME, Calibration
+    from .artifacts import DrafterFolder, EvaluationFolder
+    from .calibration.sts import Calibration
     from .checkpoints import load_drafter
     from .decoding.engine import (
         Request,
@@ -190,19 +190,20 @@ def run(cfg: DictConfig) -> dict:
     )
     from .decoding.fast_engine import build_engine
     from .drafters import DrafterSpec
-    from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot, write_json
+    from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot
     from .reporting.tables import table1
     from .scheduling.policies import Fixed
     from .target import load_target
 
-    out = Path(str(cfg.out_dir))
+    folder = EvaluationFolder(str(cfg.out_dir))
+    out = folder.path
     out.mkdir(parents=True, exist_ok=True)
     report_prompts, calib_prompts = split_prompts(cfg)  # before the models: a missing file fails fast
     started = time.time()
     target = load_target(cfg.target)
     drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
-    calib_path = Path(str(cfg.drafter_dir)) / CALIBRATION_FILENAME
-    calibration = Calibration.load(calib_path) if calib_path.exists() else None
+    drafter_folder = DrafterFolder(str(cfg.drafter_dir))
+    calibration = drafter_folder.read_calibration()
     policy, cost = build_policy_from_cfg(cfg.policy)
     chat_kw = cfg.target.get("chat_template_kwargs")
     chat_kw = OmegaConf.to_container(chat_kw, resolve=True) if chat_kw else {}
@@ -250,7 +251,7 @@ def run(cfg: DictConfig) -> dict:
             "STS temperatures %s from %d calibration rounds", calibration.temperatures, len(calib_res.rounds)
         )
         if cfg.calibration.save_to_drafter:
-            calibration.save(calib_path)
+            drafter_folder.write_calibration(calibration)
         calib_report = {
             "fit_rounds": len(calib_res.rounds),
             "fit_prompts": len(reqs),
@@ -260,7 +261,7 @@ def run(cfg: DictConfig) -> dict:
         }
 
     rounds_by_bench, timing, gens = {}, {}, {}
-    with open(out / "rounds.jsonl.tmp", "w") as rf, open(out / "generations.jsonl.tmp", "w") as gf:
+    with folder.recorder() as (write_round, write_generation):
         for name, prompts in report_prompts.items():
             res = engine(policy, calibration, name).generate(requests(prompts, name))
             rounds_by_bench[name] = res.rounds
@@ -271,24 +272,19 @@ def run(cfg: DictConfig) -> dict:
                 "tokens_per_s": res.new_tokens / res.wall_s if res.wall_s else None,
             }
             for r in res.rounds:
-                rf.write(json.dumps({"benchmark": name, **r.to_dict()}) + "\n")
+                write_round({"benchmark": name, **r.to_dict()})
             for g in res.generations:
-                gf.write(
-                    json.dumps(
-                        {
-                            "benchmark": name,
-                            "id": g.id,
-                            "finish": g.finish,
-                            "rounds": g.rounds,
-                            "accepted": g.accepted,
-                            "tokens": g.tokens,
-                            "text": _decode(target.tokenizer, g.tokens),
-                        }
-                    )
-                    + "\n"
+                write_generation(
+                    {
+                        "benchmark": name,
+                        "id": g.id,
+                        "finish": g.finish,
+                        "rounds": g.rounds,
+                        "accepted": g.accepted,
+                        "tokens": g.tokens,
+                        "text": _decode(target.tokenizer, g.tokens),
+                    }
                 )
-    (out / "rounds.jsonl.tmp").replace(out / "rounds.jsonl")
-    (out / "generations.jsonl.tmp").replace(out / "generations.jsonl")
 
     gamma = int(drafter.gamma)
     domains = domain_map(report_prompts)
@@ -308,8 +304,9 @@ def run(cfg: DictConfig) -> dict:
         },
     }
     results["macro"] = macro(results["benchmarks"], domains)
-    write_json(out / "results.json", results)
-    (out / "table.md").write_text(table1([results], domains))
+    folder.write_results(results)
+    table = table1([results], domains)
+    folder.write_table(table)
 
     # Fig. 2: domain panels (mean over the domain's benchmarks), the benchmarks as extra lines.
     present = [d for d in ("math", "code", "chat") if d in domains.values()]
@@ -353,7 +350,8 @@ def run(cfg: DictConfig) -> dict:
         )
 
     if calib_report is not None:
-        write_calibration_report(out, calibration, calib_report, rounds_by_bench, int(cfg.calibration.n_bins))
+        n_bins = int(cfg.calibration.n_bins)
+        write_calibration_report(folder, calibration, calib_report, rounds_by_bench, n_bins)
 
     meta = {
         **provenance("dspark.evaluate", device=target.device),
@@ -365,8 +363,8 @@ def run(cfg: DictConfig) -> dict:
         "wall_s": time.time() - started,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    write_json(out / "meta.json", meta)
-    log.info("results in %s\n%s", out, (out / "table.md").read_text())
+    folder.write_meta(meta)
+    log.info("results in %s\n%s", out, table)
     return results
 
 
@@ -385,13 +383,12 @@ def macro(benchmarks: dict, domains: dict[str, str]) -> dict:
     return out
 
 
-def write_calibration_report(out: Path, calibration, fit: dict, rounds_by_bench: dict, n_bins: int) -> None:
+def write_calibration_report(folder, calibration, fit: dict, rounds_by_bench: dict, n_bins: int) -> None:
     """calibration.json in the issue-6 format (metrics on the benchmark rounds, held out from the
     fit) plus the temperatures, and reliability diagrams per position before/after STS."""
     from .calibration.metrics import position_metrics, reliability_data, summary
     from .calibration.plots import reliability_diagram
     from .decoding.engine import calibration_arrays
-    from .reporting.plots import write_json
 
     temps = calibration.temperatures
     held = [r for recs in rounds_by_bench.values() for r in recs]
@@ -415,10 +412,10 @@ def write_calibration_report(out: Path, calibration, fit: dict, rounds_by_bench:
             "auroc_mean": fs.get("auroc_mean"),
         },
     }
-    write_json(out / "calibration.json", report)
+    folder.write_calibration(report)
     reliability_diagram(
         reliability_data(z, y, valid, temps, n_bins),
-        out / "reliability.png",
+        folder.file("reliability.png"),
         title="Prefix survival on the benchmark rounds (held out)",
     )
 

@@ -157,9 +157,9 @@ def run_analytical(cfg: DictConfig) -> tuple[dict, object, dict]:
 
     temps = None
     if cfg.calibration is not None:
-        from .calibration.sts import Calibration
+        from .artifacts import load_calibration
 
-        temps = Calibration.load(str(cfg.calibration)).temperatures
+        temps = load_calibration(str(cfg.calibration)).temperatures
     rounds_arg = cfg.rounds
     paths = list(rounds_arg) if isinstance(rounds_arg, ListConfig) else [str(rounds_arg)]
     try:
@@ -209,7 +209,7 @@ def _prompts(cfg: DictConfig, target) -> list[list[int]]:
 def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
     import torch
 
-    from .calibration.sts import CALIBRATION_FILENAME, Calibration
+    from .artifacts import DrafterFolder, FrontierFolder
     from .checkpoints import load_drafter
     from .scheduling.cost import CostModel
     from .scheduling.frontier import measure, profile_drafter, profile_target, settle_profile
@@ -221,8 +221,7 @@ def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
     gamma = _gamma(cfg, block)
     policies = _policies(cfg, gamma, block)
     prompts = _prompts(cfg, target)  # before profiling: a missing benchmark fails fast
-    calib_path = Path(str(cfg.drafter_dir)) / CALIBRATION_FILENAME
-    calibration = Calibration.load(calib_path) if calib_path.exists() else None
+    calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
     conc = [int(r) for r in cfg.concurrency]
     if cfg.cost_table is not None:
         cost = load_cost(cfg)
@@ -266,7 +265,7 @@ def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
                 "torch": torch.__version__,
             },
         )
-    cost.save(out / "cost_table.json")
+    cost.save(FrontierFolder(out).cost_table_path)
     frontier = measure(
         target,
         drafter,
@@ -299,13 +298,14 @@ def _powers_of_two(top: int) -> list[int]:
 
 
 def write_outputs(cfg: DictConfig, out: Path, frontier: dict, cost, info: dict, started: float) -> dict:
+    from .artifacts import FrontierFolder
     from .reporting.frontier_plots import budget_plot, frontier_plot
-    from .reporting.plots import write_json
     from .scheduling.frontier import base_name, dominance
 
     points = {name: [{k: p[k] for k in FRONTIER_KEYS} for p in pts] for name, pts in frontier.items()}
     result = {"mode": str(cfg.mode), "cost_table": cost.to_dict(), "policies": points}
-    write_json(out / "frontier.json", result)
+    folder = FrontierFolder(out)
+    folder.write_frontier(result)
 
     fixed = [n for n in points if base_name(n) in ("fixed", "mtp1")]
     ha = next((n for n in points if base_name(n) == "hardware_aware"), None)
@@ -350,8 +350,7 @@ def write_outputs(cfg: DictConfig, out: Path, frontier: dict, cost, info: dict, 
             **info,
         },
     )
-    write_json(
-        out / "meta.json",
+    folder.write_meta(
         {
             **provenance("dspark.schedule"),
             "wall_s": time.time() - started,

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from .artifacts import RunFolder
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
 from .config import ConfigError
 from .core.types import TargetDims
@@ -216,7 +217,8 @@ def run_training(cfg: DictConfig) -> dict:
         # onto GPU k ("cuda" means the current device), not onto GPU 0 first.
         torch.cuda.set_device(int(local_rank))
     L.seed_everything(int(cfg.seed), workers=True)
-    out_dir = Path(cfg.out_dir)
+    run = RunFolder(cfg.out_dir)
+    out_dir = run.path
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
 
@@ -251,17 +253,17 @@ def run_training(cfg: DictConfig) -> dict:
     )
 
     throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
-    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir = run.checkpoints
     every = int(cfg.callbacks.checkpoint_every_n_steps)
     callbacks = [
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every, save_top_k=0),
-        DrafterExport(out_dir / "drafter", cfg.drafter, cfg.get("head"), every),
+        DrafterExport(run.drafter, cfg.drafter, cfg.get("head"), every),
         throughput,
         RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10),
     ]
     if cfg.callbacks.get("calibration", True) and drafter.has_confidence:
         callbacks.insert(0, CalibrationCallback())
-    last = ckpt_dir / "last.ckpt"
+    last = run.last_checkpoint
     resume = last if cfg.resume and last.exists() else None
     resumed_at = None
     if resume:
@@ -284,7 +286,7 @@ def run_training(cfg: DictConfig) -> dict:
         batch["per_device"], batch["world"], batch["accumulate"], batch["global"],
     )  # fmt: skip
     if trainer.is_global_zero:
-        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+        run.write_config(cfg)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     summary = {
@@ -302,7 +304,7 @@ def run_training(cfg: DictConfig) -> dict:
         "data_dir": str(data_dir),
     }
     if trainer.is_global_zero:  # one writer; every rank returns the summary
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.write_summary(summary)
     if cfg.logger.name != "csv" and trainer.is_global_zero:
         from .reporting.dashboard import publish_run
 

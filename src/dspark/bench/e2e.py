@@ -14,7 +14,6 @@ and the drafter's speed-up over target-only at the same R.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def _parse(argv):
@@ -39,7 +38,7 @@ def _parse(argv):
 def main(argv=None) -> dict:
     import sys
 
-    from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+    from ..artifacts import DrafterFolder
     from ..checkpoints import load_drafter
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
@@ -58,8 +57,7 @@ def main(argv=None) -> dict:
     drafter, _ = load_drafter(args.drafter_dir, target, device=target.device)
     if args.drafter_dtype == "target":  # serve the drafter in the target's precision
         drafter = drafter.to(target.dtype)
-    calib = Path(args.drafter_dir) / CALIBRATION_FILENAME
-    calibration = Calibration.load(calib) if calib.exists() else None
+    calibration = DrafterFolder(args.drafter_dir).read_calibration()
     prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in texts]
     gamma = int(drafter.gamma)
     policies = {p: make_policy(p, gamma, gamma) for p in args.policies.split(",")}

@@ -12,7 +12,6 @@ state (after the callback's warm-up steps, validation time excluded). Prints a t
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ def _overrides(spec: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
+    from ..artifacts import RunFolder
     from ..core.provenance import provenance
     from .common import publish
 
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{spec} failed:\n{done.stderr[-3000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = RunFolder(run_dir).read_summary()
         tp = summary["throughput"]
         steady = tp.get("steady") or {}
         rows.append(

@@ -13,11 +13,11 @@ Anything the target engine cannot represent faithfully is refused with the reaso
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
+from ..artifacts import DrafterFolder
 from ..core.io import atomic_save_safetensors, atomic_write_json
 from ..drafters.base import layer_shape
 from ..interop import formats
@@ -147,10 +147,12 @@ def export_drafter(
         if v.data_ptr() in seen:
             state[k] = v.clone()
         seen.add(v.data_ptr())
-    out.mkdir(parents=True, exist_ok=True)
+    # The engines' layout, not ours: their config.json carries no dspark schema stamp.
+    dst = DrafterFolder(out)
     # transformers' from_pretrained refuses safetensors files without metadata format=pt.
-    atomic_save_safetensors(out / "model.safetensors", state, metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", ext)
-    if (src / "calibration.json").exists():  # STS temperatures: ours, engines ignore the file
-        shutil.copyfile(src / "calibration.json", out / "calibration.json")
+    atomic_save_safetensors(dst.weights_path, state, metadata={"format": "pt"})
+    atomic_write_json(dst.config_path, ext)
+    calibration = DrafterFolder(src).read_calibration()
+    if calibration is not None:  # STS temperatures: ours, engines ignore the file
+        dst.write_calibration(calibration)
     return out

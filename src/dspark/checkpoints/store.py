@@ -4,24 +4,19 @@ target it is used with."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
+from ..artifacts import DrafterFolder
 from ..core.errors import DrafterCheckpointError
-from ..core.io import atomic_save_safetensors, atomic_write_json
 from ..core.types import TargetDims
 from ..drafters import DrafterSpec, build_drafter
 from ..interop.deepspec import is_foreign, read_state, translate
 
 __all__ = ["load_drafter", "read_drafter_config", "read_drafter_spec", "save_drafter"]
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-
 
 def _plain(cfg):
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
@@ -31,8 +26,6 @@ def save_drafter(
     drafter, folder: str | Path, drafter_cfg, head_cfg, target_info: dict, extra: dict | None = None
 ):
     """safetensors weights + JSON config, each written atomically."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     config = {
         "drafter": _plain(drafter_cfg),
         "head": _plain(head_cfg),
@@ -41,22 +34,19 @@ def save_drafter(
         **(extra or {}),
     }
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    atomic_save_safetensors(folder / WEIGHTS, state)
-    atomic_write_json(folder / CONFIG, config)
+    DrafterFolder(folder).write(config, state)
 
 
 def read_drafter_config(folder: str | Path) -> dict:
     """A drafter folder's config in our schema (drafter / head / dims / target); a DeepSpec- or
     engine-format folder (config.json with `architectures`) is translated (dspark.interop)."""
-    folder = Path(folder)
-    if not (folder / CONFIG).exists():
-        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (no {CONFIG} there)")
-    config = json.loads((folder / CONFIG).read_text())
+    folder = DrafterFolder(folder)
+    config = folder.read_config()
     if is_foreign(config):
-        return translate(config, folder)
+        return translate(config, folder.path)
     if "drafter" not in config or "dims" not in config:
         raise DrafterCheckpointError(
-            f"{folder}/{CONFIG} is neither our checkpoint (drafter/dims keys) nor a DeepSpec/engine "
+            f"{folder.config_path} is neither our checkpoint (drafter/dims keys) nor a DeepSpec/engine "
             f"drafter (architectures)"
         )
     return config
@@ -70,11 +60,14 @@ def read_drafter_spec(folder: str | Path) -> DrafterSpec:
 def load_drafter(folder: str | Path, target=None, device="cpu"):
     """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
     refuse one built for another vocabulary, hidden size or tap layers."""
-    folder = Path(folder)
+    files = DrafterFolder(folder)
+    folder = files.path
     config = read_drafter_config(folder)
     foreign = "imported_from" in config
-    if not foreign and not (folder / WEIGHTS).exists():
-        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (needs {CONFIG} and {WEIGHTS})")
+    if not foreign and not files.weights_path.exists():
+        raise DrafterCheckpointError(
+            f"{folder} is not a drafter checkpoint (needs {files.CONFIG} and {files.WEIGHTS})"
+        )
     dims = TargetDims(**config["dims"])
     if target is not None:
         for field, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
@@ -99,9 +92,8 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
         OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}),
     )
     if foreign:
-        external = json.loads((folder / CONFIG).read_text())
-        state = read_state(folder, config, external, target)
+        state = read_state(folder, config, files.read_config(), target)
     else:
-        state = load_file(folder / WEIGHTS, device=str(device))
+        state = load_file(files.weights_path, device=str(device))
     drafter.load_state_dict(state)
     return drafter.to(device).eval(), config

@@ -208,13 +208,12 @@ class Engine:
     def from_checkpoint(cls, target, drafter_dir: str | Path, policy=None, **kw) -> Engine:
         """Load a saved drafter; its STS temperatures (``calibration.json`` in the folder) apply
         automatically unless ``calibration`` is given."""
-        from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+        from ..artifacts import DrafterFolder
         from ..checkpoints import load_drafter
 
         drafter, _ = load_drafter(drafter_dir, target, device=target.device)
-        path = Path(drafter_dir) / CALIBRATION_FILENAME
-        if "calibration" not in kw and path.exists():
-            kw["calibration"] = Calibration.load(path)
+        if "calibration" not in kw:
+            kw["calibration"] = DrafterFolder(drafter_dir).read_calibration()
         return cls(target, drafter, policy, **kw)
 
     # ------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..artifacts import EvaluationFolder, read_rounds
+from ..core.errors import DataError
 from .cost import CostModel
 from .policies import AsyncTopK, Fixed, HardwareAware, Mtp1, Policy, Retrospective, Threshold
 
@@ -250,8 +252,6 @@ def rounds_from_records(
 
 def load_rounds(paths, temperatures: Sequence[float] | None = None) -> ReplayRounds:
     """``rounds.jsonl`` files or evaluation folders holding one (a path or a list of them)."""
-    import json
-
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise ReplayError("rounds is empty: rounds=<evaluation folder or rounds.jsonl>")
@@ -259,22 +259,16 @@ def load_rounds(paths, temperatures: Sequence[float] | None = None) -> ReplayRou
     for p in paths:
         path = Path(str(p)).expanduser()
         if path.is_dir():
-            path = path / "rounds.jsonl"
+            path = EvaluationFolder(path).rounds_path
         if not path.is_file():
             raise ReplayError(f"rounds={p}: no rounds.jsonl there (python -m dspark.evaluate writes one)")
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ReplayError(f"{path}:{n}: not JSON ({err.msg})") from None
-                if not isinstance(rec, dict):
-                    raise ReplayError(f"{path}:{n}: expected a JSON object per line")
+        try:
+            for rec in read_rounds(path):
                 # Requests of different files never share a slot sequence.
                 rec["benchmark"] = f"{path}:{rec.get('benchmark', '')}"
                 records.append(rec)
+        except DataError as err:
+            raise ReplayError(str(err)) from None
     source = str(paths[0]) if len(paths) == 1 else f"{len(paths)} rounds files"
     return rounds_from_records(records, source, temperatures)
 
