@@ -38,7 +38,8 @@ from dspark.decoding.engine import (
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
 from dspark.drafters import Drafter, build_drafter
-from dspark.scheduling.policies import Fixed, Threshold
+from dspark.scheduling.cost import CostModel
+from dspark.scheduling.policies import Fixed, Threshold, build_policy
 
 try:
     from scipy.stats import chi2 as _chi2
@@ -465,6 +466,18 @@ def test_eos_stops_requests(small_target):
 
 # ----------------------------------------------------------------------------------------------
 # confidences, calibration, policies
+
+
+def test_engine_asks_the_policy_what_it_needs(small_target):
+    """Capabilities, not names: a wrapped policy is refused for what it wraps."""
+    dflash, _, _ = make_drafter(small_target, "dflash")
+    with pytest.raises(ValueError, match=r"'threshold\[:2\]' needs per-position confidences"):
+        Engine(small_target, dflash, build_policy("threshold", gamma=2, block=4))
+    dspark, _, _ = make_drafter(small_target, "dspark", "markov")
+    with pytest.raises(ValueError, match="needs a cost model"):
+        Engine(small_target, dspark, build_policy("hardware_aware", gamma=2, block=4))
+    cost = CostModel.analytical()
+    assert Engine(small_target, dspark, build_policy("hardware_aware", gamma=2, block=4), cost=cost)
 
 
 def test_engine_applies_calibration_temperatures(small_target, tmp_path):

@@ -15,9 +15,10 @@ from conftest import ROOT, load_group
 from hydra import compose, initialize_config_module
 
 from dspark.checkpoints import save_drafter
+from dspark.core.errors import ConfigError
 from dspark.core.types import TargetDims
 from dspark.drafters import build_drafter
-from dspark.evaluate import EvaluateConfigError, check_config, macro, split_prompts
+from dspark.evaluate import check_config, macro, split_prompts
 
 
 def _save(target, folder: Path, name: str, head: str = "none", gamma: int = 4) -> Path:
@@ -125,25 +126,25 @@ def _cfg(*overrides):
 
 
 def test_config_errors_before_loading(tiny_target, tmp_path):
-    with pytest.raises(EvaluateConfigError, match="drafter_dir is required"):
+    with pytest.raises(ConfigError, match="drafter_dir is required"):
         check_config(_cfg())
-    with pytest.raises(EvaluateConfigError, match="not a drafter checkpoint"):
+    with pytest.raises(ConfigError, match="not a drafter checkpoint"):
         check_config(_cfg(f"drafter_dir={tmp_path}"))
     dflash = _save(tiny_target, tmp_path / "dflash", "dflash", gamma=3)
-    with pytest.raises(EvaluateConfigError, match="no confidence head"):
+    with pytest.raises(ConfigError, match="no confidence head"):
         check_config(_cfg(f"drafter_dir={dflash}", "policy=threshold"))
-    with pytest.raises(EvaluateConfigError, match="calibrate=true needs a drafter with a confidence head"):
+    with pytest.raises(ConfigError, match="calibrate=true needs a drafter with a confidence head"):
         check_config(_cfg(f"drafter_dir={dflash}", "calibrate=true", "policy.gamma=3"))
-    with pytest.raises(EvaluateConfigError, match="policy.gamma=7 exceeds the drafter's block size 3"):
+    with pytest.raises(ConfigError, match="policy.gamma=7 exceeds the drafter's block size 3"):
         check_config(_cfg(f"drafter_dir={dflash}"))
     dspark = _save(tiny_target, tmp_path / "dspark", "dspark", "markov", gamma=4)
-    with pytest.raises(EvaluateConfigError, match="policy.cost_table"):
+    with pytest.raises(ConfigError, match="policy.cost_table"):
         check_config(_cfg(f"drafter_dir={dspark}", "policy=hardware_aware"))
     assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold"))["drafter"]["name"] == "dspark"
-    with pytest.raises(EvaluateConfigError, match="engine=warp is not one of plain, fast"):
+    with pytest.raises(ConfigError, match="engine=warp is not one of plain, fast"):
         check_config(_cfg(f"drafter_dir={dspark}", "engine=warp"))
     eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3", gamma=4)
-    with pytest.raises(EvaluateConfigError, match="eagle3 runs on engine=plain"):
+    with pytest.raises(ConfigError, match="eagle3 runs on engine=plain"):
         check_config(_cfg(f"drafter_dir={eagle}", "engine=fast", "policy.gamma=4"))
     assert check_config(_cfg(f"drafter_dir={dspark}", "engine=fast", "policy.gamma=4"))
 

@@ -34,18 +34,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .cli import user_errors
+from .core.errors import ConfigError
 from .core.provenance import provenance
+from .scheduling.policies import Fixed, build_policy
 
 log = logging.getLogger(__name__)
 
 # Paper Table 1 suites that the shared loader (dspark.data.benchmarks.DOMAINS) may not list yet.
 EXTRA_DOMAINS = {"livecodebench": "code", "lcb": "code", "alpaca": "chat", "arena-hard": "chat"}
-CONFIDENCE_POLICIES = {"threshold", "hardware_aware", "async_topk", "retrospective"}
-COST_POLICIES = {"hardware_aware", "async_topk", "retrospective"}
-
-
-class EvaluateConfigError(ValueError):
-    pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,58 +52,58 @@ class EvaluateConfigError(ValueError):
 def check_config(cfg: DictConfig) -> dict:
     """Validate the config against the drafter checkpoint's config.json; returns that config."""
     if OmegaConf.is_missing(cfg, "drafter_dir") or cfg.get("drafter_dir") is None:
-        raise EvaluateConfigError(
+        raise ConfigError(
             "drafter_dir is required: python -m dspark.evaluate drafter_dir=<checkpoint dir>"
         )
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not (folder / "config.json").exists():
-        raise EvaluateConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
+        raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
     from .checkpoints import read_drafter_config
     from .drafters import DrafterSpec, static_cache_drafters
 
     dconf = read_drafter_config(folder)
     spec = DrafterSpec.from_config(dconf)
     if not cfg.benchmarks:
-        raise EvaluateConfigError("benchmarks is empty: e.g. benchmarks=[gsm8k,mt-bench]")
+        raise ConfigError("benchmarks is empty: e.g. benchmarks=[gsm8k,mt-bench]")
     if float(cfg.temperature) < 0:
-        raise EvaluateConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+        raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
     if int(cfg.concurrency) < 1:
-        raise EvaluateConfigError(f"concurrency must be >= 1, got {cfg.concurrency}")
+        raise ConfigError(f"concurrency must be >= 1, got {cfg.concurrency}")
     if int(cfg.max_new_tokens) < 1:
-        raise EvaluateConfigError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+        raise ConfigError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     engine = str(cfg.get("engine", "plain"))
     if engine not in ("plain", "fast"):
-        raise EvaluateConfigError(f"engine={engine} is not one of plain, fast")
+        raise ConfigError(f"engine={engine} is not one of plain, fast")
     if engine == "fast" and not spec.supports_static_cache:
-        raise EvaluateConfigError(
+        raise ConfigError(
             f"engine=fast drafts with block drafters ({', '.join(static_cache_drafters())}); "
             f"{spec.kind} runs on engine=plain"
         )
-    name = str(cfg.policy.name).lower().replace("-", "_")
+    policy = build_policy(cfg.policy)
     gamma = spec.gamma
     has_conf = spec.has_confidence
-    if name == "fixed" and cfg.policy.get("gamma") is not None and int(cfg.policy.gamma) > gamma:
-        raise EvaluateConfigError(
-            f"policy.gamma={cfg.policy.gamma} exceeds the drafter's block size {gamma}: "
+    if isinstance(policy, Fixed) and policy.gamma is not None and policy.gamma > gamma:
+        raise ConfigError(
+            f"policy.gamma={policy.gamma} exceeds the drafter's block size {gamma}: "
             f"set policy.gamma<={gamma} (or policy.gamma=null for the whole block)"
         )
-    if name in CONFIDENCE_POLICIES and not has_conf:
-        raise EvaluateConfigError(
-            f"policy={name} needs confidences, but the drafter in {folder} ({dconf['drafter']['name']}) "
+    if policy.needs_confidence and not has_conf:
+        raise ConfigError(
+            f"policy={policy.name} needs confidences, but the drafter in {folder} ({spec.kind}) "
             f"has no confidence head: use policy=fixed or policy=mtp1"
         )
-    if name in COST_POLICIES and not cfg.policy.get("cost_table"):
-        raise EvaluateConfigError(
-            f"policy={name} needs a profiled cost table: "
+    if policy.needs_cost and not cfg.policy.get("cost_table"):
+        raise ConfigError(
+            f"policy={policy.name} needs a profiled cost table: "
             f"set policy.cost_table=<json> (python -m dspark.schedule)"
         )
     if cfg.calibrate and not has_conf:
-        raise EvaluateConfigError(
+        raise ConfigError(
             f"calibrate=true needs a drafter with a confidence head; {folder} holds a "
-            f"{dconf['drafter']['name']} drafter without one"
+            f"{spec.kind} drafter without one"
         )
     if cfg.calibrate and not cfg.calibration.get("file") and int(cfg.calibration.prompts) < 1:
-        raise EvaluateConfigError("calibrate=true needs calibration.prompts >= 1 or calibration.file=<jsonl>")
+        raise ConfigError("calibrate=true needs calibration.prompts >= 1 or calibration.file=<jsonl>")
     return dconf
 
 
@@ -137,7 +134,7 @@ def split_prompts(cfg: DictConfig) -> tuple[dict[str, list[str]], list[tuple[str
         prompts = first_turns(str(name), cfg.benchmark_dir)
         if n_cal:
             if len(prompts) <= n_cal:
-                raise EvaluateConfigError(
+                raise ConfigError(
                     f"benchmark {name} has {len(prompts)} prompts, too few to hold out "
                     f"calibration.prompts={n_cal}"
                 )
@@ -150,7 +147,7 @@ def split_prompts(cfg: DictConfig) -> tuple[dict[str, list[str]], list[tuple[str
         src = resolve_path(str(cfg.calibration.file))
         files = sorted(src.glob("*.jsonl")) if src.is_dir() else [src]
         if not files or not all(f.exists() for f in files):
-            raise EvaluateConfigError(f"calibration.file={cfg.calibration.file}: no turns-JSONL file there")
+            raise ConfigError(f"calibration.file={cfg.calibration.file}: no turns-JSONL file there")
         for f in files:
             calib += [(f.stem, p) for p in first_turns(f.stem, f.parent)]
     return report, calib
@@ -158,20 +155,6 @@ def split_prompts(cfg: DictConfig) -> tuple[dict[str, list[str]], list[tuple[str
 
 # ----------------------------------------------------------------------------------------------
 # run
-
-
-def build_policy_from_cfg(pcfg: DictConfig):
-    from .scheduling.cost import CostModel
-    from .scheduling.policies import build_policy
-
-    name = str(pcfg.name)
-    kw = {
-        k: v for k, v in OmegaConf.to_container(pcfg, resolve=True).items() if k not in ("name", "cost_table")
-    }
-    if name == "threshold" and "threshold" in kw:
-        kw["tau"] = kw.pop("threshold")
-    cost = CostModel.load(pcfg.cost_table) if pcfg.get("cost_table") else None
-    return build_policy(name, **kw), cost
 
 
 def run(cfg: DictConfig) -> dict:
@@ -192,7 +175,7 @@ def run(cfg: DictConfig) -> dict:
     from .drafters import DrafterSpec
     from .reporting.plots import acceptance_by_position_plot, threshold_sweep_plot
     from .reporting.tables import table1
-    from .scheduling.policies import Fixed
+    from .scheduling.cost import CostModel
     from .target import load_target
 
     folder = EvaluationFolder(str(cfg.out_dir))
@@ -204,7 +187,8 @@ def run(cfg: DictConfig) -> dict:
     drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
     drafter_folder = DrafterFolder(str(cfg.drafter_dir))
     calibration = drafter_folder.read_calibration()
-    policy, cost = build_policy_from_cfg(cfg.policy)
+    policy = build_policy(cfg.policy)
+    cost = CostModel.load(cfg.policy.cost_table) if cfg.policy.get("cost_table") else None
     chat_kw = cfg.target.get("chat_template_kwargs")
     chat_kw = OmegaConf.to_container(chat_kw, resolve=True) if chat_kw else {}
     has_conf = drafter.has_confidence
@@ -427,7 +411,8 @@ def _decode(tokenizer, tokens: list[int]) -> str | None:
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    with user_errors():
+        run(cfg)
 
 
 if __name__ == "__main__":

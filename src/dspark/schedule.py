@@ -10,7 +10,7 @@ Sweeps concurrency R for each verification-length policy and writes into out_dir
   cost_table.json          measured mode: the profiled (or given) table
   meta.json                command, commit, machine, date, timings, config
 
-Analytical mode replays recorded rounds (see ``dspark.scheduling.frontier``); with cost_table=null
+Analytical mode replays recorded rounds (see ``dspark.scheduling.replay``); with cost_table=null
 it prices them on a SYNTHETIC roofline (``analytical_cost``), which shows the shape of the
 trade-off but no real hardware. Measured mode runs the engine; without a cost table it first
 profiles the target's verification step over token batch sizes at ``context_len`` (and the
@@ -41,7 +41,6 @@ FRONTIER_KEYS = ("concurrency", "throughput", "tps_per_user", "budget", "tau")
 
 
 def check_config(cfg: DictConfig) -> None:
-    from .scheduling.frontier import NEEDS_CONFIDENCE, ReplayError, base_name, make_policy
 
     if cfg.mode not in ("analytical", "measured"):
         raise ConfigError(f"mode must be 'analytical' or 'measured', got '{cfg.mode}'")
@@ -52,11 +51,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("policies is empty: e.g. policies=[mtp1,fixed,hardware_aware]")
     if cfg.gamma is not None and int(cfg.gamma) < 1:
         raise ConfigError(f"gamma must be >= 1 (or null for the drafter's block), got {cfg.gamma}")
-    for spec in cfg.policies:
-        try:  # names and arguments; γ bounds are checked once the block size is known
-            make_policy(str(spec), gamma=10**6, threshold=float(cfg.threshold), delay=int(cfg.async_delay))
-        except ReplayError as err:
-            raise ConfigError(f"policies: {err}") from None
+    policies = _policies(cfg)  # names and arguments; γ bounds are checked once the block is known
+    for name, policy in policies.items():
+        if not policy.lossless:
+            log.warning("policy %s is NOT lossless (Appendix A); it is a diagnostic upper bound", name)
     if cfg.cost_table is not None and not Path(str(cfg.cost_table)).expanduser().is_file():
         raise ConfigError(f"cost_table={cfg.cost_table}: no such file (null: synthetic / profile)")
     if cfg.mode == "analytical":
@@ -75,7 +73,7 @@ def check_config(cfg: DictConfig) -> None:
         if cfg.drafter_dir is None:
             raise ConfigError("drafter_dir is required in measured mode: drafter_dir=<checkpoint dir>")
         spec = _drafter_spec(cfg)
-        needy = [s for s in cfg.policies if base_name(s) in NEEDS_CONFIDENCE]
+        needy = [name for name, p in policies.items() if p.needs_confidence]
         if needy and not spec.has_confidence:
             raise ConfigError(
                 f"policies {needy} need confidences, but the {spec.kind} drafter in {cfg.drafter_dir} has "
@@ -103,19 +101,16 @@ def _gamma(cfg: DictConfig, block: int) -> int:
     return g
 
 
-def _policies(cfg: DictConfig, gamma: int, block: int) -> dict:
-    from .scheduling.frontier import ReplayError, make_policy
+def _policies(cfg: DictConfig, gamma: int | None = None, block: int | None = None) -> dict:
+    from .scheduling.policies import build_policy
 
+    defaults = {"threshold": float(cfg.threshold), "delay": int(cfg.async_delay), "check": False}
     out = {}
     for spec in cfg.policies:
         try:
-            out[str(spec)] = make_policy(
-                str(spec), gamma, block, threshold=float(cfg.threshold), delay=int(cfg.async_delay)
-            )
-        except ReplayError as err:
+            out[str(spec)] = build_policy(str(spec), gamma=gamma, block=block, defaults=defaults)
+        except ConfigError as err:
             raise ConfigError(f"policies: {err}") from None
-        if out[str(spec)].name == "retrospective":
-            log.warning("policy %s is NOT lossless (Appendix A); it is a diagnostic upper bound", spec)
     return out
 
 
@@ -152,8 +147,8 @@ def synthetic_cost(cfg: DictConfig):
 # modes
 
 
-def run_analytical(cfg: DictConfig) -> tuple[dict, object, dict]:
-    from .scheduling.frontier import ReplayError, load_rounds, replay
+def run_analytical(cfg: DictConfig) -> tuple[dict, dict, object, dict]:
+    from .scheduling.replay import ReplayError, load_rounds, replay
 
     temps = None
     if cfg.calibration is not None:
@@ -185,7 +180,7 @@ def run_analytical(cfg: DictConfig) -> tuple[dict, object, dict]:
     except ReplayError as err:
         raise ConfigError(str(err)) from None
     info = {"rounds": len(rounds), "requests": len(rounds.sequences), "block": rounds.gamma, "gamma": gamma}
-    return frontier, cost, info
+    return frontier, policies, cost, info
 
 
 def _prompts(cfg: DictConfig, target) -> list[list[int]]:
@@ -206,13 +201,14 @@ def _prompts(cfg: DictConfig, target) -> list[list[int]]:
     return [target.chat_ids([{"role": "user", "content": t}], **chat_kw) for t in texts]
 
 
-def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
+def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, dict, object, dict]:
     import torch
 
     from .artifacts import DrafterFolder, FrontierFolder
+    from .bench.measure import measure
+    from .bench.profile import profile_drafter, profile_target, settle_profile
     from .checkpoints import load_drafter
     from .scheduling.cost import CostModel
-    from .scheduling.frontier import measure, profile_drafter, profile_target, settle_profile
     from .target import load_target
 
     target = load_target(cfg.target)
@@ -282,7 +278,7 @@ def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
         engine_kind=str(cfg.measured.get("engine", "plain")),
     )
     info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
-    return frontier, cost, info
+    return frontier, policies, cost, info
 
 
 def _powers_of_two(top: int) -> list[int]:
@@ -297,18 +293,21 @@ def _powers_of_two(top: int) -> list[int]:
 # outputs
 
 
-def write_outputs(cfg: DictConfig, out: Path, frontier: dict, cost, info: dict, started: float) -> dict:
+def write_outputs(
+    cfg: DictConfig, out: Path, frontier: dict, policies: dict, cost, info: dict, started: float
+) -> dict:
     from .artifacts import FrontierFolder
     from .reporting.frontier_plots import budget_plot, frontier_plot
-    from .scheduling.frontier import base_name, dominance
+    from .scheduling.policies import HardwareAware
+    from .scheduling.replay import dominance
 
     points = {name: [{k: p[k] for k in FRONTIER_KEYS} for p in pts] for name, pts in frontier.items()}
     result = {"mode": str(cfg.mode), "cost_table": cost.to_dict(), "policies": points}
     folder = FrontierFolder(out)
     folder.write_frontier(result)
 
-    fixed = [n for n in points if base_name(n) in ("fixed", "mtp1")]
-    ha = next((n for n in points if base_name(n) == "hardware_aware"), None)
+    fixed = [n for n, p in policies.items() if not p.needs_confidence]  # fixed lengths: fixed_<g>, mtp1
+    ha = next((n for n, p in policies.items() if isinstance(p.base, HardwareAware)), None)
     check = None
     if ha is not None and fixed:
         misses = dominance(points, ha, fixed)
@@ -367,10 +366,10 @@ def run(cfg: DictConfig) -> dict:
     out = Path(str(cfg.out_dir))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.mode == "analytical":
-        frontier, cost, info = run_analytical(cfg)
+        frontier, policies, cost, info = run_analytical(cfg)
     else:
-        frontier, cost, info = run_measured(cfg, out)
-    result = write_outputs(cfg, out, frontier, cost, info, started)
+        frontier, policies, cost, info = run_measured(cfg, out)
+    result = write_outputs(cfg, out, frontier, policies, cost, info, started)
     for name, pts in result["policies"].items():
         log.info(
             "%-16s %s",

@@ -43,10 +43,10 @@ def main(argv=None) -> dict:
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
     from ..scheduling.cost import CostModel
-    from ..scheduling.frontier import make_policy, measure
-    from ..scheduling.policies import Fixed
+    from ..scheduling.policies import Fixed, build_policy
     from ..target import load_target
     from .common import compose_target, publish
+    from .measure import measure
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
     prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in texts]
     gamma = int(drafter.gamma)
-    policies = {p: make_policy(p, gamma, gamma) for p in args.policies.split(",")}
+    policies = {p: build_policy(p, gamma=gamma, defaults={"check": False}) for p in args.policies.split(",")}
     conc = [int(r) for r in args.concurrency.split(",")]
     common = dict(
         temperature=args.temperature,

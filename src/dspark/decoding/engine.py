@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.progress import progress_bar
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import Shared
+from ..scheduling.policies import Fixed, Policy
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .verify import verify
 
 __all__ = [
-    "NEEDS_CONFIDENCE",
-    "NEEDS_COST",
     "Engine",
     "EngineResult",
     "Generation",
@@ -55,11 +55,6 @@ __all__ = [
     "tau",
     "threshold_sweep",
 ]
-
-# Policies that read confidences / a cost table (scheduling/policies.py); the rest are fixed-length.
-NEEDS_CONFIDENCE = {"threshold", "hardware_aware", "async_topk", "retrospective"}
-NEEDS_COST = {"hardware_aware", "async_topk", "retrospective"}
-
 
 @dataclass
 class Request:
@@ -185,22 +180,18 @@ class Engine:
         self.set_policy(policy)
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
 
-    def set_policy(self, policy=None) -> None:
+    def set_policy(self, policy: Policy | None = None) -> None:
         """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
-        if policy is None:
-            from ..scheduling.policies import Fixed
-
-            policy = Fixed(None)
-        name = getattr(policy, "name", type(policy).__name__).lower()
-        if self.drafter is not None and name in NEEDS_CONFIDENCE and not self.has_confidence:
+        policy = Fixed(None) if policy is None else policy
+        if self.drafter is not None and policy.needs_confidence and not self.has_confidence:
             raise ValueError(
-                f"policy '{name}' needs per-position confidences, but drafter "
-                f"'{getattr(self.drafter, 'kind', '?')}' has no confidence head: use policy=fixed or "
+                f"policy '{policy.name}' needs per-position confidences, but drafter "
+                f"'{self.drafter.kind}' has no confidence head: use policy=fixed or "
                 f"policy=mtp1, or a DSpark drafter with confidence.enabled=true"
             )
-        if self.drafter is not None and name in NEEDS_COST and self.cost is None:
+        if self.drafter is not None and policy.needs_cost and self.cost is None:
             raise ValueError(
-                f"policy '{name}' needs a cost model (a profiled SPS table): set policy.cost_table"
+                f"policy '{policy.name}' needs a cost model (a profiled SPS table): set policy.cost_table"
             )
         self.policy = policy
 
@@ -225,8 +216,7 @@ class Engine:
             if len(r.prompt) == 0:
                 raise ValueError(f"request {r.id} has an empty prompt")
         self._check_requests(reqs)
-        if hasattr(self.policy, "reset"):
-            self.policy.reset()
+        self.policy.reset()
         queue = deque(range(len(reqs)))
         done: dict[int, Generation] = {}
         rounds: list[RoundRecord] = []
@@ -235,7 +225,7 @@ class Engine:
         self._reset_state()
         anchors = anchor_pos = None  # [R] long each
         start = time.perf_counter()
-        bar = _progress(len(reqs), self.desc, self.progress)
+        bar = progress_bar(len(reqs), self.desc, self.progress, unit="req")
         step = 0
         with torch.inference_mode():
             while queue or live:
@@ -505,14 +495,6 @@ def _temperatures(calibration, gamma: int | None) -> Tensor | None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,9 @@
-"""Throughput / interactivity frontier of verification-length policies (paper §5.3-5.4, Figs. 7-8).
+"""Throughput / interactivity frontier of verification-length policies (paper §5.3-5.4, Figs. 7-8),
+analytically: one point ``(concurrency R, aggregate throughput, tok/s/user, budget, τ)`` per policy
+and concurrency from recorded engine rounds replayed against a cost table, in seconds on a CPU.
+(The measured frontier runs the engine itself: ``dspark.bench.measure``.)
 
-Two ways to get one point ``(concurrency R, aggregate throughput, tok/s/user, budget, τ)`` per
-policy and concurrency:
-
-**Analytical** (``replay``): replay recorded engine rounds against a cost table, in seconds on a
-CPU. A round recorded with the *whole* drafted block verified (``proposed == drafted``, i.e.
+``replay``: A round recorded with the *whole* drafted block verified (``proposed == drafted``, i.e.
 ``python -m dspark.evaluate policy=fixed policy.gamma=null``) tells the outcome of every draft
 position: its first rejection index ``n``. The rejection sampler decides position ``k`` from the
 draft token, the two distributions and one uniform, none of which depend on how many positions
@@ -30,123 +29,39 @@ any policy.
 The replay is exact per round, but it is still a replay: a different ``ℓ'`` would have led the
 request down another trajectory with other confidences later on; the recorded distribution of
 (confidences, outcome) per round stands in for it. Prefill and request arrival are not modelled.
-
-**Measured** (``measure``): run the real ``Engine`` over a prompt set at each R and time its
-decode rounds (``EngineResult.steps``); ``profile_target`` / ``profile_drafter`` time the
-target's verification forward and the drafter's proposal for the cost table.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..artifacts import EvaluationFolder, read_rounds
 from ..core.errors import DataError
+from ..core.progress import progress_bar
 from .cost import CostModel
-from .policies import AsyncTopK, Fixed, HardwareAware, Mtp1, Policy, Retrospective, Threshold
-
-log = logging.getLogger(__name__)
+from .policies import Policy
 
 __all__ = [
     "ReplayError",
     "ReplayRounds",
-    "Truncated",
     "dominance",
     "load_rounds",
-    "make_policy",
-    "measure",
-    "profile_drafter",
-    "profile_target",
     "replay",
     "rounds_from_records",
-    "settle_profile",
     "stream_batches",
 ]
 
-NEEDS_CONFIDENCE = {"threshold", "hardware_aware", "async_topk", "retrospective"}
-NEEDS_COST = {"hardware_aware", "async_topk", "retrospective"}
 _REQUIRED = ("request", "round", "drafted", "proposed", "accepted", "accept_flags")
 
 
 class ReplayError(ValueError):
-    """Recorded rounds (or a policy spec) that cannot be replayed; the message says what to change."""
-
-
-# ---------------------------------------------------------------------------------------------
-# policies by name
-# ---------------------------------------------------------------------------------------------
-class Truncated(Policy):
-    """Cap the drafted block at ``gamma`` positions before the inner policy sees it, so every
-    policy of a sweep chooses from the same γ (e.g. a γ=7 drafter evaluated as DSpark-5)."""
-
-    def __init__(self, inner: Policy, gamma: int) -> None:
-        self.inner, self.gamma = inner, int(gamma)
-        self.name = inner.name  # the engine looks policies up by name (needs cost / confidence)
-
-    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
-        return self.inner.lengths(confidences[:, : self.gamma], cost)
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-
-def base_name(spec: str) -> str:
-    """``fixed_3`` -> ``fixed``, ``threshold_0.3`` -> ``threshold``."""
-    key = str(spec).strip().lower().replace("-", "_")
-    m = re.fullmatch(r"(fixed|threshold)_([0-9.]+)", key)
-    return m.group(1) if m else key
-
-
-def make_policy(
-    spec: str, gamma: int, block: int | None = None, threshold: float = 0.5, delay: int = 2
-) -> Policy:
-    """A policy from its sweep name: ``fixed`` (the whole γ), ``fixed_<g>``, ``mtp1``, ``threshold``
-    (``threshold`` value) or ``threshold_<t>``, ``hardware_aware``, ``async_topk`` (``delay``),
-    ``retrospective`` (not lossless: diagnostics only). ``block``: the drafter's block size;
-    when larger than ``gamma`` the policy is wrapped in ``Truncated``."""
-    key = str(spec).strip().lower().replace("-", "_")
-    m = re.fullmatch(r"(fixed|threshold)_([0-9.]+)", key)
-    try:
-        if m and m.group(1) == "fixed":
-            g = int(m.group(2))
-            if g > gamma:
-                raise ReplayError(f"policy {spec}: γ={g} exceeds the draft length gamma={gamma}")
-            pol: Policy = Fixed(g)
-        elif m:
-            pol = Threshold(float(m.group(2)))
-        elif key == "fixed":
-            pol = Fixed(None)
-        elif key == "mtp1":
-            pol = Mtp1()
-        elif key == "threshold":
-            pol = Threshold(float(threshold))
-        elif key == "hardware_aware":
-            pol = HardwareAware(check=False)
-        elif key == "async_topk":
-            pol = AsyncTopK(delay=int(delay), check=False)
-        elif key == "retrospective":
-            pol = Retrospective(check=False)
-        else:
-            raise ReplayError(
-                f"unknown policy {spec!r}: use fixed, fixed_<g>, mtp1, threshold, threshold_<t>, "
-                "hardware_aware, async_topk (or retrospective, a non-lossless diagnostic)"
-            )
-    except ValueError as err:
-        if isinstance(err, ReplayError):
-            raise
-        raise ReplayError(f"policy {spec}: {err}") from None
-    if block is not None and gamma < block:
-        pol = Truncated(pol, gamma)
-    return pol
+    """Recorded rounds that cannot be replayed; the message says what to change."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +255,7 @@ def replay(
     N, G = len(rounds), rounds.gamma
     conf = rounds.confidence
     if conf is None:
-        needy = [n for n, p in policies.items() if p.name in NEEDS_CONFIDENCE]
+        needy = [n for n, p in policies.items() if p.needs_confidence]
         if needy or outcome == "expected":
             raise ReplayError(
                 f"{rounds.source}: the rounds carry no confidences (drafter without a confidence head); "
@@ -351,7 +266,7 @@ def replay(
     prefix = np.concatenate([np.zeros((N, 1)), np.cumsum(np.cumprod(conf, axis=1), axis=1)], axis=1)
     conf_t = torch.from_numpy(np.ascontiguousarray(conf))
     out: dict[str, list[dict]] = {name: [] for name in policies}
-    bar = _bar(len(concurrency) * len(policies), "replay", progress)
+    bar = progress_bar(len(concurrency) * len(policies), "replay", progress)
     for R in concurrency:
         R = int(R)
         rng = np.random.default_rng([int(seed), R])
@@ -411,220 +326,3 @@ def dominance(frontier: Mapping[str, list[dict]], policy: str, against: Iterable
                 )
     return misses
 
-
-# ---------------------------------------------------------------------------------------------
-# measured mode
-# ---------------------------------------------------------------------------------------------
-def measure(
-    target,
-    drafter,
-    policies: Mapping[str, Policy],
-    concurrency: Sequence[int],
-    prompts: Sequence[Sequence[int]],
-    *,
-    cost: CostModel | None = None,
-    calibration=None,
-    temperature: float = 1.0,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    warmup: bool = True,
-    progress: bool = False,
-    engine_kind: str = "plain",
-    engine_kw: dict | None = None,
-) -> dict[str, list[dict]]:
-    """Run the engine per policy and concurrency; time its decode rounds.
-
-    Prompts are repeated to fill at least R slots. Throughput = tokens emitted by decode rounds /
-    their summed wall time (prefill is excluded: no policy changes it, and the analytical mode does
-    not model it); tok/s/user = mean over requests of its tokens / the time of the rounds it was in
-    (the tail, when fewer than R requests remain, counts: that is how a finite job behaves)."""
-    from ..decoding.engine import Request
-    from ..decoding.fast_engine import build_engine
-
-    if not prompts:
-        raise ReplayError("measured mode needs at least one prompt")
-    first = next(iter(policies.values()))
-
-    def engine(R: int, n_new: int):
-        return build_engine(
-            engine_kind,
-            target,
-            drafter,
-            first,
-            temperature=temperature,
-            concurrency=R,
-            max_new_tokens=n_new,
-            calibration=calibration,
-            cost=cost,
-            seed=seed,
-            **(engine_kw or {}),
-        )
-
-    if warmup:  # one-off costs (allocator growth, lazy kernels) stay out of the first point
-        engine(1, 2).generate([list(prompts[0])])
-    out: dict[str, list[dict]] = {name: [] for name in policies}
-    bar = _bar(len(concurrency) * len(policies), "measure", progress)
-    for R in concurrency:
-        R = int(R)
-        eng = None  # drop the previous R's caches (and graphs) before building this one's
-        eng = engine(R, max_new_tokens)  # one engine serves every policy: a fast engine keeps its graphs
-        n = max(len(prompts), R)
-        reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
-        for name, pol in policies.items():
-            eng.set_policy(pol)
-            eng.generator.manual_seed(seed)
-            if hasattr(eng, "prepare"):
-                eng.prepare(reqs)  # captures CUDA graphs before the timed run
-            res = eng.generate(reqs)
-            step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
-            total_s = sum(step_s.values())
-            toks: dict = {}
-            secs: dict = {}
-            for rec in res.rounds:
-                toks[rec.request] = toks.get(rec.request, 0) + rec.emitted
-                secs[rec.request] = secs.get(rec.request, 0.0) + step_s[rec.step]
-            emitted = sum(toks.values())
-            users = [toks[r] / secs[r] for r in toks if secs[r] > 0]
-            rounds = max(len(res.rounds), 1)
-            out[name].append(
-                {
-                    "concurrency": R,
-                    "throughput": emitted / total_s if total_s > 0 else float("nan"),
-                    "tps_per_user": float(np.mean(users)) if users else float("nan"),
-                    "budget": sum(r.proposed for r in res.rounds) / rounds,
-                    "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
-                }
-            )
-            log.info("%s R=%d: %s", name, R, out[name][-1])
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    return out
-
-
-def _verify_shape(B: int, gamma: int) -> tuple[int, int]:
-    """Rows x tokens for a verification of ~B tokens: full blocks of γ+1 (anchor + γ drafts), the
-    shape a block drafter verifies; the engine pads rows to the longest, so this is the shape it
-    pays for. rows·tokens >= B by less than one row."""
-    rows = max(1, -(-B // (gamma + 1)))
-    return rows, -(-B // rows)
-
-
-def profile_target(
-    target, batch_sizes: Iterable[int], context_len: int, gamma: int, warmup: int = 2, repeats: int = 5
-) -> dict[int, float]:
-    """Step time (ms) of the target's verification forward over ``B`` tokens, each row attending
-    to ``context_len`` cached positions (random K/V stand in for a prefill: the values do not
-    change the work, only the time a prefill would take)."""
-    from ..decoding.kv import RaggedKV
-    from .cost import profile
-
-    if context_len < 1:
-        raise ValueError(f"context_len must be >= 1, got {context_len}")
-    built: dict[int, tuple] = {}
-
-    def step(B: int) -> None:
-        if B not in built:
-            built.clear()  # one shape alive at a time: large B caches are big
-            rows, t = _verify_shape(B, gamma)
-            kv = RaggedKV.empty(target.model.config, rows, context_len + t, target.dtype, target.device)
-            for buf in kv.k + kv.v:  # not zeros: GPU power (and so clocks) depends on the data
-                buf.normal_()
-            kv.length.fill_(context_len)
-            ids = torch.randint(0, target.vocab_size, (rows, t), device=target.device)
-            pos = context_len + torch.arange(t, device=target.device).expand(rows, -1)
-            built[B] = (kv, ids, pos)
-        kv, ids, pos = built[B]
-        mask = kv.plan(ids.shape[1], target.dtype)  # no commit: every repeat verifies the same slots
-        target(ids, positions=pos, cache=kv, attention_mask=mask, use_cache=True)
-
-    with torch.inference_mode():
-        return profile(step, batch_sizes, warmup=max(1, warmup), repeats=repeats)
-
-
-def profile_drafter(
-    target,
-    drafter,
-    concurrency: Iterable[int],
-    context_len: int,
-    temperature: float = 1.0,
-    warmup: int = 2,
-    repeats: int = 5,
-) -> dict[int, float]:
-    """Step time (ms) of ``drafter.propose`` for R requests over ``context_len`` context positions."""
-    from ..core.types import Shared
-    from .cost import profile
-
-    shared = Shared.of(target)
-    device = target.device
-    built: dict[int, tuple] = {}
-    gen = torch.Generator().manual_seed(0)
-
-    def step(R: int) -> None:
-        if R not in built:
-            built.clear()
-            cache = drafter.new_cache(R, device)
-            taps = torch.randn(R, context_len, target.tap_dim, device=device, dtype=target.dtype)
-            pos = torch.arange(context_len, device=device).expand(R, -1)
-            nxt = torch.randint(0, target.vocab_size, (R, context_len), device=device)
-            valid = torch.ones(R, context_len, dtype=torch.bool, device=device)
-            drafter.extend_context(cache, taps, pos, valid, nxt, shared)
-            anchors = torch.randint(0, target.vocab_size, (R,), device=device)
-            built[R] = (cache, anchors, torch.full((R,), context_len, device=device))
-        cache, anchors, apos = built[R]
-        drafter.propose(cache, anchors, apos, shared, temperature, gen)
-
-    with torch.inference_mode():
-        return profile(step, concurrency, warmup=max(1, warmup), repeats=repeats)
-
-
-def _spikes(table: Mapping[int, float], tol: float) -> list[int]:
-    """Batch sizes timed slower than some larger batch by more than ``tol``: a step cannot get
-    cheaper with more tokens, so the smaller one was disturbed (preemption, GC, a cold cache)."""
-    bs = sorted(table)
-    return [b for i, b in enumerate(bs) if any(table[b] > (1 + tol) * table[c] for c in bs[i + 1 :])]
-
-
-def _isotonic(bs: Sequence[int], ts: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for t in ts:
-        blocks.append([t, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
-
-
-def settle_profile(
-    run, sizes: Sequence[int], tol: float = 0.05, retries: int = 2
-) -> tuple[dict[int, float], dict]:
-    """``run(sizes) -> {B: ms}``, re-timing the points that a larger batch undercuts (timing noise
-    only ever adds time, so the smaller of two medians is kept); what still dips after ``retries``
-    is smoothed by an isotonic fit. Returns the table and notes for the cost model's meta."""
-    table = dict(run(list(sizes)))
-    notes: dict = {}
-    for _ in range(retries):
-        bad = _spikes(table, tol)
-        if not bad:
-            return table, notes
-        again = run(bad)
-        notes.setdefault("retimed", []).extend(bad)
-        table = {b: min(t, again.get(b, t)) for b, t in table.items()}
-    if _spikes(table, tol):
-        bs = sorted(table)
-        notes["raw_ms"] = {str(b): table[b] for b in bs}
-        table = dict(zip(bs, _isotonic(bs, [table[b] for b in bs])))
-        log.warning(
-            "profile still dips after %d re-timings; using an isotonic fit (raw times in meta)", retries
-        )
-    return table, notes
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, dynamic_ncols=True)
