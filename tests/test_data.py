@@ -30,7 +30,7 @@ from dspark.data.regenerate import (
     generate_continuations,
     load_conversations,
     nucleus,
-    regenerate_split,
+    regenerate,
 )
 from dspark.data.tokenize import (
     TemplateError,
@@ -466,19 +466,13 @@ PROMPTS = [
 ]
 
 
-def regen(tiny, out_dir, **kw):
-    return regenerate_split(
-        tiny,
-        PROMPTS,
-        out_dir,
-        "train",
-        Sampling(1.0, 1.0, 0, 6),
-        shard_size=2,
-        batch_size=2,
-        seed=0,
-        max_length=256,
-        **kw,
+def regen(tiny, out_dir, prompts=PROMPTS, sampling=None, **kw):
+    """One split through ``regenerate``; its stats."""
+    sampling = sampling or Sampling(1.0, 1.0, 0, 6)
+    per_split, _ = regenerate(
+        tiny, {"train": prompts}, out_dir, sampling, shard_size=2, batch_size=2, seed=0, max_length=256, **kw
     )
+    return per_split["train"]
 
 
 class Interrupt(Exception):
@@ -510,9 +504,7 @@ def test_regeneration_resumes_without_duplicates(tiny, tmp_path):
     assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["finish"] in ("stop", "length")
     # A shard from another prompt list is refused rather than mixed in.
     with pytest.raises(DataError, match="refusing to mix"):
-        regenerate_split(
-            tiny, PROMPTS[::-1], part, "train", Sampling(), shard_size=2, batch_size=2, seed=0, max_length=256
-        )
+        regen(tiny, part, prompts=PROMPTS[::-1], sampling=Sampling())
 
 
 def test_failing_write_leaves_no_half_written_shard(tiny, tmp_path):
@@ -544,8 +536,8 @@ def test_atomic_open_keeps_old_file_on_failure(tmp_path):
 
 def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     from dspark.data.datamodule import tokens_path
+    from dspark.data.dataset import ensure_dataset, prepare_dataset, read_done
     from dspark.data.tokenize import load_tokens
-    from dspark.prepare import ensure_dataset, prepare_dataset, read_done
 
     lines = [json.dumps({"turns": [f"Tell me fact number {i} about the ocean."]}) for i in range(10)]
     src = write_lines(tmp_path / "src.jsonl", lines + ["", "{broken"])
@@ -570,7 +562,7 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     assert all(train.sample(i)[1].any() for i in range(len(train)))
 
     # A finished folder is reused without loading anything...
-    monkeypatch.setattr("dspark.prepare._load_target", lambda cfg: pytest.fail("should not load the target"))
+    monkeypatch.setattr("dspark.data.dataset._load_target", lambda cfg: pytest.fail("should not load the target"))
     assert ensure_dataset(cfg, target_cfg("tiny")) == out
     # Keys that only change how the folder is read or built are free to differ...
     read_only = OmegaConf.merge(cfg, {"batch_size": 7, "gen_batch_size": 3, "anchors_per_sequence": 5})

@@ -10,7 +10,6 @@ still replicated: it is not part of the wrapped module.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import lightning as L
 import torch
@@ -19,12 +18,6 @@ from torch import Tensor
 from .core.types import Shared
 from .drafters.dflash import sample_anchors
 from .objectives import LossWeights, compute_loss
-
-
-class FeatureSource(Protocol):
-    """Where a batch's target features come from: (taps [B,T,m·d], last_hidden [B,T,d])."""
-
-    def __call__(self, batch: dict, target) -> tuple[Tensor, Tensor]: ...
 
 
 def online_features(batch: dict, target) -> tuple[Tensor, Tensor]:

@@ -186,28 +186,8 @@ def _launching_rank_zero() -> bool:
     return (_get_rank() or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
 
 
-def _wait_for_dataset(cfg_data, features: str, timeout_s: float = 6 * 3600) -> None:
-    """Ranks other than 0 wait until rank 0 has prepared data.dir (and its feature cache with
-    features=offline); for several nodes data.dir must be on a shared disk, or prepared beforehand."""
-    from .core.io import read_json
-    from .data.cache import MANIFEST
-    from .data.io import resolve_path
-    from .prepare import read_done
-
-    data_dir = resolve_path(cfg_data.dir)
-    manifest = data_dir / "cache" / MANIFEST
-    need_cache = features == "offline"
-    start = time.monotonic()
-    while read_done(data_dir) is None or (
-        need_cache and not (manifest.exists() and read_json(manifest).get("complete"))
-    ):
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"no finished dataset at {data_dir} after {timeout_s:.0f} s (rank 0 makes it)")
-        time.sleep(5)
-
-
 def run_training(cfg: DictConfig) -> dict:
-    from .prepare import check_data_dir
+    from .data.dataset import check_data_dir
 
     batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
     check_data_dir(cfg.data, cfg.target)
@@ -224,10 +204,10 @@ def run_training(cfg: DictConfig) -> dict:
 
     from .data.cache import target_fingerprint
     from .data.datamodule import DraftDataModule
-    from .prepare import ensure_dataset
+    from .data.dataset import ensure_dataset, wait_for_dataset
 
     if not _launching_rank_zero():
-        _wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
+        wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
     data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
     datamodule = DraftDataModule(
         cfg.data,

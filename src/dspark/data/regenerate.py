@@ -601,15 +601,6 @@ def regenerate(
     return stats, total
 
 
-def regenerate_split(
-    target, prompts: list[dict], out_dir: str | Path, split: str, sampling: Sampling, **kw
-) -> RegenStats:
-    """`regenerate` for a single split (same keywords); returns its stats with the pass's wall time."""
-    stats, total = regenerate(target, {split: prompts}, out_dir, sampling, **kw)
-    stats[split].seconds = total.seconds
-    return stats[split]
-
-
 def load_conversations(out_dir: str | Path, split: str) -> list[dict]:
     rows: list[dict] = []
     for path in sorted(Path(out_dir).glob(f"{split}-*.jsonl")):
