@@ -13,7 +13,7 @@ from dspark.target import load_target
 
 target = load_target(compose_target(sys.argv[2:]))
 drafter = load_drafter(sys.argv[1], target, device=target.device)[0].to(target.dtype)
-prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in first_turns("gsm8k", "bench", 64)]
+prompts = [target.prompt_ids(t) for t in first_turns("gsm8k", "bench", 64)]
 for r in (1, 64):
     out = {}
     for impl in ("torch", "auto"):

@@ -562,7 +562,8 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     assert all(train.sample(i)[1].any() for i in range(len(train)))
 
     # A finished folder is reused without loading anything...
-    monkeypatch.setattr("dspark.data.dataset._load_target", lambda cfg: pytest.fail("should not load the target"))
+    never = lambda cfg: pytest.fail("should not load the target")  # noqa: E731
+    monkeypatch.setattr("dspark.data.dataset._load_target", never)
     assert ensure_dataset(cfg, target_cfg("tiny")) == out
     # Keys that only change how the folder is read or built are free to differ...
     read_only = OmegaConf.merge(cfg, {"batch_size": 7, "gen_batch_size": 3, "anchors_per_sequence": 5})

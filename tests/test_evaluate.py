@@ -18,7 +18,7 @@ from dspark.checkpoints import save_drafter
 from dspark.core.errors import ConfigError
 from dspark.core.types import TargetDims
 from dspark.drafters import build_drafter
-from dspark.evaluate import check_config, macro, split_prompts
+from dspark.evaluation import check_config, macro, split_prompts
 
 
 def _save(target, folder: Path, name: str, head: str = "none", gamma: int = 4) -> Path:
@@ -125,6 +125,21 @@ def _cfg(*overrides):
         return compose(config_name="evaluate", overrides=["out_dir=unused", *overrides])
 
 
+def test_cli_user_error_is_one_line(tmp_path):
+    """evaluate shares the entry points' error path: one line, exit 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark.evaluate", f"drafter_dir={tmp_path}", f"hydra.run.dir={tmp_path}/h"],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    want = f"dspark: error: drafter_dir={tmp_path} is not a drafter checkpoint (no config.json there)"
+    assert proc.stderr.strip() == want
+
+
 def test_config_errors_before_loading(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match="drafter_dir is required"):
         check_config(_cfg())
@@ -140,7 +155,7 @@ def test_config_errors_before_loading(tiny_target, tmp_path):
     dspark = _save(tiny_target, tmp_path / "dspark", "dspark", "markov", gamma=4)
     with pytest.raises(ConfigError, match="policy.cost_table"):
         check_config(_cfg(f"drafter_dir={dspark}", "policy=hardware_aware"))
-    assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold"))["drafter"]["name"] == "dspark"
+    assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold")).kind == "dspark"
     with pytest.raises(ConfigError, match="engine=warp is not one of plain, fast"):
         check_config(_cfg(f"drafter_dir={dspark}", "engine=warp"))
     eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3", gamma=4)

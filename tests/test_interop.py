@@ -313,15 +313,15 @@ def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):
     from hydra import compose, initialize_config_module
 
     from dspark import export as export_cli
-    from dspark.evaluate import check_config
+    from dspark.evaluation import check_config
 
     folder, _ = _deepspec_folder(tiny_target, tmp_path / "ds")
     with initialize_config_module("dspark.conf", version_base="1.3"):
         ev = compose("evaluate", [f"drafter_dir={folder}", "target=tiny", "policy=threshold"])
         ex = compose("export", [f"drafter_dir={folder}", "format=vllm", f"out={tmp_path / 'v'}"])
         ex_hf = compose("export", [f"drafter_dir={folder}", "format=hf", f"out={tmp_path / 'h'}"])
-    dconf = check_config(ev)  # confidence policies are allowed: the import has a confidence head
-    assert dconf["drafter"]["block_size"] == GAMMA
+    spec = check_config(ev)  # confidence policies are allowed: the import has a confidence head
+    assert spec.gamma == GAMMA and spec.has_confidence
     out = export_cli.run(ex)  # vllm: no target needed
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     with pytest.raises(Exception, match="target="):

@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     if args.drafter_dtype == "target":  # serve the drafter in the target's precision
         drafter = drafter.to(target.dtype)
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
-    prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in texts]
+    prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
     policies = {p: build_policy(p, gamma=gamma, defaults={"check": False}) for p in args.policies.split(",")}
     conc = [int(r) for r in args.concurrency.split(",")]

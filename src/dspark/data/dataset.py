@@ -94,10 +94,6 @@ def check_data_dir(cfg_data, cfg_target) -> None:
     _check_build(resolve_path(cfg_data.dir), build_key(cfg_data, cfg_target))
 
 
-def _chat_kwargs(cfg_target) -> dict:
-    return dict(_plain(cfg_target.get("chat_template_kwargs")) or {})
-
-
 def _load_target(cfg_target):
     from ..target import load_target
 
@@ -132,7 +128,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     _check_build(data_dir, key)
     atomic_write_json(data_dir / BUILD, key)
     target = target if target is not None else _load_target(cfg_target)
-    tok, chat_kwargs = target.tokenizer, _chat_kwargs(cfg_target)
+    tok, chat_kwargs = target.tokenizer, target.chat_template_kwargs
     timings: dict[str, float] = {}
     governor = None
     if target.device.type == "cpu":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import DrafterFolder, EvaluationFolder, RunFolder
+from ..core.errors import ConfigError
 
 __all__ = ["AxisError", "Evaluation", "Run", "find_runs", "flatten", "SweepAxis", "sweep_axis"]
 
@@ -342,7 +343,7 @@ def is_numeric(values: Iterable[Any]) -> bool:
     return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
 
 
-class AxisError(ValueError):
+class AxisError(ConfigError):
     """axis=<key> names a key that not every run's config has."""
 
 
