@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .artifacts import RunFolder
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
-from .config import ConfigError
+from .core.errors import ConfigError
 from .core.types import TargetDims
 from .drafters import build_drafter
 from .module import DraftingModule
