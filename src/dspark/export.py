@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .cli import user_errors
-from .config import ConfigError
+from .core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     from ..scheduling.policies import Fixed, build_policy
     from ..target import load_target
     from .common import compose_target, publish
-    from .measure import measure
+    from .measure import measure, speedup_rows
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -71,19 +71,7 @@ def main(argv=None) -> dict:
     )
     base = measure(target, None, {"target_only": Fixed(None)}, conc, prompts, **common)["target_only"]
     spec = measure(target, drafter, policies, conc, prompts, cost=cost, calibration=calibration, **common)
-    rows = []
-    for i, b in enumerate(base):
-        rows.append({"run": "target_only", **b})
-        for name, points in spec.items():
-            p = points[i]
-            rows.append(
-                {
-                    "run": f"{drafter.kind}/{name}",
-                    **p,
-                    "speedup_per_user": p["tps_per_user"] / b["tps_per_user"],
-                    "speedup_throughput": p["throughput"] / b["throughput"],
-                }
-            )
+    rows = speedup_rows(base, spec, drafter.kind)
     report = {
         **provenance("dspark.bench.e2e", argv, target.device),
         "target": target.name,
@@ -114,4 +102,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import user_errors
+
+    with user_errors():
+        main()

@@ -84,4 +84,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import user_errors
+
+    with user_errors():
+        main()

@@ -17,7 +17,7 @@ from ..scheduling.policies import Policy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["measure"]
+__all__ = ["measure", "speedup_rows"]
 
 
 def measure(
@@ -103,3 +103,22 @@ def measure(
     if bar is not None:
         bar.close()
     return out
+
+
+def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> list[dict]:
+    """Per concurrency: the target-only point, then each policy's (``<label>/<policy>``) with its
+    speed-up over target-only at the same R, per user and in aggregate."""
+    rows = []
+    for i, b in enumerate(base):
+        rows.append({"run": "target_only", **b})
+        for name, points in runs.items():
+            p = points[i]
+            rows.append(
+                {
+                    "run": f"{label}/{name}",
+                    **p,
+                    "speedup_per_user": p["tps_per_user"] / b["tps_per_user"],
+                    "speedup_throughput": p["throughput"] / b["throughput"],
+                }
+            )
+    return rows
