@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 def check_config(cfg: DictConfig) -> tuple[dict, bool]:
     """Before any model loads: the folder, the format, and whether the target is needed."""
+    from .artifacts import DrafterFolder
     from .checkpoints import read_drafter_config, refusal
     from .interop import FORMATS
 
@@ -35,7 +36,7 @@ def check_config(cfg: DictConfig) -> tuple[dict, bool]:
     if cfg.format not in FORMATS:
         raise ConfigError(f"format={cfg.format} is not one of {FORMATS}")
     folder = Path(str(cfg.drafter_dir)).expanduser()
-    if not (folder / "config.json").is_file():
+    if not DrafterFolder(folder).exists():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
     config = read_drafter_config(folder)
     why = refusal(str(cfg.format), config)

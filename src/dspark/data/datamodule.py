@@ -200,7 +200,7 @@ class GlobalBatchSampler(Sampler):
 
 
 class DraftDataModule(L.LightningDataModule):
-    """Train/val batches from a prepared `data.dir` (see dspark.prepare).
+    """Train/val batches from a prepared `data.dir` (see dspark.data.dataset).
 
     features: "online" (tokens only) or "offline" (tokens + cached target features; the cache is
     checked against `target_fingerprint`, see cache.target_fingerprint(target)). The folder must be
