@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+
 from dspark.kernels import RowWeights, fused_draft_loss, materialized_draft_loss, triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +89,8 @@ def _measure(fn, inputs, args, cuda):
 
 
 def main(argv=None):
-    from dspark.bench.common import publish, run_meta
+    from dspark.core.io import atomic_write_json
+    from dspark.core.provenance import provenance
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--v", type=int, default=49152)
@@ -129,17 +131,13 @@ def main(argv=None):
     def cell(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    report = {**run_meta("dspark.kernels.bench_fused_loss", argv or [], torch.device(args.device)),
+    report = {**provenance("dspark.kernels.bench_fused_loss", argv, torch.device(args.device)),
               "args": vars(args), "rows": rows}  # fmt: skip
-    publish(
-        args.out,
-        report,
-        ["variant", "loss+grad ms", "peak MiB", "TFLOP/s"],
-        [
-            [r["variant"], cell(r["median_ms"], ".2f"), cell(r["peak_mib"], ".0f"), cell(r["tflops"], ".1f")]
-            for r in rows
-        ],  # fmt: skip
-    )
+    atomic_write_json(args.out, report)
+    print("| variant | loss+grad ms | peak MiB | TFLOP/s |\n|---|---:|---:|---:|")
+    for r in rows:
+        cells = [cell(r["median_ms"], ".2f"), cell(r["peak_mib"], ".0f"), cell(r["tflops"], ".1f")]
+        print(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return rows
 
 

@@ -6,14 +6,14 @@ import sys
 import torch
 
 from dspark.bench.common import compose_target
+from dspark.checkpoints import load_drafter
 from dspark.data.benchmarks import first_turns
 from dspark.decoding.fast_engine import FastEngine
-from dspark.drafters import load_drafter
 from dspark.target import load_target
 
 target = load_target(compose_target(sys.argv[2:]))
 drafter = load_drafter(sys.argv[1], target, device=target.device)[0].to(target.dtype)
-prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in first_turns("gsm8k", max_prompts=64)]
+prompts = [target.prompt_ids(t) for t in first_turns("gsm8k", max_prompts=64)]
 for r in (1, 64):
     out = {}
     for impl in ("torch", "auto"):

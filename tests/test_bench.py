@@ -51,3 +51,49 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
             assert r["tau"] == 1
         else:
             assert r["speedup_per_user"] > 0
+
+
+# Qwen3's template in miniature: the thinking switch changes the prompt the target sees.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_every_decoding_stage_prompts_through_the_target(tiny_target, tmp_path, monkeypatch):
+    """e2e, evaluate and schedule send a benchmark prompt as the same ids: the target's chat template
+    with its own chat_template_kwargs (e2e used to drop them, so Qwen3 prompts differed)."""
+    from omegaconf import OmegaConf
+
+    from dspark.evaluation.evaluator import requests
+    from dspark.frontier.modes import benchmark_prompts
+
+    monkeypatch.setattr(tiny_target.tokenizer, "chat_template", THINKING_TEMPLATE)
+    monkeypatch.setattr(tiny_target, "chat_template_kwargs", {"enable_thinking": False})
+    bench = _bench(tmp_path / "bench")
+    texts = ["What is 2+3?", "Add 4 and 9."]
+    want = [tiny_target.prompt_ids(t) for t in texts]
+    assert "<think>" in tiny_target.tokenizer.decode(want[0])  # the target's kwargs were applied
+    assert want[0] != tiny_target.chat_ids([{"role": "user", "content": texts[0]}], enable_thinking=True)
+
+    seen = []
+
+    def fake_measure(target, drafter, policies, concurrency, prompts, **kw):
+        seen.append(prompts)
+        point = {"concurrency": 1, "throughput": 1.0, "tps_per_user": 1.0, "budget": 0.0, "tau": 1.0}
+        return {name: [point] for name in policies}
+
+    monkeypatch.setattr("dspark.target.load_target", lambda cfg: tiny_target)
+    monkeypatch.setattr("dspark.bench.measure.measure", fake_measure)
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    e2e.main(
+        ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2", "--concurrency", "1",
+         "--out", str(tmp_path / "e2e.json"), "target=tiny"]
+    )  # fmt: skip
+    assert seen and all(prompts == want for prompts in seen)
+
+    measured = {"benchmarks": ["gsm8k"], "benchmark_dir": str(bench), "max_prompts": 2}
+    measured = OmegaConf.create({"measured": measured})
+    assert benchmark_prompts(measured, tiny_target) == want
+    assert [r.prompt for r in requests(tiny_target, [("gsm8k/0", texts[0]), ("gsm8k/1", texts[1])])] == want

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
+from dspark.artifacts import DrafterFolder, load_calibration
 from dspark.calibration.metrics import (
     _ece_l1,
     expected_calibration_error,
@@ -174,7 +175,8 @@ def test_calibration_json_round_trip(tmp_path, fitted):
     assert Calibration.from_dict(cal.to_dict()) == cal
     path = cal.save(tmp_path / "ckpt" / "calibration.json")
     assert Calibration.load(path).temperatures == cal.temperatures  # exact float equality
-    assert cal.save(tmp_path / "ckpt") == path  # a directory gets the default file name
+    assert DrafterFolder(tmp_path / "ckpt").write_calibration(cal) == path  # the folder's file name
+    assert load_calibration(tmp_path / "ckpt").temperatures == cal.temperatures  # a folder or its file
     assert sorted(p.name for p in path.parent.iterdir()) == ["calibration.json"]  # no temp leftovers
     z = torch.randn(3, len(cal.temperatures))
     assert torch.equal(cal.cumulative(z), cumulative_confidence(z, cal.temperatures))

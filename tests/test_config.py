@@ -9,7 +9,8 @@ import pytest
 from conftest import CONF
 from hydra import compose, initialize_config_module
 
-from dspark.config import ConfigError, check_train
+from dspark.config import check_train
+from dspark.core.errors import ConfigError
 
 GROUPS = ["target", "drafter", "head", "loss", "data", "trainer", "logger", "callbacks"]
 

@@ -15,6 +15,8 @@ import torch
 from conftest import BENCHMARKS, CONF
 from omegaconf import OmegaConf
 
+from dspark.core.errors import DataError
+from dspark.core.io import atomic_open, atomic_write_jsonl
 from dspark.data import benchmarks as bm
 from dspark.data.generation import (
     Continuation,
@@ -22,7 +24,6 @@ from dspark.data.generation import (
     engine_options,
     generate_continuations,
 )
-from dspark.data.io import DataError, atomic_open, atomic_write_jsonl
 from dspark.data.prompts import (
     PromptFilter,
     is_degenerate,
@@ -32,7 +33,7 @@ from dspark.data.prompts import (
     self_generate_prompts,
     split_train_val,
 )
-from dspark.data.regenerate import load_conversations, regenerate_split
+from dspark.data.regenerate import load_conversations, regenerate
 from dspark.data.tokenize import (
     TemplateError,
     end_markers,
@@ -75,7 +76,12 @@ def test_benchmarks_load_by_name_and_domains():
     rows = {name: len(bm.load_benchmark(name, hub=False)) for name in bm.DOMAINS}  # the packaged default
     # the row counts of the README table
     assert rows == {
-        "gsm8k": 1319, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 257, "mt-bench": 80
+        "gsm8k": 1319,
+        "math500": 500,
+        "aime25": 30,
+        "humaneval": 164,
+        "mbpp": 257,
+        "mt-bench": 80,
     }
     turns = bm.first_turns("gsm8k", BENCHMARKS)
     assert len(turns) == 1319 and turns[0].startswith("Janet")
@@ -512,19 +518,13 @@ PROMPTS = [
 ]
 
 
-def regen(tiny, out_dir, **kw):
-    return regenerate_split(
-        tiny,
-        PROMPTS,
-        out_dir,
-        "train",
-        Sampling(1.0, 1.0, 0, 6),
-        shard_size=2,
-        batch_size=2,
-        seed=0,
-        max_length=256,
-        **kw,
+def regen(tiny, out_dir, prompts=PROMPTS, sampling=None, **kw):
+    """One split through ``regenerate``; its stats."""
+    sampling = sampling or Sampling(1.0, 1.0, 0, 6)
+    per_split, _ = regenerate(
+        tiny, {"train": prompts}, out_dir, sampling, shard_size=2, batch_size=2, seed=0, max_length=256, **kw
     )
+    return per_split["train"]
 
 
 class Interrupt(Exception):
@@ -556,9 +556,7 @@ def test_regeneration_resumes_without_duplicates(tiny, tmp_path):
     assert rows[0]["messages"][-1]["role"] == "assistant" and rows[0]["finish"] in ("stop", "length")
     # A shard from another prompt list is refused rather than mixed in.
     with pytest.raises(DataError, match="refusing to mix"):
-        regenerate_split(
-            tiny, PROMPTS[::-1], part, "train", Sampling(), shard_size=2, batch_size=2, seed=0, max_length=256
-        )
+        regen(tiny, part, prompts=PROMPTS[::-1], sampling=Sampling())
 
 
 def test_failing_write_leaves_no_half_written_shard(tiny, tmp_path):
@@ -590,8 +588,8 @@ def test_atomic_open_keeps_old_file_on_failure(tmp_path):
 
 def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     from dspark.data.datamodule import tokens_path
+    from dspark.data.dataset import ensure_dataset, prepare_dataset, read_done
     from dspark.data.tokenize import load_tokens
-    from dspark.prepare import ensure_dataset, prepare_dataset, read_done
 
     lines = [json.dumps({"turns": [f"Tell me fact number {i} about the ocean."]}) for i in range(10)]
     src = write_lines(tmp_path / "src.jsonl", lines + ["", "{broken"])
@@ -618,7 +616,8 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     assert all(train.sample(i)[1].any() for i in range(len(train)))
 
     # A finished folder is reused without loading anything...
-    monkeypatch.setattr("dspark.prepare._load_target", lambda cfg: pytest.fail("should not load the target"))
+    never = lambda cfg: pytest.fail("should not load the target")  # noqa: E731
+    monkeypatch.setattr("dspark.data.dataset._load_target", never)
     assert ensure_dataset(cfg, target_cfg("tiny")) == out
     # Keys that only change how the folder is read or built are free to differ...
     read_only = OmegaConf.merge(cfg, {"batch_size": 7, "gen_batch_size": 3, "anchors_per_sequence": 5})

@@ -11,9 +11,9 @@ import torch
 from conftest import CONF
 from omegaconf import OmegaConf
 
+from dspark.core.errors import DataError
 from dspark.data.cache import CacheMismatch, FeatureCache, build_cache, target_fingerprint
 from dspark.data.datamodule import BucketBatchSampler, DraftDataModule, SeededRandomSampler, tokens_path
-from dspark.data.io import DataError
 from dspark.data.tokenize import load_tokens
 from dspark.target import load_target
 
@@ -34,7 +34,7 @@ def tiny(tiny_target):
 @pytest.fixture(scope="module")
 def dataset(tiny, tmp_path_factory):
     """A prepared folder (tiny target, local prompts of varied length) with an offline cache."""
-    from dspark.prepare import prepare_dataset
+    from dspark.data.dataset import prepare_dataset
 
     tmp = tmp_path_factory.mktemp("ds")
     words = [
@@ -160,7 +160,7 @@ def test_cache_from_another_target_is_refused(tiny, dataset):
     splits = {s: load_tokens(tokens_path(dataset.dir, s)) for s in ("train", "val")}
     with pytest.raises(CacheMismatch):
         build_cache(other_target, splits, cache_dir)
-    from dspark.prepare import ensure_dataset
+    from dspark.data.dataset import ensure_dataset
 
     with pytest.raises(CacheMismatch):
         ensure_dataset(dataset, target_cfg("tiny", layer_ids=[0, 2]), target=other_target, features="offline")

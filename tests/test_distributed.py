@@ -19,8 +19,10 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from dspark.checkpoints import load_drafter
+from dspark.core.types import TargetDims
 from dspark.data.datamodule import DraftDataModule, GlobalBatchSampler
-from dspark.drafters import TargetDims, build_drafter, load_drafter
+from dspark.drafters import build_drafter
 from dspark.module import DraftingModule, MetricSums
 from dspark.objectives import LossWeights, acceptance_metrics
 from dspark.training import BatchConfigError, resolve_batch, run_training, trainer_kwargs

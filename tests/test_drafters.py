@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import load_group
 
-from dspark.drafters import Shared, TargetDims, build_drafter
+from dspark.core.types import Shared, TargetDims
+from dspark.drafters import build_drafter
 from dspark.drafters.dflash import block_targets, packed_block_mask, packed_block_sparsity, sample_anchors
 from dspark.objectives import LossWeights, block_loss, compute_loss, position_weights
 

@@ -22,7 +22,11 @@ import pytest
 import torch
 from conftest import load_group
 
+from dspark.artifacts import DrafterFolder
 from dspark.calibration.sts import Calibration
+from dspark.checkpoints import save_drafter
+from dspark.core.sampling import probs_from_logits, sample_from
+from dspark.core.types import DraftCache, Proposal, TargetDims
 from dspark.decoding import engine as engine_mod
 from dspark.decoding.engine import (
     Engine,
@@ -32,10 +36,10 @@ from dspark.decoding.engine import (
     threshold_sweep,
 )
 from dspark.decoding.kv import RaggedKV
-from dspark.decoding.verify import VerifyResult, probs_from_logits, sample_from
-from dspark.drafters import TargetDims, build_drafter, save_drafter
-from dspark.drafters.base import DraftCache, Proposal
-from dspark.scheduling.policies import Fixed, Threshold
+from dspark.decoding.verify import VerifyResult
+from dspark.drafters import Drafter, build_drafter
+from dspark.scheduling.cost import CostModel
+from dspark.scheduling.policies import Fixed, Threshold, build_policy
 
 try:
     from scipy.stats import chi2 as _chi2
@@ -71,20 +75,22 @@ def make_drafter(target, name: str, head: str = "none", gamma: int = 4, seed: in
 BOS = 1  # every test prompt starts with it, so the oracle can rebuild position 0
 
 
-class Oracle(torch.nn.Module):
+class Oracle(Drafter):
     """A test drafter that rebuilds the committed tokens (BOS, then positions 1..a from
     ``next_tokens``) and re-runs the target on them: at T > 0 it samples from
     softmax(logits / (T * warp)), at T = 0 it proposes the argmax, replaced by a random token with
     probability ``corrupt``."""
 
     kind = "oracle"
-    confidence = None
 
     def __init__(self, target, gamma=4, warp=1.6, corrupt=0.3, width=256):
         super().__init__()
         self.target, self.gamma, self.warp, self.corrupt, self.width = target, gamma, warp, corrupt, width
 
-    def new_cache(self, r, device, dtype=None):
+    def train_forward(self, taps, input_ids, loss_mask, anchors, shared):
+        raise NotImplementedError("the oracle only decodes")
+
+    def new_cache(self, r, device, dtype=None, capacity=0):
         z = torch.zeros(r, dtype=torch.long, device=device)
         return DraftCache(k=[], v=[], length=z, extra={"hist": torch.zeros(r, self.width, dtype=torch.long)})
 
@@ -93,10 +99,10 @@ class Oracle(torch.nn.Module):
         cache.extra["hist"][rows, cache.length[rows] + cols] = next_tokens[rows, cols]
         cache.length = cache.length + valid.sum(1)
 
-    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None):
+    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None, uniforms=None):
         r, g = anchor_tokens.shape[0], self.gamma
         assert torch.equal(cache.length, anchor_pos)
-        u = torch.rand(r, g, generator=generator)
+        u = torch.rand(r, g, generator=generator) if uniforms is None else uniforms
         flip = torch.rand(r, g, generator=generator)
         rnd = torch.randint(0, self.target.vocab_size, (r, g), generator=generator)
         lens, rows = cache.length, torch.arange(r)
@@ -483,12 +489,24 @@ def test_refill_streaming_and_no_round_records(small_target):
 # confidences, calibration, policies
 
 
+def test_engine_asks_the_policy_what_it_needs(small_target):
+    """Capabilities, not names: a wrapped policy is refused for what it wraps."""
+    dflash, _, _ = make_drafter(small_target, "dflash")
+    with pytest.raises(ValueError, match=r"'threshold\[:2\]' needs per-position confidences"):
+        Engine(small_target, dflash, build_policy("threshold", gamma=2, block=4))
+    dspark, _, _ = make_drafter(small_target, "dspark", "markov")
+    with pytest.raises(ValueError, match="needs a cost model"):
+        Engine(small_target, dspark, build_policy("hardware_aware", gamma=2, block=4))
+    cost = CostModel.analytical()
+    assert Engine(small_target, dspark, build_policy("hardware_aware", gamma=2, block=4), cost=cost)
+
+
 def test_engine_applies_calibration_temperatures(small_target, tmp_path):
     t = small_target
     drafter, dc, hc = make_drafter(t, "dspark", "markov", gamma=4, seed=3)
     save_drafter(drafter, tmp_path, dc, hc, t.describe())
     temps = [0.5, 2.0, 3.0, 0.25]
-    Calibration(temps).save(tmp_path)
+    DrafterFolder(tmp_path).write_calibration(Calibration(temps))
     prompts = prompts_for(t, 3, seed=14)
     eng = Engine.from_checkpoint(
         t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()

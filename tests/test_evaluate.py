@@ -14,8 +14,11 @@ import torch
 from conftest import ROOT, load_group
 from hydra import compose, initialize_config_module
 
-from dspark.drafters import TargetDims, build_drafter, save_drafter
-from dspark.evaluate import EvaluateConfigError, check_config, macro, split_prompts
+from dspark.checkpoints import save_drafter
+from dspark.core.errors import ConfigError
+from dspark.core.types import TargetDims
+from dspark.drafters import build_drafter
+from dspark.evaluation import check_config, macro, split_prompts
 
 
 def _save(target, folder: Path, name: str, head: str = "none", gamma: int = 4) -> Path:
@@ -122,26 +125,41 @@ def _cfg(*overrides):
         return compose(config_name="evaluate", overrides=["out_dir=unused", *overrides])
 
 
+def test_cli_user_error_is_one_line(tmp_path):
+    """evaluate shares the entry points' error path: one line, exit 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark.evaluate", f"drafter_dir={tmp_path}", f"hydra.run.dir={tmp_path}/h"],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    want = f"dspark: error: drafter_dir={tmp_path} is not a drafter checkpoint (no config.json there)"
+    assert proc.stderr.strip() == want
+
+
 def test_config_errors_before_loading(tiny_target, tmp_path):
-    with pytest.raises(EvaluateConfigError, match="drafter_dir is required"):
+    with pytest.raises(ConfigError, match="drafter_dir is required"):
         check_config(_cfg())
-    with pytest.raises(EvaluateConfigError, match="not a drafter checkpoint"):
+    with pytest.raises(ConfigError, match="not a drafter checkpoint"):
         check_config(_cfg(f"drafter_dir={tmp_path}"))
     dflash = _save(tiny_target, tmp_path / "dflash", "dflash", gamma=3)
-    with pytest.raises(EvaluateConfigError, match="no confidence head"):
+    with pytest.raises(ConfigError, match="no confidence head"):
         check_config(_cfg(f"drafter_dir={dflash}", "policy=threshold"))
-    with pytest.raises(EvaluateConfigError, match="calibrate=true needs a drafter with a confidence head"):
+    with pytest.raises(ConfigError, match="calibrate=true needs a drafter with a confidence head"):
         check_config(_cfg(f"drafter_dir={dflash}", "calibrate=true", "policy.gamma=3"))
-    with pytest.raises(EvaluateConfigError, match="policy.gamma=7 exceeds the drafter's block size 3"):
+    with pytest.raises(ConfigError, match="policy.gamma=7 exceeds the drafter's block size 3"):
         check_config(_cfg(f"drafter_dir={dflash}"))
     dspark = _save(tiny_target, tmp_path / "dspark", "dspark", "markov", gamma=4)
-    with pytest.raises(EvaluateConfigError, match="policy.cost_table"):
+    with pytest.raises(ConfigError, match="policy.cost_table"):
         check_config(_cfg(f"drafter_dir={dspark}", "policy=hardware_aware"))
-    assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold"))["drafter"]["name"] == "dspark"
-    with pytest.raises(EvaluateConfigError, match="engine=warp is not one of plain, fast"):
+    assert check_config(_cfg(f"drafter_dir={dspark}", "policy=threshold")).kind == "dspark"
+    with pytest.raises(ConfigError, match="engine=warp is not one of plain, fast"):
         check_config(_cfg(f"drafter_dir={dspark}", "engine=warp"))
     eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3", gamma=4)
-    with pytest.raises(EvaluateConfigError, match="eagle3 runs on engine=plain"):
+    with pytest.raises(ConfigError, match="eagle3 runs on engine=plain"):
         check_config(_cfg(f"drafter_dir={eagle}", "engine=fast", "policy.gamma=4"))
     assert check_config(_cfg(f"drafter_dir={dspark}", "engine=fast", "policy.gamma=4"))
 

@@ -13,16 +13,11 @@ import torch
 from conftest import load_group
 from safetensors.torch import load_file, save_file
 
-from dspark.drafters import (
-    DrafterCheckpointError,
-    Shared,
-    TargetDims,
-    build_drafter,
-    load_drafter,
-    read_drafter_config,
-    save_drafter,
-)
-from dspark.interop import ExportError, InteropError, export_drafter, formats, refusal
+from dspark.checkpoints import export_drafter, load_drafter, read_drafter_config, refusal, save_drafter
+from dspark.core.errors import DrafterCheckpointError
+from dspark.core.types import Shared, TargetDims
+from dspark.drafters import build_drafter
+from dspark.interop import ExportError, InteropError, formats
 
 GAMMA, RANK = 4, 16
 
@@ -167,6 +162,8 @@ def test_refusals_name_the_problem(tiny_target, tmp_path):
     assert "[0, num_target_layers)" in refusal("sglang", gated)
     headless = read_drafter_config(_save(tiny_target, tmp_path / "hl", "dspark", "none", True, False))
     assert "markov_rank > 0" in refusal("sglang", headless)
+    other = {**headless, "drafter": {**headless["drafter"], "name": "medusa"}}  # a drafter added later
+    assert "no counterpart in the engines' layouts" in refusal("vllm", other)
     with pytest.raises(ExportError, match="target="):
         export_drafter(tmp_path / "gated", tmp_path / "y", "hf")  # hf ships embeddings: needs the target
 
@@ -316,15 +313,15 @@ def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):
     from hydra import compose, initialize_config_module
 
     from dspark import export as export_cli
-    from dspark.evaluate import check_config
+    from dspark.evaluation import check_config
 
     folder, _ = _deepspec_folder(tiny_target, tmp_path / "ds")
     with initialize_config_module("dspark.conf", version_base="1.3"):
         ev = compose("evaluate", [f"drafter_dir={folder}", "target=tiny", "policy=threshold"])
         ex = compose("export", [f"drafter_dir={folder}", "format=vllm", f"out={tmp_path / 'v'}"])
         ex_hf = compose("export", [f"drafter_dir={folder}", "format=hf", f"out={tmp_path / 'h'}"])
-    dconf = check_config(ev)  # confidence policies are allowed: the import has a confidence head
-    assert dconf["drafter"]["block_size"] == GAMMA
+    spec = check_config(ev)  # confidence policies are allowed: the import has a confidence head
+    assert spec.gamma == GAMMA and spec.has_confidence
     out = export_cli.run(ex)  # vllm: no target needed
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     with pytest.raises(Exception, match="target="):

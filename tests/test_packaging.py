@@ -1,5 +1,5 @@
 """What an install gets: the wheel carries every file of src/dspark (the Hydra configs and kernels
-it links to and the benchmark prompt sets included), and neither the wheel nor the editable build has anything to warn
+it links to, and the benchmark prompt sets), and neither the wheel nor the editable build has anything to warn
 about (the editable one is a plain path entry, not a meta path finder). Builds run through
 setuptools' own backend from a copy of the project, offline, in seconds."""
 

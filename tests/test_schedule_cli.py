@@ -16,13 +16,13 @@ import torch
 from conftest import ROOT, load_group
 from hydra import compose, initialize_config_module
 
-from dspark.config import ConfigError
+from dspark.core.errors import ConfigError
 from dspark.scheduling.cost import CostModel
-from dspark.scheduling.frontier import (
+from dspark.scheduling.policies import build_policy
+from dspark.scheduling.replay import (
     ReplayError,
     dominance,
     load_rounds,
-    make_policy,
     replay,
     rounds_from_records,
     stream_batches,
@@ -93,7 +93,7 @@ def test_replay_exact_tau_fixed_mtp1_threshold():
     rounds = rounds_from_records(periodic_records())
     flat = CostModel({1: 10.0, 4096: 10.0})  # 10 ms whatever B: throughput = R·τ / 10 ms
     specs = ["fixed", "fixed_2", "mtp1", "threshold_0.5", "hardware_aware"]
-    pols = {s: make_policy(s, 4) for s in specs}
+    pols = {s: build_policy(s, gamma=4) for s in specs}
     front = replay(rounds, pols, flat, [1, 3], steps=50, warmup=2, seed=3)
     # τ' = min(ℓ', n) + 1 averaged over n = 0..4.
     a = np.cumprod(np.array(CONF), axis=1)
@@ -115,7 +115,7 @@ def test_replay_exact_tau_fixed_mtp1_threshold():
             assert p["throughput"] == pytest.approx(R * tau / 0.010, rel=1e-12), name
             assert p["tps_per_user"] == pytest.approx(tau / 0.010, rel=1e-12), name
     # Expected outcomes: τ = 1 + Σ_{j<=ℓ} a_j, averaged over the rounds.
-    exp = replay(rounds, {"fixed_2": make_policy("fixed_2", 4)}, flat, [3], steps=50, outcome="expected")
+    exp = replay(rounds, {"fixed_2": build_policy("fixed_2")}, flat, [3], steps=50, outcome="expected")
     assert exp["fixed_2"][0]["tau"] == pytest.approx(1 + a[:, :2].sum(axis=1).mean(), abs=1e-12)
 
 
@@ -137,7 +137,7 @@ def test_hardware_aware_dominates_fixed_gamma_on_a_roofline():
     rounds = rounds_from_records(calibrated_records(gamma=gamma))
     cost = CostModel.analytical(base_ms=10.0, knee=64)
     fixed = ["mtp1"] + [f"fixed_{g}" for g in range(2, gamma + 1)]
-    pols = {s: make_policy(s, gamma) for s in fixed + ["hardware_aware"]}
+    pols = {s: build_policy(s, gamma=gamma) for s in fixed + ["hardware_aware"]}
     conc = [1, 4, 16, 64, 128]
     # Provable part: on a roofline Θ along Algorithm 1's path is unimodal (flat, then a mediant of
     # concave gains over an affine time), so its stop is the path's maximum, and Σ of the top-n
@@ -175,12 +175,12 @@ def test_rounds_must_be_recorded_at_full_gamma(tmp_path):
     no_conf = [dict(r, confidence=None) for r in periodic_records()]
     r = rounds_from_records(no_conf)
     with pytest.raises(ReplayError, match="no confidences"):
-        replay(r, {"hardware_aware": make_policy("hardware_aware", 4)}, CostModel.analytical(), [1], steps=2)
-    assert replay(r, {"fixed": make_policy("fixed", 4)}, CostModel.analytical(), [1], steps=5)["fixed"]
-    with pytest.raises(ReplayError, match="exceeds"):
-        make_policy("fixed_9", 4)
-    with pytest.raises(ReplayError, match="unknown policy"):
-        make_policy("greedy", 4)
+        replay(r, {"hardware_aware": build_policy("hardware_aware")}, CostModel.analytical(), [1], steps=2)
+    assert replay(r, {"fixed": build_policy("fixed")}, CostModel.analytical(), [1], steps=5)["fixed"]
+    with pytest.raises(ConfigError, match="exceeds"):
+        build_policy("fixed_9", gamma=4)
+    with pytest.raises(ConfigError, match="unknown policy"):
+        build_policy("greedy", gamma=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +310,9 @@ def one_thread():
 
 
 def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
-    from dspark.drafters import TargetDims, build_drafter, save_drafter
+    from dspark.checkpoints import save_drafter
+    from dspark.core.types import TargetDims
+    from dspark.drafters import build_drafter
     from dspark.schedule import run
 
     dc, hc = load_group("drafter", "dspark"), load_group("head", "markov")
@@ -370,7 +372,7 @@ def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
 
 
 def test_settle_profile_retimes_spikes_then_smooths():
-    from dspark.scheduling.frontier import settle_profile
+    from dspark.bench.profile import settle_profile
 
     calls = []
 

@@ -10,7 +10,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from dspark.core.errors import ConfigError
 from dspark.scheduling.cost import CostModel, CostTableError, profile
 from dspark.scheduling.policies import (
     POLICIES,
@@ -20,6 +22,7 @@ from dspark.scheduling.policies import (
     Mtp1,
     Retrospective,
     Threshold,
+    Truncated,
     admission_order,
     build_policy,
     prefix_survival,
@@ -417,14 +420,46 @@ def test_fixed_mtp1_threshold():
 def test_build_policy_registry():
     assert set(POLICIES) == {"fixed", "mtp1", "threshold", "hardware_aware", "async_topk", "retrospective"}
     assert isinstance(build_policy("Hardware-Aware"), HardwareAware)
-    p = build_policy("threshold", tau=0.3)
-    assert isinstance(p, Threshold) and p.tau == 0.3 and p.name == "threshold"
-    assert build_policy("async_topk", delay=3).delay == 3
-    assert build_policy("fixed", gamma=4).gamma == 4
-    with pytest.raises(ValueError, match="choose one of"):
+    # A policy config takes the YAML keys users type (conf/policy/threshold.yaml: `threshold:`).
+    p = build_policy(OmegaConf.create({"name": "threshold", "threshold": 0.3}))
+    assert isinstance(p, Threshold) and p.threshold == 0.3 and p.name == "threshold"
+    assert build_policy({"name": "async_topk", "delay": 3, "cost_table": None}).delay == 3
+    assert build_policy({"name": "fixed", "gamma": 4}).gamma == 4
+    assert build_policy("fixed_2").gamma == 2 and build_policy("threshold_0.25").threshold == 0.25
+    with pytest.raises(ConfigError, match="unknown policy 'oracle'"):
         build_policy("oracle")
-    with pytest.raises(TypeError, match="threshold"):
-        build_policy("threshold", gamma=3)
+    with pytest.raises(ConfigError, match=r"policy threshold: it takes \['threshold'\], not \['gamma'\]"):
+        build_policy({"name": "threshold", "gamma": 3})
+    with pytest.raises(ConfigError, match=r"threshold must be in \[0, 1\]"):
+        build_policy("threshold_1.5")
+    # Defaults fill what a spec leaves out, for the policies that take them only.
+    defaults = {"threshold": 0.7, "delay": 5, "check": False}
+    assert build_policy("threshold", defaults=defaults).threshold == 0.7
+    assert build_policy("threshold_0.1", defaults=defaults).threshold == 0.1
+    assert build_policy("mtp1", defaults=defaults).gamma == 1
+    assert build_policy("hardware_aware", defaults=defaults).check is False
+
+
+def test_policies_declare_what_they_need():
+    """The engine and the stages ask the policy object; a wrapper answers for what it wraps."""
+    need = {n: (build_policy(n).needs_confidence, build_policy(n).needs_cost) for n in POLICIES}
+    assert need == {
+        "fixed": (False, False),
+        "mtp1": (False, False),
+        "threshold": (True, False),
+        "hardware_aware": (True, True),
+        "async_topk": (True, True),
+        "retrospective": (True, True),
+    }
+    assert [n for n in POLICIES if not build_policy(n).lossless] == ["retrospective"]
+    assert not AsyncTopK(delay=0).lossless  # the degenerate delay is the retrospective search
+    cut = build_policy("async_topk", gamma=3, block=5)
+    assert isinstance(cut, Truncated) and isinstance(cut.base, AsyncTopK)
+    assert (cut.needs_confidence, cut.needs_cost, cut.lossless) == (True, True, True)
+    assert cut.name == "async_topk[:3]"
+    assert build_policy("fixed", gamma=5, block=5).gamma is None  # nothing to cut
+    with pytest.raises(ConfigError, match="γ=6 exceeds the draft length gamma=5"):
+        build_policy("fixed_6", gamma=5)
 
 
 # ---------------------------------------------------------------------------------------------

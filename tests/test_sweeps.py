@@ -87,7 +87,7 @@ def test_grid_values_are_the_papers():
 def test_rank_zero_is_the_headless_dspark():
     """r = 0 is run as drafter=dspark head=none: a Markov head of rank 0 is refused by the config
     check, and head=none carries rank 0 with the DSpark backbone, loss and confidence head."""
-    from dspark.config import ConfigError
+    from dspark.core.errors import ConfigError
 
     with initialize_config_module("dspark.conf", version_base="1.3"):
         with pytest.raises(ConfigError, match="head.rank"):

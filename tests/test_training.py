@@ -6,7 +6,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from dspark.drafters import load_drafter
+from dspark.checkpoints import load_drafter
 from dspark.training import run_training
 
 

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from dspark.decoding.verify import VerifyResult, probs_from_logits, sample_from, verify
+from dspark.core.sampling import probs_from_logits, sample_from
+from dspark.decoding.verify import VerifyResult, verify
 
 try:  # scipy is a dev extra; fall back to the same statistic via the incomplete gamma function
     from scipy.stats import chisquare as _scipy_chisquare

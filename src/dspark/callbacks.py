@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import torch
 
+from .artifacts import DrafterFolder
 from .calibration.metrics import position_metrics, summary
 from .calibration.sts import Calibration, fit_sts
-from .drafters import save_drafter
+from .checkpoints import save_drafter
 
 
 def gather_records(trainer, records: list[dict]) -> list[dict]:
@@ -54,8 +53,8 @@ class DrafterExport(L.Callback):
     """Keep `<out>/drafter/` (safetensors + config.json [+ calibration.json]) in step with the
     latest checkpoint, so a killed run still leaves a usable drafter."""
 
-    def __init__(self, folder: Path, drafter_cfg, head_cfg, every_n_steps: int):
-        self.folder = Path(folder)
+    def __init__(self, folder: DrafterFolder, drafter_cfg, head_cfg, every_n_steps: int):
+        self.folder = folder
         self.drafter_cfg = drafter_cfg
         self.head_cfg = head_cfg
         self.every = max(1, int(every_n_steps))
@@ -72,14 +71,13 @@ class DrafterExport(L.Callback):
         weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         drafter = SimpleNamespace(dims=module.drafter.dims, state_dict=lambda: weights)
         extra = {"global_step": int(trainer.global_step)}
-        save_drafter(drafter, self.folder, self.drafter_cfg, self.head_cfg, module.target.describe(), extra)
+        target = module.target.describe()
+        save_drafter(drafter, self.folder.path, self.drafter_cfg, self.head_cfg, target, extra)
         if getattr(module, "calibration", None) is not None:
-            module.calibration.save(self.folder / "calibration.json")
+            self.folder.write_calibration(module.calibration)
             report = getattr(module, "calibration_report", None)
             if report is not None:
-                (self.folder / "calibration_report.json").write_text(
-                    json.dumps(report, indent=2, default=float)
-                )
+                self.folder.write_calibration_report(report)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         # Once per optimizer step (accumulation calls this hook per micro-batch), never before step 1.

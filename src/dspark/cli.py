@@ -5,21 +5,15 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    from .config import ConfigError
-    from .data.io import DataError
-    from .drafters import DrafterCheckpointError
-    from .target import TargetError
-
-    return (ConfigError, TargetError, DrafterCheckpointError, DataError, FileNotFoundError)
+from .core.errors import UserError
 
 
 @contextmanager
 def user_errors():
-    """Turn the project's own input errors into `dspark: error: …` and exit status 2."""
+    """Turn the project's own input errors (``dspark.core.errors``) and missing files into
+    ``dspark: error: …`` on one line and exit status 2."""
     try:
         yield
-    except _user_error_types() as err:
+    except (UserError, FileNotFoundError) as err:
         print(f"dspark: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from .target import TargetError, validate_layer_ids
-
-DRAFTERS = ("dspark", "dflash", "eagle3")
-HEADS = ("markov", "gated", "rnn", "none")
-
-
-class ConfigError(ValueError):
-    pass
+from .core.errors import ConfigError, TargetError
+from .drafters.registry import drafter_class
+from .target import validate_layer_ids
 
 
 def check_target(target: DictConfig) -> None:
@@ -23,18 +18,7 @@ def check_target(target: DictConfig) -> None:
 
 
 def check_drafter(drafter: DictConfig, head: DictConfig | None) -> None:
-    if drafter.name not in DRAFTERS:
-        raise ConfigError(f"drafter.name '{drafter.name}' is not one of {DRAFTERS}")
-    head_name = head.name if head is not None else "none"
-    if head_name not in HEADS:
-        raise ConfigError(f"head.name '{head_name}' is not one of {HEADS}")
-    if drafter.name in ("dflash", "eagle3") and head_name != "none":
-        raise ConfigError(
-            f"drafter={drafter.name} has no sequential head, but head={head_name} was given: "
-            f"use drafter=dspark head={head_name}, or drop the head override (head=none)"
-        )
-    if drafter.name == "dspark" and head_name != "none" and int(head.rank) <= 0:
-        raise ConfigError(f"head.rank must be positive for head={head_name}, got {head.rank}")
+    drafter_class(drafter.name).check_config(drafter, head)  # the drafter's own rules (heads, …)
     if int(drafter.block_size) < 1:
         raise ConfigError(f"drafter.block_size must be >= 1, got {drafter.block_size}")
     if int(drafter.num_layers) < 1:

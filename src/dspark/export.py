@@ -17,15 +17,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .cli import user_errors
-from .config import ConfigError
+from .core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 def check_config(cfg: DictConfig) -> tuple[dict, bool]:
     """Before any model loads: the folder, the format, and whether the target is needed."""
-    from .drafters import read_drafter_config
-    from .interop import FORMATS, refusal
+    from .artifacts import DrafterFolder
+    from .checkpoints import read_drafter_config, refusal
+    from .interop import FORMATS
 
     for key in ("drafter_dir", "out"):
         if OmegaConf.is_missing(cfg, key) or cfg.get(key) is None:
@@ -35,7 +36,7 @@ def check_config(cfg: DictConfig) -> tuple[dict, bool]:
     if cfg.format not in FORMATS:
         raise ConfigError(f"format={cfg.format} is not one of {FORMATS}")
     folder = Path(str(cfg.drafter_dir)).expanduser()
-    if not (folder / "config.json").is_file():
+    if not DrafterFolder(folder).exists():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
     config = read_drafter_config(folder)
     why = refusal(str(cfg.format), config)
@@ -57,7 +58,7 @@ def check_config(cfg: DictConfig) -> tuple[dict, bool]:
 
 def run(cfg: DictConfig) -> Path:
     _, embeddings = check_config(cfg)
-    from .interop import export_drafter
+    from .checkpoints import export_drafter
 
     target = None
     if embeddings:

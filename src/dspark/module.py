@@ -10,21 +10,14 @@ still replicated: it is not part of the wrapped module.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import lightning as L
 import torch
 from torch import Tensor
 
-from .drafters import Shared
+from .core.types import Shared
 from .drafters.dflash import sample_anchors
 from .objectives import LossWeights, compute_loss
-
-
-class FeatureSource(Protocol):
-    """Where a batch's target features come from: (taps [B,T,m·d], last_hidden [B,T,d])."""
-
-    def __call__(self, batch: dict, target) -> tuple[Tensor, Tensor]: ...
 
 
 def online_features(batch: dict, target) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dspark.kernels.fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 
-from .drafters.base import DraftOutput
+from .core.types import DraftOutput
 
 CPU_MATERIALIZE_BYTES = 1 << 30
 

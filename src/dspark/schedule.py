@@ -1,402 +1,49 @@
 """python -m dspark.schedule mode=analytical rounds=<evaluation folder | rounds.jsonl> cost_table=<json>|null
 python -m dspark.schedule mode=measured drafter_dir=<checkpoint> target=<target> [cost_table=<json>]
 
-Sweeps concurrency R for each verification-length policy and writes into out_dir:
-  frontier.json            {"mode", "cost_table", "policies": {name: [{"concurrency", "throughput",
-                           "tps_per_user", "budget", "tau"}]}} (cost_table: the CostModel's JSON)
-  fig7_frontier.png/.json  aggregate throughput vs tok/s/user, one curve per policy (Fig. 7), with
-                           the check whether hardware_aware's frontier dominates every fixed-γ one
-  fig8_budget.png/.json    throughput and mean verification budget vs concurrency (Fig. 8)
-  cost_table.json          measured mode: the profiled (or given) table
-  meta.json                command, commit, machine, date, timings, config
+Sweeps concurrency R for each verification-length policy (dspark.frontier) and writes into out_dir
+(dspark.artifacts.FrontierFolder): frontier.json ({"mode", "cost_table", "policies": {name:
+[{"concurrency", "throughput", "tps_per_user", "budget", "tau"}]}}), fig7_frontier.png/.json
+(throughput vs tok/s/user, with the check whether hardware_aware dominates every fixed γ),
+fig8_budget.png/.json (throughput and verification budget vs R), meta.json, and in measured mode
+cost_table.json.
 
-Analytical mode replays recorded rounds (see ``dspark.scheduling.frontier``); with cost_table=null
-it prices them on a SYNTHETIC roofline (``analytical_cost``), which shows the shape of the
-trade-off but no real hardware. Measured mode runs the engine; without a cost table it first
-profiles the target's verification step over token batch sizes at ``context_len`` (and the
-drafter per R), which the load-aware policies then use.
+Analytical mode replays recorded rounds; with cost_table=null it prices them on a SYNTHETIC roofline
+(``analytical_cost``), which shows the shape of the trade-off but no real hardware. Measured mode
+runs the engine; without a cost table it first profiles the target's verification step over token
+batch sizes at ``context_len`` (and the drafter per R), which the load-aware policies then use.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .cli import user_errors
-from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
-FRONTIER_KEYS = ("concurrency", "throughput", "tps_per_user", "budget", "tau")
-
-
-# ----------------------------------------------------------------------------------------------
-# checks that run before any model loads
-
-
-def check_config(cfg: DictConfig) -> None:
-    from .scheduling.frontier import NEEDS_CONFIDENCE, ReplayError, base_name, make_policy
-
-    if cfg.mode not in ("analytical", "measured"):
-        raise ConfigError(f"mode must be 'analytical' or 'measured', got '{cfg.mode}'")
-    conc = list(cfg.concurrency) if isinstance(cfg.concurrency, ListConfig) else [cfg.concurrency]
-    if not conc or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in conc):
-        raise ConfigError(f"concurrency must be a list of integers >= 1, got {cfg.concurrency}")
-    if not cfg.policies:
-        raise ConfigError("policies is empty: e.g. policies=[mtp1,fixed,hardware_aware]")
-    if cfg.gamma is not None and int(cfg.gamma) < 1:
-        raise ConfigError(f"gamma must be >= 1 (or null for the drafter's block), got {cfg.gamma}")
-    for spec in cfg.policies:
-        try:  # names and arguments; γ bounds are checked once the block size is known
-            make_policy(str(spec), gamma=10**6, threshold=float(cfg.threshold), delay=int(cfg.async_delay))
-        except ReplayError as err:
-            raise ConfigError(f"policies: {err}") from None
-    if cfg.cost_table is not None and not Path(str(cfg.cost_table)).expanduser().is_file():
-        raise ConfigError(f"cost_table={cfg.cost_table}: no such file (null: synthetic / profile)")
-    if cfg.mode == "analytical":
-        if cfg.rounds is None:
-            raise ConfigError(
-                "rounds is required in analytical mode: rounds=<evaluation folder or rounds.jsonl> "
-                "(python -m dspark.evaluate policy=fixed policy.gamma=null writes one)"
-            )
-        if int(cfg.replay.steps) < 1 or int(cfg.replay.warmup) < 0:
-            raise ConfigError(f"replay.steps must be >= 1 and replay.warmup >= 0, got {cfg.replay}")
-        if cfg.replay.outcome not in ("recorded", "expected"):
-            raise ConfigError(f"replay.outcome must be 'recorded' or 'expected', got '{cfg.replay.outcome}'")
-        if cfg.calibration is not None and not Path(str(cfg.calibration)).expanduser().exists():
-            raise ConfigError(f"calibration={cfg.calibration}: no such file")
-    else:
-        if cfg.drafter_dir is None:
-            raise ConfigError("drafter_dir is required in measured mode: drafter_dir=<checkpoint dir>")
-        dconf = _drafter_config(cfg)
-        d = dconf["drafter"]
-        has_conf = d["name"] == "dspark" and bool((d.get("confidence") or {}).get("enabled", True))
-        needy = [s for s in cfg.policies if base_name(s) in NEEDS_CONFIDENCE]
-        if needy and not has_conf:
-            raise ConfigError(
-                f"policies {needy} need confidences, but the {d['name']} drafter in {cfg.drafter_dir} has "
-                "no confidence head: keep fixed/mtp1 policies only"
-            )
-        if int(cfg.measured.max_new_tokens) < 1 or float(cfg.measured.temperature) < 0:
-            raise ConfigError("measured.max_new_tokens must be >= 1 and measured.temperature >= 0")
-        if int(cfg.context_len) < 1:
-            raise ConfigError(f"context_len must be >= 1, got {cfg.context_len}")
-
-
-def _drafter_config(cfg: DictConfig) -> dict:
-    folder = Path(str(cfg.drafter_dir)).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    from .drafters import read_drafter_config  # ours, or a DeepSpec/engine-format folder (translated)
-
-    return read_drafter_config(folder)
-
-
-def _gamma(cfg: DictConfig, block: int) -> int:
-    g = block if cfg.gamma is None else int(cfg.gamma)
-    if g > block:
-        raise ConfigError(f"gamma={g} exceeds the drafter's block size {block}: set gamma<={block} or null")
-    return g
-
-
-def _policies(cfg: DictConfig, gamma: int, block: int) -> dict:
-    from .scheduling.frontier import ReplayError, make_policy
-
-    out = {}
-    for spec in cfg.policies:
-        try:
-            out[str(spec)] = make_policy(
-                str(spec), gamma, block, threshold=float(cfg.threshold), delay=int(cfg.async_delay)
-            )
-        except ReplayError as err:
-            raise ConfigError(f"policies: {err}") from None
-        if out[str(spec)].name == "retrospective":
-            log.warning("policy %s is NOT lossless (Appendix A); it is a diagnostic upper bound", spec)
-    return out
-
-
-def load_cost(cfg: DictConfig):
-    from .scheduling.cost import CostModel, CostTableError
-
-    path = Path(str(cfg.cost_table)).expanduser()
-    try:
-        cost = CostModel.load(path)
-    except (CostTableError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ConfigError(f"cost_table={cfg.cost_table}: not a valid cost table ({err})") from None
-    cost.meta.setdefault("source", str(path.resolve()))
-    return cost
-
-
-def synthetic_cost(cfg: DictConfig):
-    from .scheduling.cost import CostModel, CostTableError
-
-    kw = OmegaConf.to_container(cfg.analytical_cost, resolve=True)
-    try:
-        cost = CostModel.analytical(**kw, context_len=int(cfg.context_len))
-    except (CostTableError, TypeError) as err:
-        raise ConfigError(f"analytical_cost: {err}") from None
-    cost.meta["source"] = "synthetic roofline (CostModel.analytical), not a measurement"
-    log.warning(
-        "cost_table=null: pricing rounds on a SYNTHETIC roofline %s; the frontier shows the shape of "
-        "the trade-off, not any real hardware. Profile one with mode=measured.",
-        kw,
-    )
-    return cost
-
-
-# ----------------------------------------------------------------------------------------------
-# modes
-
-
-def run_analytical(cfg: DictConfig) -> tuple[dict, object, dict]:
-    from .scheduling.frontier import ReplayError, load_rounds, replay
-
-    temps = None
-    if cfg.calibration is not None:
-        from .calibration.sts import Calibration
-
-        temps = Calibration.load(str(cfg.calibration)).temperatures
-    rounds_arg = cfg.rounds
-    paths = list(rounds_arg) if isinstance(rounds_arg, ListConfig) else [str(rounds_arg)]
-    try:
-        rounds = load_rounds(paths, temperatures=temps)
-    except ReplayError as err:
-        raise ConfigError(str(err)) from None
-    gamma = _gamma(cfg, rounds.gamma)
-    policies = _policies(cfg, gamma, rounds.gamma)
-    cost = load_cost(cfg) if cfg.cost_table is not None else synthetic_cost(cfg)
-    log.info("replaying %d rounds of %d requests (γ=%d)", len(rounds), len(rounds.sequences), rounds.gamma)
-    try:
-        frontier = replay(
-            rounds,
-            policies,
-            cost,
-            list(cfg.concurrency),
-            steps=int(cfg.replay.steps),
-            seed=int(cfg.seed),
-            warmup=int(cfg.replay.warmup),
-            outcome=str(cfg.replay.outcome),
-            progress=bool(cfg.progress),
-        )
-    except ReplayError as err:
-        raise ConfigError(str(err)) from None
-    info = {"rounds": len(rounds), "requests": len(rounds.sequences), "block": rounds.gamma, "gamma": gamma}
-    return frontier, cost, info
-
-
-def _prompts(cfg: DictConfig, target) -> list[list[int]]:
-    from .data.benchmarks import first_turns
-    from .data.io import DataError
-
-    chat_kw = cfg.target.get("chat_template_kwargs")
-    chat_kw = OmegaConf.to_container(chat_kw, resolve=True) if chat_kw else {}
-    m = cfg.measured
-    texts = []
-    for name in m.benchmarks:
-        try:
-            texts += first_turns(str(name), m.benchmark_dir, m.max_prompts)
-        except DataError as err:
-            raise ConfigError(f"measured.benchmarks: {err}") from None
-    if not texts:
-        raise ConfigError("measured mode found no prompts: set measured.benchmarks / measured.benchmark_dir")
-    return [target.chat_ids([{"role": "user", "content": t}], **chat_kw) for t in texts]
-
-
-def run_measured(cfg: DictConfig, out: Path) -> tuple[dict, object, dict]:
-    import torch
-
-    from .calibration.sts import CALIBRATION_FILENAME, Calibration
-    from .drafters import load_drafter
-    from .scheduling.cost import CostModel
-    from .scheduling.frontier import measure, profile_drafter, profile_target, settle_profile
-    from .target import load_target
-
-    target = load_target(cfg.target)
-    drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
-    block = int(drafter.gamma)
-    gamma = _gamma(cfg, block)
-    policies = _policies(cfg, gamma, block)
-    prompts = _prompts(cfg, target)  # before profiling: a missing benchmark fails fast
-    calib_path = Path(str(cfg.drafter_dir)) / CALIBRATION_FILENAME
-    calibration = Calibration.load(calib_path) if calib_path.exists() else None
-    conc = [int(r) for r in cfg.concurrency]
-    if cfg.cost_table is not None:
-        cost = load_cost(cfg)
-    else:
-        p = cfg.profile
-        sizes = list(p.batch_sizes) if p.batch_sizes else _powers_of_two(max(conc) * (gamma + 1))
-        log.info("profiling the target step at context %d over B=%s", cfg.context_len, sizes)
-        t0 = time.perf_counter()
-        verify_ms, v_notes = settle_profile(
-            lambda b: profile_target(
-                target, b, int(cfg.context_len), gamma, warmup=int(p.warmup), repeats=int(p.repeats)
-            ),
-            sizes,
-        )
-        draft_ms, d_notes = (None, {})
-        if p.draft:
-            draft_ms, d_notes = settle_profile(
-                lambda r: profile_drafter(
-                    target,
-                    drafter,
-                    r,
-                    int(cfg.context_len),
-                    float(cfg.measured.temperature),
-                    warmup=int(p.warmup),
-                    repeats=int(p.repeats),
-                ),
-                sorted(set(conc)),
-            )
-        cost = CostModel(
-            verify_ms,
-            draft_ms=draft_ms,
-            context_len=int(cfg.context_len),
-            meta={
-                "source": "profiled by python -m dspark.schedule mode=measured",
-                "target": target.name,
-                "device": str(target.device),
-                "dtype": str(target.dtype).replace("torch.", ""),
-                "gamma": gamma,
-                "profile_s": time.perf_counter() - t0,
-                "profile_notes": {"verify": v_notes, "draft": d_notes},
-                "torch": torch.__version__,
-            },
-        )
-    cost.save(out / "cost_table.json")
-    frontier = measure(
-        target,
-        drafter,
-        policies,
-        conc,
-        prompts,
-        cost=cost,
-        calibration=calibration,
-        temperature=float(cfg.measured.temperature),
-        max_new_tokens=int(cfg.measured.max_new_tokens),
-        seed=int(cfg.seed),
-        warmup=bool(cfg.measured.warmup),
-        progress=bool(cfg.progress),
-        engine_kind=str(cfg.measured.get("engine", "plain")),
-    )
-    info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
-    return frontier, cost, info
-
-
-def _powers_of_two(top: int) -> list[int]:
-    sizes, b = [], 1
-    while b < top:
-        sizes.append(b)
-        b *= 2
-    return sizes + [top]
-
-
-# ----------------------------------------------------------------------------------------------
-# outputs
-
-
-def write_outputs(cfg: DictConfig, out: Path, frontier: dict, cost, info: dict, started: float) -> dict:
-    from .reporting.frontier_plots import budget_plot, frontier_plot
-    from .reporting.plots import write_json
-    from .scheduling.frontier import base_name, dominance
-
-    points = {name: [{k: p[k] for k in FRONTIER_KEYS} for p in pts] for name, pts in frontier.items()}
-    result = {"mode": str(cfg.mode), "cost_table": cost.to_dict(), "policies": points}
-    write_json(out / "frontier.json", result)
-
-    fixed = [n for n in points if base_name(n) in ("fixed", "mtp1")]
-    ha = next((n for n in points if base_name(n) == "hardware_aware"), None)
-    check = None
-    if ha is not None and fixed:
-        misses = dominance(points, ha, fixed)
-        check = {
-            "policy": ha,
-            "against": fixed,
-            "dominates": not misses,
-            "not_dominated": misses,
-            "definition": f"a point of another policy counts as dominated when some {ha} point has "
-            "throughput and tok/s/user both >= it",
-        }
-        if misses:
-            log.warning("%s does not dominate %d fixed-length points: %s", ha, len(misses), misses)
-    synthetic = cost.meta.get("analytical") is not None
-    tag = f"{cfg.mode}{' (synthetic roofline cost)' if synthetic else ''}"
-    frontier_plot(
-        points,
-        out / "fig7_frontier.png",
-        title=f"Throughput vs interactivity — {tag}",
-        data={
-            "mode": str(cfg.mode),
-            "x": "tps_per_user",
-            "y": "throughput",
-            "policies": points,
-            "dominance": check,
-            **info,
-        },
-    )
-    budget_plot(
-        points,
-        out / "fig8_budget.png",
-        title=f"Throughput and budget vs concurrency — {tag}",
-        data={
-            "mode": str(cfg.mode),
-            "x": "concurrency",
-            "y": ["throughput", "budget"],
-            "budget": "mean draft tokens verified per request per round (paper's Fig. 8 adds the anchor: +1)",
-            "policies": points,
-            **info,
-        },
-    )
-    write_json(
-        out / "meta.json",
-        {
-            "command": " ".join([Path(sys.executable).name, "-m", "dspark.schedule", *sys.argv[1:]]),
-            "commit": _git_commit(),
-            "machine": {"host": platform.node(), "platform": platform.platform()},
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "wall_s": time.time() - started,
-            **info,
-            "config": OmegaConf.to_container(cfg, resolve=True),
-        },
-    )
-    return result
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
 
 def run(cfg: DictConfig) -> dict:
+    from .artifacts import FrontierFolder
+    from .frontier import check_config, run_analytical, run_measured, write_outputs
+
     check_config(cfg)
     started = time.time()
-    out = Path(str(cfg.out_dir))
-    out.mkdir(parents=True, exist_ok=True)
+    folder = FrontierFolder(str(cfg.out_dir))
+    folder.path.mkdir(parents=True, exist_ok=True)
     if cfg.mode == "analytical":
-        frontier, cost, info = run_analytical(cfg)
+        frontier, policies, cost, info = run_analytical(cfg)
     else:
-        frontier, cost, info = run_measured(cfg, out)
-    result = write_outputs(cfg, out, frontier, cost, info, started)
+        frontier, policies, cost, info = run_measured(cfg, folder)
+    result = write_outputs(cfg, folder, frontier, policies, cost, info, started)
     for name, pts in result["policies"].items():
-        log.info(
-            "%-16s %s",
-            name,
-            "  ".join(f"R={p['concurrency']}: {p['throughput']:.0f} tok/s, τ={p['tau']:.2f}" for p in pts),
-        )
-    log.info("frontier in %s", out)
+        points = [f"R={p['concurrency']}: {p['throughput']:.0f} tok/s, τ={p['tau']:.2f}" for p in pts]
+        log.info("%-16s %s", name, "  ".join(points))
+    log.info("frontier in %s", folder.path)
     return result
 
 

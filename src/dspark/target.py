@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from .data.io import atomic_open
+from .core.errors import TargetError
+from .core.io import atomic_open
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TargetError(ValueError):
-    """A target that cannot be used as configured; the message names the fix."""
 
 
 @dataclass
@@ -78,11 +76,14 @@ class Target(nn.Module):
         eos_token_ids: Sequence[int],
         name: str = "target",
         fingerprint: str = "",
+        chat_template_kwargs: dict | None = None,
     ):
         super().__init__()
         self.model = model.eval()
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer
+        # Arguments of its chat template every prompt needs (Qwen3: enable_thinking=false).
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.name = name
         self.fingerprint = fingerprint or name
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -177,10 +178,18 @@ class Target(nn.Module):
         return TargetStep(logits=logits, taps=taps, last_hidden=last, cache=out.past_key_values)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+        """Token ids of ``messages`` through the chat template, with the target's own template
+        arguments (``kw`` overrides them)."""
+        kw = {**self.chat_template_kwargs, **kw}
         out = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw
         )
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The prompt of one user turn, as every decoding stage (evaluate, schedule, the benches)
+        sends it: the ids the target sees before it writes its answer."""
+        return self.chat_ids([{"role": "user", "content": text}])
 
     def describe(self) -> dict:
         return {
@@ -193,6 +202,10 @@ class Target(nn.Module):
             "mask_token_id": self.mask_token_id,
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
 def _rope_theta(cfg) -> float:
@@ -433,6 +446,7 @@ def load_target(cfg) -> Target:
         eos_token_ids=eos,
         name=cfg.name,
         fingerprint=json.dumps({"name": cfg.name, "source": source, "dtype": cfg.get("dtype", "float32")}),
+        chat_template_kwargs=_plain(cfg.get("chat_template_kwargs")),
     )
     log.info("target %s loaded in %.1fs from %s", cfg.name, time.perf_counter() - start, source)
     return target

@@ -13,9 +13,11 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from .artifacts import RunFolder
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
-from .config import ConfigError
-from .drafters import TargetDims, build_drafter
+from .core.errors import ConfigError
+from .core.types import TargetDims
+from .drafters import build_drafter
 from .module import DraftingModule
 from .objectives import LossWeights
 from .target import load_target
@@ -184,27 +186,8 @@ def _launching_rank_zero() -> bool:
     return (_get_rank() or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
 
 
-def _wait_for_dataset(cfg_data, features: str, timeout_s: float = 6 * 3600) -> None:
-    """Ranks other than 0 wait until rank 0 has prepared data.dir (and its feature cache with
-    features=offline); for several nodes data.dir must be on a shared disk, or prepared beforehand."""
-    from .data.cache import MANIFEST
-    from .data.io import read_json, resolve_path
-    from .prepare import read_done
-
-    data_dir = resolve_path(cfg_data.dir)
-    manifest = data_dir / "cache" / MANIFEST
-    need_cache = features == "offline"
-    start = time.monotonic()
-    while read_done(data_dir) is None or (
-        need_cache and not (manifest.exists() and read_json(manifest).get("complete"))
-    ):
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"no finished dataset at {data_dir} after {timeout_s:.0f} s (rank 0 makes it)")
-        time.sleep(5)
-
-
 def run_training(cfg: DictConfig) -> dict:
-    from .prepare import check_data_dir
+    from .data.dataset import check_data_dir
 
     batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
     check_data_dir(cfg.data, cfg.target)
@@ -214,16 +197,17 @@ def run_training(cfg: DictConfig) -> dict:
         # onto GPU k ("cuda" means the current device), not onto GPU 0 first.
         torch.cuda.set_device(int(local_rank))
     L.seed_everything(int(cfg.seed), workers=True)
-    out_dir = Path(cfg.out_dir)
+    run = RunFolder(cfg.out_dir)
+    out_dir = run.path
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
 
     from .data.cache import target_fingerprint
     from .data.datamodule import DraftDataModule
-    from .prepare import ensure_dataset
+    from .data.dataset import ensure_dataset, wait_for_dataset
 
     if not _launching_rank_zero():
-        _wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
+        wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
     data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
     datamodule = DraftDataModule(
         cfg.data,
@@ -249,18 +233,18 @@ def run_training(cfg: DictConfig) -> dict:
     )
 
     throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
-    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir = run.checkpoints
     every = int(cfg.callbacks.checkpoint_every_n_steps)
     callbacks = [
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every, save_top_k=0),
-        DrafterExport(out_dir / "drafter", cfg.drafter, cfg.get("head"), every),
+        DrafterExport(run.drafter, cfg.drafter, cfg.get("head"), every),
         throughput,
         LearningRateMonitor(logging_interval="step"),  # logged as lr-AdamW
         RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10),
     ]
-    if cfg.callbacks.get("calibration", True) and getattr(drafter, "confidence", None) is not None:
+    if cfg.callbacks.get("calibration", True) and drafter.has_confidence:
         callbacks.insert(0, CalibrationCallback())
-    last = ckpt_dir / "last.ckpt"
+    last = run.last_checkpoint
     resume = last if cfg.resume and last.exists() else None
     resumed_at = None
     if resume:
@@ -283,7 +267,7 @@ def run_training(cfg: DictConfig) -> dict:
         batch["per_device"], batch["world"], batch["accumulate"], batch["global"],
     )  # fmt: skip
     if trainer.is_global_zero:
-        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+        run.write_config(cfg)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     summary = {
@@ -301,7 +285,7 @@ def run_training(cfg: DictConfig) -> dict:
         "data_dir": str(data_dir),
     }
     if trainer.is_global_zero:  # one writer; every rank returns the summary
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.write_summary(summary)
     if cfg.logger.name != "csv" and trainer.is_global_zero:
         from .reporting.dashboard import publish_run
 

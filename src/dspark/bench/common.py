@@ -1,11 +1,8 @@
-"""What the benchmark scripts share: a target from Hydra overrides, run metadata, timing."""
+"""What the benchmark scripts share: a target from Hydra overrides, timing, the published report."""
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -19,25 +16,6 @@ def compose_target(overrides: list[str]):
     with initialize_config_module(config_module="dspark.conf", version_base="1.3"):
         cfg = compose(config_name="schedule", overrides=[o for o in overrides if o.startswith("target")])
     return cfg.target
-
-
-def run_meta(module: str, argv: list[str], device: torch.device) -> dict:
-    """Command, commit (``DSPARK_COMMIT`` wins: a copied tree may carry a stale .git), machine, date."""
-    commit = os.environ.get("DSPARK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {
-        "command": " ".join(["python -m", module, *argv]),
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-    }
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
@@ -64,7 +42,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repea
 def publish(path: str, report: dict, header: list[str], cells: list[list[str]]) -> None:
     """Write ``report`` as JSON (atomically) and print its rows as a markdown table; the first
     column is text, the others right-aligned numbers."""
-    from ..data.io import atomic_write_json
+    from ..core.io import atomic_write_json
 
     atomic_write_json(path, report)
     print("\n| " + " | ".join(header) + " |")

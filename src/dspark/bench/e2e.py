@@ -14,7 +14,6 @@ and the drafter's speed-up over target-only at the same R.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..data.benchmarks import PACKAGED_BENCHMARKS
 
@@ -41,14 +40,15 @@ def _parse(argv):
 def main(argv=None) -> dict:
     import sys
 
-    from ..calibration.sts import CALIBRATION_FILENAME, Calibration
+    from ..artifacts import DrafterFolder
+    from ..checkpoints import load_drafter
+    from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
-    from ..drafters import load_drafter
     from ..scheduling.cost import CostModel
-    from ..scheduling.frontier import make_policy, measure
-    from ..scheduling.policies import Fixed
+    from ..scheduling.policies import Fixed, build_policy
     from ..target import load_target
-    from .common import compose_target, publish, run_meta
+    from .common import compose_target, publish
+    from .measure import measure, speedup_rows
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -59,11 +59,10 @@ def main(argv=None) -> dict:
     drafter, _ = load_drafter(args.drafter_dir, target, device=target.device)
     if args.drafter_dtype == "target":  # serve the drafter in the target's precision
         drafter = drafter.to(target.dtype)
-    calib = Path(args.drafter_dir) / CALIBRATION_FILENAME
-    calibration = Calibration.load(calib) if calib.exists() else None
-    prompts = [target.chat_ids([{"role": "user", "content": t}]) for t in texts]
+    calibration = DrafterFolder(args.drafter_dir).read_calibration()
+    prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
-    policies = {p: make_policy(p, gamma, gamma) for p in args.policies.split(",")}
+    policies = {p: build_policy(p, gamma=gamma, defaults={"check": False}) for p in args.policies.split(",")}
     conc = [int(r) for r in args.concurrency.split(",")]
     common = dict(
         temperature=args.temperature,
@@ -74,21 +73,9 @@ def main(argv=None) -> dict:
     )
     base = measure(target, None, {"target_only": Fixed(None)}, conc, prompts, **common)["target_only"]
     spec = measure(target, drafter, policies, conc, prompts, cost=cost, calibration=calibration, **common)
-    rows = []
-    for i, b in enumerate(base):
-        rows.append({"run": "target_only", **b})
-        for name, points in spec.items():
-            p = points[i]
-            rows.append(
-                {
-                    "run": f"{drafter.kind}/{name}",
-                    **p,
-                    "speedup_per_user": p["tps_per_user"] / b["tps_per_user"],
-                    "speedup_throughput": p["throughput"] / b["throughput"],
-                }
-            )
+    rows = speedup_rows(base, spec, drafter.kind)
     report = {
-        **run_meta("dspark.bench.e2e", argv, target.device),
+        **provenance("dspark.bench.e2e", argv, target.device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "drafter": str(args.drafter_dir),
@@ -117,4 +104,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import user_errors
+
+    with user_errors():
+        main()

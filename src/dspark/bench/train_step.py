@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from .common import publish, run_meta
+from ..core.provenance import provenance
+from .common import publish
 
 VARIANTS = {
     "default": [],
@@ -239,7 +240,7 @@ def main(argv=None) -> dict:
     shape = {k: getattr(args, k) for k in ("seq", "batch", "hidden", "layers", "vocab", "heads", "kv_heads",
                                            "head_dim", "intermediate", "taps")}  # fmt: skip
     report = {
-        **run_meta("dspark.bench.train_step", argv, device),
+        **provenance("dspark.bench.train_step", argv, device),
         "shape": shape,
         "peak_tflops": args.peak_tflops,
         "deepspec_reference": {

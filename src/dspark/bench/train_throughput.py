@@ -12,7 +12,6 @@ state (after the callback's warm-up steps, validation time excluded). Prints a t
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -39,7 +38,9 @@ def _overrides(spec: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    from .common import publish, run_meta
+    from ..artifacts import RunFolder
+    from ..core.provenance import provenance
+    from .common import publish
 
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parse(argv)
@@ -55,7 +56,7 @@ def main(argv=None) -> dict:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{spec} failed:\n{done.stderr[-3000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = RunFolder(run_dir).read_summary()
         tp = summary["throughput"]
         steady = tp.get("steady") or {}
         rows.append(
@@ -73,7 +74,7 @@ def main(argv=None) -> dict:
         print(f"{spec}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     import torch
 
-    report = {**run_meta("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
+    report = {**provenance("dspark.bench.train_throughput", argv, torch.device("cpu")), "rows": rows}
     publish(
         args.out,
         report,
@@ -89,4 +90,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli import user_errors
+
+    with user_errors():
+        main()

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: training nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dspark.data.io import atomic_write_json, finite  # noqa: E402
+from ..core.io import atomic_write_json, finite  # noqa: E402
 
 __all__ = ["reliability_diagram"]
 

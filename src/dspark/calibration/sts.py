@@ -19,18 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark.calibration.metrics import _check_inputs, _ece_l1
-from dspark.data.io import atomic_write_json
+from ..core.io import atomic_write_json
+from .metrics import _check_inputs, _ece_l1
 
 __all__ = [
-    "CALIBRATION_FILENAME",
     "Calibration",
     "cumulative_confidence",
     "default_grid",
     "fit_sts",
 ]
-
-CALIBRATION_FILENAME = "calibration.json"
 
 # Bounds the [grid_chunk, M] candidate matrix built per position (16-32 MB).
 _MAX_CHUNK_ELEMS = 1 << 22
@@ -121,7 +118,7 @@ def fit_sts(
 
 @dataclass
 class Calibration:
-    """STS temperatures stored next to a drafter checkpoint (``calibration.json`` by default)."""
+    """STS temperatures (stored in a drafter folder's calibration.json: dspark.artifacts)."""
 
     temperatures: list[float]
 
@@ -148,18 +145,12 @@ class Calibration:
         return cls(list(d["temperatures"]))
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write JSON atomically (a reader never sees a half-written file); a directory gets
-        ``calibration.json`` inside it. Returns the file path."""
-        path = _resolve(path)
+        """Write the JSON file atomically (a reader never sees a half-written file)."""
+        path = Path(path)
         # json writes floats with repr(), which round-trips float64 exactly.
         atomic_write_json(path, self.to_dict())
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
-        return cls.from_dict(json.loads(_resolve(path).read_text()))
-
-
-def _resolve(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    return p / CALIBRATION_FILENAME if p.is_dir() else p
+        return cls.from_dict(json.loads(Path(path).read_text()))

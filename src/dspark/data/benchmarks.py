@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import PACKAGE_SCHEME, PROJECT_ROOT, DataError, normalize_text, resolve_path
+from ..core.errors import DataError
+from ..core.provenance import checkout_root
+from .io import PACKAGE_SCHEME, normalize_text, resolve_path
 
 # The DeepSpec prompt files shipped with dspark (README.md there: sources and licence).
 PACKAGED_BENCHMARKS = "pkg://dspark/data/benchmark_prompts"
@@ -94,7 +96,8 @@ def _not_a_folder(key: str, benchmark_dir: str | Path, folder: Path) -> str:
     elif Path(text).expanduser().is_absolute():
         where = ""
     else:
-        where = f" (looked under {Path.cwd()} and {PROJECT_ROOT})"
+        places = [Path.cwd()] + ([checkout_root()] if checkout_root() else [])
+        where = f" (looked under {' and '.join(map(str, places))})"
     return f"{key} '{benchmark_dir}' is not a folder{where}"
 
 

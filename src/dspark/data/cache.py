@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .io import DataError, atomic_save_safetensors, atomic_write_json, read_json
+from ..core.errors import DataError
+from ..core.io import atomic_save_safetensors, atomic_write_json, read_json
 from .tokenize import TokenSplit
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ import lightning as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
+from ..core.errors import DataError
 from .cache import FeatureCache
-from .io import DataError, resolve_path
+from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
 
 log = logging.getLogger(__name__)
@@ -199,12 +200,11 @@ class GlobalBatchSampler(Sampler):
 
 
 class DraftDataModule(L.LightningDataModule):
-    """Train/val batches from a prepared `data.dir` (see dspark.prepare).
+    """Train/val batches from a prepared `data.dir` (see dspark.data.dataset).
 
     features: "online" (tokens only) or "offline" (tokens + cached target features; the cache is
-    checked against `target_fingerprint`, see cache.target_fingerprint(target)).
-    With `cfg_target` given, Lightning's `prepare_data` (local rank 0 only) builds a missing dataset
-    through `dspark.prepare.ensure_dataset`, using `target` when passed (else it loads one)."""
+    checked against `target_fingerprint`, see cache.target_fingerprint(target)). The folder must be
+    prepared already (training calls dspark.data.dataset.ensure_dataset first)."""
 
     def __init__(
         self,
@@ -212,12 +212,8 @@ class DraftDataModule(L.LightningDataModule):
         features: str = "online",
         target_fingerprint: dict | None = None,
         pad_token_id: int | None = None,
-        cfg_target=None,
-        target=None,
     ):
         super().__init__()
-        self.cfg_target = cfg_target
-        self._target = target
         if features not in ("online", "offline"):
             raise DataError(f"features must be 'online' or 'offline', got '{features}'")
         self.cfg = cfg_data
@@ -239,12 +235,6 @@ class DraftDataModule(L.LightningDataModule):
                 cache = FeatureCache(self.dir / "cache", split, self.fingerprint, tokens)
             self.datasets[split] = ConversationDataset(tokens, cache)
         return self.datasets[split]
-
-    def prepare_data(self) -> None:
-        if self.cfg_target is not None:
-            from ..prepare import ensure_dataset
-
-            ensure_dataset(self.cfg, self.cfg_target, target=self._target, features=self.features)
 
     def setup(self, stage: str | None = None) -> None:
         self._load("train")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .io import DataError, stable_hash
+from ..core.errors import DataError
+from .io import stable_hash
 
 log = logging.getLogger(__name__)
 

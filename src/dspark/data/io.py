@@ -1,87 +1,19 @@
-"""Small I/O helpers shared by the data pipeline: atomic writes, JSONL, paths, text normalisation."""
+"""Helpers of the data pipeline: where a configured input path points, text normalisation, stable
+hashes. (Atomic writes and JSON reading are everyone's: ``dspark.core.io``.)"""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.resources
 import json
-import math
-import os
-import tempfile
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-# src/dspark/data/io.py -> the repository root (meaningful for an editable install / a checkout).
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
+from ..core.errors import DataError
+from ..core.provenance import checkout_root
+
 # `pkg://<package>/<path>` names a file or folder shipped inside an installed package.
 PACKAGE_SCHEME = "pkg://"
-
-
-class DataError(ValueError):
-    """Bad data or a data config that cannot work; the message names the key or file to fix."""
-
-
-@contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[Any]:
-    """Write to a temp file beside `path` and rename it into place only when the block succeeds, so
-    a crash or a full disk never leaves a half-written file under the final name."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, **kw) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def finite(x: Any) -> Any:
-    """``x`` with NaN and ±inf floats replaced by None, recursively: strict JSON has neither."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite(v) for v in x]
-    return x
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False, default=str)
-        f.write("\n")
-
-
-def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save
-
-    blob = save(tensors, metadata=metadata)
-    with atomic_open(path, "wb") as f:
-        f.write(blob)
-
-
-def read_json(path: str | Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Strict reader for files this pipeline wrote itself (user files: prompts.read_prompt_jsonl)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def normalize_text(text: str) -> str:
@@ -106,8 +38,8 @@ def packaged_path(spec: str) -> Path:
 
 def resolve_path(path: str | Path, must_exist: bool = False) -> Path:
     """`pkg://<package>/<path>` means a packaged file; other relative paths mean the working directory
-    when they exist there, else the project root (so `data/...` works from any directory of a
-    checkout)."""
+    when they exist there, else the source checkout when dspark runs from one (so the configs'
+    relative folders work from any directory of an editable install)."""
     if str(path).startswith(PACKAGE_SCHEME):
         p = packaged_path(str(path))
         if must_exist and not p.exists():
@@ -116,9 +48,10 @@ def resolve_path(path: str | Path, must_exist: bool = False) -> Path:
     p = Path(str(path)).expanduser()
     if p.is_absolute() or p.exists():
         return p.resolve() if p.exists() else p
-    rooted = PROJECT_ROOT / p
-    if rooted.exists():
-        return rooted.resolve()
+    root = checkout_root()
+    if root is not None and (root / p).exists():
+        return (root / p).resolve()
     if must_exist:
-        raise DataError(f"path '{path}' exists neither under {Path.cwd()} nor under {PROJECT_ROOT}")
+        places = " and ".join(str(d) for d in (Path.cwd(), root) if d is not None)
+        raise DataError(f"path '{path}' does not exist (looked under {places})")
     return p

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..core.errors import DataError
 from .benchmarks import benchmark_prompt_keys, decontamination_keys
-from .io import DataError, normalize_text, resolve_path
+from .io import normalize_text, resolve_path
 from .tokenize import prompt_ids, render
 
 log = logging.getLogger(__name__)

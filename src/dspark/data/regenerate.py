@@ -16,13 +16,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..core.errors import DataError
+from ..core.io import atomic_write_jsonl, read_jsonl
 from .generation import Continuation, Sampling, decode, generate_continuations
-from .io import DataError, atomic_write_jsonl, read_jsonl
 from .tokenize import prompt_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Continuation", "RegenStats", "Sampling", "load_conversations", "regenerate", "regenerate_split"]
+__all__ = ["Continuation", "RegenStats", "Sampling", "load_conversations", "regenerate"]
 
 
 def conversation_messages(prompt: dict) -> list[dict]:
@@ -163,15 +164,6 @@ def regenerate(
         total.seconds = time.perf_counter() - start
         total.engine, total.concurrency = report.get("engine"), report.get("concurrency")
     return stats, total
-
-
-def regenerate_split(
-    target, prompts: list[dict], out_dir: str | Path, split: str, sampling: Sampling, **kw
-) -> RegenStats:
-    """`regenerate` for a single split (same keywords); returns its stats with the pass's wall time."""
-    stats, total = regenerate(target, {split: prompts}, out_dir, sampling, **kw)
-    stats[split].seconds = total.seconds
-    return stats[split]
 
 
 def load_conversations(out_dir: str | Path, split: str) -> list[dict]:

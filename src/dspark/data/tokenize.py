@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .io import DataError, atomic_save_safetensors
+from ..core.errors import DataError
+from ..core.io import atomic_save_safetensors
 
 
 class TemplateError(DataError):

@@ -44,14 +44,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..drafters.base import Shared, select_cache
-from .kv import RaggedKV, concat_draft_caches
+from ..core.progress import progress_bar
+from ..core.sampling import sample_from
+from ..core.types import Shared
+from ..scheduling.policies import Fixed, Policy
+from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
-from .verify import sample_from, verify
+from .verify import verify
 
 __all__ = [
-    "NEEDS_CONFIDENCE",
-    "NEEDS_COST",
     "Engine",
     "EngineResult",
     "Generation",
@@ -62,10 +63,6 @@ __all__ = [
     "tau",
     "threshold_sweep",
 ]
-
-# Policies that read confidences / a cost table (scheduling/policies.py); the rest are fixed-length.
-NEEDS_CONFIDENCE = {"threshold", "hardware_aware", "async_topk", "retrospective"}
-NEEDS_COST = {"hardware_aware", "async_topk", "retrospective"}
 
 
 @dataclass
@@ -204,26 +201,22 @@ class Engine:
         self.device = target.device
         self.shared = Shared.of(target)
         self.cost = cost
-        self.has_confidence = drafter is not None and getattr(drafter, "confidence", None) is not None
+        self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
 
-    def set_policy(self, policy=None) -> None:
+    def set_policy(self, policy: Policy | None = None) -> None:
         """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
-        if policy is None:
-            from ..scheduling.policies import Fixed
-
-            policy = Fixed(None)
-        name = getattr(policy, "name", type(policy).__name__).lower()
-        if self.drafter is not None and name in NEEDS_CONFIDENCE and not self.has_confidence:
+        policy = Fixed(None) if policy is None else policy
+        if self.drafter is not None and policy.needs_confidence and not self.has_confidence:
             raise ValueError(
-                f"policy '{name}' needs per-position confidences, but drafter "
-                f"'{getattr(self.drafter, 'kind', '?')}' has no confidence head: use policy=fixed or "
+                f"policy '{policy.name}' needs per-position confidences, but drafter "
+                f"'{self.drafter.kind}' has no confidence head: use policy=fixed or "
                 f"policy=mtp1, or a DSpark drafter with confidence.enabled=true"
             )
-        if self.drafter is not None and name in NEEDS_COST and self.cost is None:
+        if self.drafter is not None and policy.needs_cost and self.cost is None:
             raise ValueError(
-                f"policy '{name}' needs a cost model (a profiled SPS table): set policy.cost_table"
+                f"policy '{policy.name}' needs a cost model (a profiled SPS table): set policy.cost_table"
             )
         self.policy = policy
 
@@ -231,13 +224,12 @@ class Engine:
     def from_checkpoint(cls, target, drafter_dir: str | Path, policy=None, **kw) -> Engine:
         """Load a saved drafter; its STS temperatures (``calibration.json`` in the folder) apply
         automatically unless ``calibration`` is given."""
-        from ..calibration.sts import CALIBRATION_FILENAME, Calibration
-        from ..drafters import load_drafter
+        from ..artifacts import DrafterFolder
+        from ..checkpoints import load_drafter
 
         drafter, _ = load_drafter(drafter_dir, target, device=target.device)
-        path = Path(drafter_dir) / CALIBRATION_FILENAME
-        if "calibration" not in kw and path.exists():
-            kw["calibration"] = Calibration.load(path)
+        if "calibration" not in kw:
+            kw["calibration"] = DrafterFolder(drafter_dir).read_calibration()
         return cls(target, drafter, policy, **kw)
 
     # ------------------------------------------------------------------------------------------
@@ -255,8 +247,7 @@ class Engine:
             if len(r.prompt) == 0:
                 raise ValueError(f"request {r.id} has an empty prompt")
         self._check_requests(reqs)
-        if hasattr(self.policy, "reset"):
-            self.policy.reset()
+        self.policy.reset()
         queue = deque(range(len(reqs)))
         done: dict[int, Generation] = {}
         rounds: list[RoundRecord] = []
@@ -265,7 +256,7 @@ class Engine:
         self._reset_state()
         anchors = anchor_pos = None  # [R] long each
         start = time.perf_counter()
-        bar = _progress(len(reqs), self.desc, self.progress)
+        bar = progress_bar(len(reqs), self.desc, self.progress, unit="req")
 
         def finished(items: list[_Live]) -> None:
             for item in items:
@@ -371,7 +362,7 @@ class Engine:
     def _keep_rows(self, index: Tensor) -> None:
         self._kv = self._kv.select(index)
         if self._dcache is not None:
-            self._dcache = select_cache(self._dcache, index)
+            self._dcache = select_draft_cache(self._dcache, index)
 
     def _propose(self, anchors: Tensor, anchor_pos: Tensor):
         return self.drafter.propose(
@@ -566,14 +557,6 @@ def _temperatures(calibration, gamma: int | None) -> Tensor | None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True)
 
 
 # ----------------------------------------------------------------------------------------------

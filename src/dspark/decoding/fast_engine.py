@@ -27,8 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..drafters.base import DraftCache, Proposal
-from ..drafters.dflash import BlockDrafter
+from ..core.types import DraftCache, Proposal
 from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
@@ -74,10 +73,10 @@ class FastEngine(Engine):
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
-        if drafter is not None and not isinstance(drafter, BlockDrafter):
+        if drafter is not None and not drafter.supports_static_cache:
             raise ValueError(
-                f"the fast engine drafts with block drafters (dspark, dflash); "
-                f"'{getattr(drafter, 'kind', type(drafter).__name__)}' runs on engine=plain"
+                f"the fast engine drafts with block drafters (their state fits a static cache); "
+                f"'{drafter.kind}' runs on engine=plain"
             )
         self.buckets = sorted({int(b) for b in buckets})
         if not self.buckets or self.buckets[0] < 1:
@@ -139,15 +138,10 @@ class FastEngine(Engine):
         with torch.inference_mode():
             self.static = StaticTarget(self.target, rows, capacity, compile=self.compile)
             if self.drafter is not None:
-                ref = self.drafter.fc.weight
-                s = self.drafter.layers[0].attn.s
                 # The draft step attends over context + γ keys: keep that length a multiple of 16
                 # (fused attention kernels want aligned mask rows).
-                shape = (rows, s.num_kv_heads, capacity + (-(capacity + self._gamma)) % 16, s.head_dim)
-                n = len(self.drafter.layers)
-                self.dk = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
-                self.dv = [torch.zeros(shape, device=self.device, dtype=ref.dtype) for _ in range(n)]
-                self.dlength = torch.zeros(rows, dtype=torch.long, device=self.device)
+                slots = capacity + (-(capacity + self._gamma)) % 16
+                self.dcache = self.drafter.new_cache(rows, self.device, capacity=slots)
             # Static inputs of the captured steps.
             width = self.max_width
             self.in_ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
@@ -163,22 +157,16 @@ class FastEngine(Engine):
         if self.static is not None:
             self.static.lengths.zero_()
             if self.drafter is not None:
-                self.dlength.zero_()
+                self.dcache.length.zero_()
 
     def _draft_cache(self, rows: int) -> DraftCache:
-        return DraftCache(
-            k=[k[:rows] for k in self.dk], v=[v[:rows] for v in self.dv], length=self.dlength[:rows]
-        )
+        c = self.dcache
+        return DraftCache(k=[k[:rows] for k in c.k], v=[v[:rows] for v in c.v], length=c.length[:rows])
 
     def _write_context(self, taps: Tensor, positions: Tensor, row0: int) -> None:
-        """Drafter context keys/values of taps [R, W, m·d] at slot == position, rows row0.."""
-        r, w = positions.shape
-        ctx = self.drafter.context(taps)
-        rows = torch.arange(row0, row0 + r, device=self.device)[:, None].expand(r, w)
-        for layer, k_store, v_store in zip(self.drafter.layers, self.dk, self.dv):
-            k, v = layer.context_kv(ctx, positions)  # [R, Hkv, W, hd]
-            k_store[rows, :, positions] = k.transpose(1, 2).to(k_store.dtype)
-            v_store[rows, :, positions] = v.transpose(1, 2).to(v_store.dtype)
+        """Drafter context of taps [R, W, m·d] at slot == position, rows row0.. (the drafter's hook)."""
+        rows = torch.arange(row0, row0 + positions.shape[0], device=self.device)
+        self.drafter.write_context(self.dcache, taps, positions, rows)
 
     # ---- Engine's cache hooks --------------------------------------------------------------
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
@@ -197,7 +185,7 @@ class FastEngine(Engine):
 
     def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
         self._write_context(taps, positions, row0)
-        self.dlength[row0 : row0 + taps.shape[0]] = valid.sum(1)
+        self.dcache.length[row0 : row0 + taps.shape[0]] = valid.sum(1)
 
     def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
         r, w = ids.shape
@@ -257,12 +245,12 @@ class FastEngine(Engine):
         r = kept.shape[0]
         self.static.lengths[:r] += kept
         if self.drafter is not None:
-            self.dlength[:r] += kept
+            self.dcache.length[:r] += kept
 
     def _keep_rows(self, index: Tensor) -> None:
         self.static.keep_rows(index)
         if self.drafter is not None:
-            compact_rows([*self.dk, *self.dv, self.dlength], index)
+            compact_rows([*self.dcache.k, *self.dcache.v, self.dcache.length], index)
 
 
 ENGINES = ("plain", "fast")

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..drafters.base import DraftCache
+from ..core.types import DraftCache
 
-__all__ = ["RaggedKV", "concat_draft_caches"]
+__all__ = ["RaggedKV", "concat_draft_caches", "select_draft_cache"]
 
 
 class RaggedKV(Cache):
@@ -193,4 +193,14 @@ def concat_draft_caches(a: DraftCache | None, b: DraftCache | None) -> DraftCach
         v=cat(a.v, b.v),
         length=torch.cat([a.length, b.length]),
         extra={key: torch.cat([a.extra[key], b.extra[key]]) for key in a.extra},
+    )
+
+
+def select_draft_cache(cache: DraftCache, index: Tensor) -> DraftCache:
+    """The cache of a subset of requests (continuous batching)."""
+    return DraftCache(
+        k=[k[index] for k in cache.k],
+        v=[v[index] for v in cache.v],
+        length=cache.length[index],
+        extra={key: val[index] for key, val in cache.extra.items()},
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .verify import probs_from_logits
+from ..core.sampling import probs_from_logits
 
 __all__ = ["filter_probs", "target_probs"]
 

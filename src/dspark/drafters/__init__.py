@@ -1,136 +1,16 @@
-"""Drafters and their checkpoints. A drafter never imports Lightning."""
+"""Drafters: the ``Drafter`` interface, the registry that builds one by its config name, and the
+spec of a saved one. A drafter never imports Lightning, the engines or the checkpoint code."""
 
-from __future__ import annotations
-
-import json
-from dataclasses import asdict
-from pathlib import Path
-
-import torch
-from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file
-
-from ..data.io import atomic_save_safetensors, atomic_write_json
-from .base import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .dflash import BlockDrafter
-from .dspark import DSparkDrafter
-from .eagle3 import Eagle3Drafter
+from .base import Drafter
+from .registry import build_drafter, drafter_class, drafter_names, register, static_cache_drafters
+from .spec import DrafterSpec
 
 __all__ = [
-    "BlockDrafter",
-    "DSparkDrafter",
-    "Eagle3Drafter",
-    "DraftCache",
-    "DraftOutput",
-    "Proposal",
-    "Shared",
-    "TargetDims",
+    "Drafter",
+    "DrafterSpec",
     "build_drafter",
-    "save_drafter",
-    "load_drafter",
-    "read_drafter_config",
-    "DrafterCheckpointError",
+    "drafter_class",
+    "drafter_names",
+    "register",
+    "static_cache_drafters",
 ]
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-
-
-class DrafterCheckpointError(ValueError):
-    pass
-
-
-def build_drafter(dims: TargetDims, drafter_cfg, head_cfg=None) -> torch.nn.Module:
-    name = drafter_cfg.name
-    if name == "dflash":
-        return BlockDrafter(dims, drafter_cfg)
-    if name == "dspark":
-        return DSparkDrafter(dims, drafter_cfg, head_cfg)
-    if name == "eagle3":
-        return Eagle3Drafter(dims, drafter_cfg)
-    raise ValueError(f"unknown drafter '{name}': choose dspark, dflash or eagle3")
-
-
-def _plain(cfg):
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
-
-
-def save_drafter(
-    drafter, folder: str | Path, drafter_cfg, head_cfg, target_info: dict, extra: dict | None = None
-):
-    """safetensors weights + JSON config, each written atomically."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "drafter": _plain(drafter_cfg),
-        "head": _plain(head_cfg),
-        "dims": asdict(drafter.dims),
-        "target": target_info,
-        **(extra or {}),
-    }
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    atomic_save_safetensors(folder / WEIGHTS, state)
-    atomic_write_json(folder / CONFIG, config)
-
-
-def read_drafter_config(folder: str | Path) -> dict:
-    """A drafter folder's config in our schema (drafter / head / dims / target); a DeepSpec- or
-    engine-format folder (config.json with `architectures`) is translated (dspark.interop)."""
-    folder = Path(folder)
-    if not (folder / CONFIG).exists():
-        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (no {CONFIG} there)")
-    config = json.loads((folder / CONFIG).read_text())
-    from ..interop.deepspec import is_foreign, translate
-
-    if is_foreign(config):
-        return translate(config, folder)
-    if "drafter" not in config or "dims" not in config:
-        raise DrafterCheckpointError(
-            f"{folder}/{CONFIG} is neither our checkpoint (drafter/dims keys) nor a DeepSpec/engine "
-            f"drafter (architectures)"
-        )
-    return config
-
-
-def load_drafter(folder: str | Path, target=None, device="cpu"):
-    """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
-    refuse one built for another vocabulary, hidden size or tap layers."""
-    folder = Path(folder)
-    config = read_drafter_config(folder)
-    foreign = "imported_from" in config
-    if not foreign and not (folder / WEIGHTS).exists():
-        raise DrafterCheckpointError(f"{folder} is not a drafter checkpoint (needs {CONFIG} and {WEIGHTS})")
-    dims = TargetDims(**config["dims"])
-    if target is not None:
-        for field, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
-            if getattr(dims, field) != theirs:
-                raise DrafterCheckpointError(
-                    f"drafter {folder} was built for a target with {field}={getattr(dims, field)}, but "
-                    f"target {target.name} has {field}={theirs}: evaluate it with the target it was trained "
-                    f"for "
-                    f"({config.get('target', {}).get('name', 'unknown')})"
-                )
-        if dims.num_taps != len(target.layer_ids) or (
-            foreign and list(config["target"]["layer_ids"]) != list(target.layer_ids)
-        ):
-            recorded = config.get("target", {}).get("layer_ids")
-            raise DrafterCheckpointError(
-                f"drafter {folder} reads {dims.num_taps} tap layers {recorded or ''}, target "
-                f"{target.name} is configured with {list(target.layer_ids)}: set target.layer_ids={recorded}"
-            )
-    drafter = build_drafter(
-        dims,
-        OmegaConf.create(config["drafter"]),
-        OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}),
-    )
-    if foreign:
-        from ..interop.deepspec import read_state
-
-        external = json.loads((folder / CONFIG).read_text())
-        state = read_state(folder, config, external, target)
-    else:
-        state = load_file(folder / WEIGHTS, device=str(device))
-    drafter.load_state_dict(state)
-    # Served in the target's precision (a bf16 target drafts with a bf16 drafter, as engines do).
-    dtype = target.dtype if target is not None else None
-    return drafter.to(device=device, dtype=dtype).eval(), config

@@ -1,95 +1,113 @@
-"""What every drafter shares: the target dimensions it is built for, the frozen target parts it
-borrows (embedding, LM head), and the records it returns."""
+"""The contract every drafter keeps (``Drafter``) and the pieces the drafters share: their layer
+shape from the target's dimensions, output logits through the frozen LM head, the context cache.
+
+A drafter never imports Lightning, the engines or the checkpoint code: training, decoding and the
+checkpoints ask the interface below, never a drafter's name or its submodules."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import abc
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from ..core.errors import ConfigError
+from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from .layers import LayerShape
 
 
-@dataclass(frozen=True)
-class TargetDims:
-    """The target facts a drafter's shape depends on (saved in the drafter's config.json)."""
+class Drafter(nn.Module, metaclass=abc.ABCMeta):
+    """A drafter: built from ``(dims, drafter_cfg, head_cfg)`` by name (``drafters.registry``),
+    trained through ``train_forward``, run by the engines through ``new_cache`` /
+    ``extend_context`` / ``propose``.
 
-    hidden_size: int
-    vocab_size: int
-    num_taps: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rope_theta: float
-    rms_norm_eps: float
-    mask_token_id: int
+    Capabilities, asked instead of names:
+      ``has_confidence``         proposals carry per-position confidence logits (confidence-based
+                                 policies, STS calibration);
+      ``supports_static_cache``  all its state across rounds is per-layer context keys/values at
+                                 slot == position, so the fast engine may hold them in a
+                                 preallocated cache (``new_cache(capacity=…)``) and write them
+                                 itself through ``write_context``.
+    """
+
+    kind: ClassVar[str] = "drafter"  # the registry name (conf/drafter/<kind>.yaml), set by @register
+    supports_static_cache: ClassVar[bool] = False
+    gamma: int  # draft tokens per proposal (drafter.block_size)
+    dims: TargetDims
+
+    @property
+    def has_confidence(self) -> bool:
+        return False
+
+    # ---- config, before anything is built ----------------------------------------------------
+    @classmethod
+    def check_config(cls, drafter_cfg, head_cfg) -> None:
+        """Refuse a config this drafter cannot be built from (ConfigError naming the key). The
+        default: no sequential head."""
+        head = head_cfg.name if head_cfg is not None else "none"
+        if head != "none":
+            raise ConfigError(
+                f"drafter={cls.kind} has no sequential head, but head={head} was given: "
+                f"use drafter=dspark head={head}, or drop the head override (head=none)"
+            )
 
     @classmethod
-    def of(cls, target) -> TargetDims:
-        return cls(
-            hidden_size=target.hidden_size,
-            vocab_size=target.vocab_size,
-            num_taps=len(target.layer_ids),
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size,
-            rope_theta=target.rope_theta,
-            rms_norm_eps=target.rms_norm_eps,
-            mask_token_id=target.mask_token_id,
-        )
+    def config_has_confidence(cls, drafter_cfg) -> bool:
+        """``has_confidence`` of the drafter this config builds (read from a checkpoint's
+        config.json without loading it)."""
+        return False
+
+    # ---- training ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def train_forward(
+        self, taps: Tensor, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, shared: Shared
+    ) -> DraftOutput:
+        """Teacher-forced drafts of whole sequences: taps [B, T, m·d], ids / loss mask [B, T],
+        anchors [B, A] (-1 = none)."""
+
+    # ---- inference ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def new_cache(self, r: int, device, dtype=None, capacity: int = 0) -> DraftCache:
+        """An empty per-request state for ``r`` requests (``capacity`` preallocated positions)."""
+
+    @abc.abstractmethod
+    def extend_context(
+        self, cache: DraftCache, taps: Tensor, positions: Tensor, valid: Tensor, next_tokens: Tensor,
+        shared: Shared,
+    ) -> None:  # fmt: skip
+        """Append committed target features [R, N, m·d] at positions [R, N] (``valid``: a prefix
+        mask); ``next_tokens`` [R, N] is the token after each position."""
+
+    @abc.abstractmethod
+    def propose(
+        self,
+        cache: DraftCache,
+        anchor_tokens: Tensor,
+        anchor_pos: Tensor,
+        shared: Shared,
+        temperature: float,
+        generator: torch.Generator | None = None,
+        uniforms: Tensor | None = None,
+    ) -> Proposal:
+        """γ draft tokens from each anchor with the exact distributions they were sampled from.
+        ``uniforms`` [R, γ] replaces the draws from ``generator`` (the CUDA-graph engine feeds
+        them through a static buffer)."""
+
+    def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:
+        """Static-cache hook (``supports_static_cache``): the context keys/values of taps
+        [R, W, m·d] written at slot == position into cache rows ``rows`` [R]; the lengths are the
+        caller's to keep."""
+        raise NotImplementedError(f"drafter '{self.kind}' has no static cache: it runs on engine=plain")
 
 
-@dataclass
-class Shared:
-    """Frozen target parts lent to the drafter; never registered as its parameters, so they stay out
-    of its optimizer and its checkpoint."""
-
-    embed: Callable[[Tensor], Tensor]
-    lm_weight: Tensor  # [V, d]
-    softcap: float | None = None
-
-    @classmethod
-    def of(cls, target) -> Shared:
-        return cls(embed=target.embed, lm_weight=target.lm_head_weight, softcap=target.softcap)
-
-
-@dataclass
-class DraftOutput:
-    """Teacher-forced drafts for training. Rows are (sequence, anchor, position k)."""
-
-    features: Tensor  # [B, A, γ, d + r]: draft logits = features @ [W_lm | bias_weight]ᵀ
-    bias_weight: Tensor | None  # [V, r] trainable low-rank logit bias (DSpark's W2); None: r = 0
-    confidence_logits: Tensor | None  # [B, A, γ]
-    target_positions: Tensor  # [B, A, γ]: position whose target distribution matches draft k
-    valid: Tensor  # [B, A, γ] bool: eval mask (contiguous loss mask, inside the sequence)
-    labels: Tensor  # [B, A, γ] the true next tokens
-
-    def logits(self, lm_weight: Tensor) -> Tensor:
-        """Full draft logits [B, A, γ, V] (the loss never builds these; tests and tools do)."""
-        weight = lm_weight if self.bias_weight is None else torch.cat([lm_weight, self.bias_weight], 1)
-        return self.features @ weight.t().to(self.features.dtype)
-
-
-@dataclass
-class Proposal:
-    tokens: Tensor  # [R, γ]
-    probs: Tensor  # [R, γ, V] float32: the exact distributions the tokens were sampled from
-    confidence_logits: Tensor | None = None  # [R, γ]
-
-
-@dataclass
-class DraftCache:
-    """Per-request drafter state across rounds: per-layer context keys/values [R, Hkv, C, hd]
-    (padded; `length` says how many are real) and anything else a drafter keeps in `extra`."""
-
-    k: list[Tensor]
-    v: list[Tensor]
-    length: Tensor  # [R] long
-    extra: dict = field(default_factory=dict)
+def draft_uniforms(r: int, gamma: int, generator: torch.Generator | None, uniforms: Tensor | None, device):
+    """The [R, γ] uniforms of one proposal: the given ones, else drawn from ``generator`` on its own
+    device (CPU by default) and moved, so every device sees the same stream."""
+    if uniforms is None:
+        source = "cpu" if generator is None else generator.device
+        uniforms = torch.rand(r, gamma, generator=generator, device=source)
+    return uniforms.to(device)
 
 
 def layer_shape(dims: TargetDims, cfg) -> LayerShape:
@@ -117,9 +135,11 @@ def output_logits(x: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
     return logits
 
 
-def empty_cache(layers: nn.ModuleList, r: int, ref: Tensor) -> DraftCache:
+def empty_cache(layers: nn.ModuleList, r: int, ref: Tensor, capacity: int = 0) -> DraftCache:
+    """Per-layer context keys/values for ``r`` requests with ``capacity`` preallocated slots (0: the
+    cache grows as ``append_kv`` writes), all lengths zero."""
     s = layers[0].attn.s
-    shape = (r, s.num_kv_heads, 0, s.head_dim)
+    shape = (r, s.num_kv_heads, capacity, s.head_dim)
     return DraftCache(
         k=[ref.new_zeros(shape) for _ in layers],
         v=[ref.new_zeros(shape) for _ in layers],
@@ -143,13 +163,3 @@ def append_kv(cache: DraftCache, layer_kv: list[tuple[Tensor, Tensor]], valid: T
         cache.k[i][rows, :, slots] = k_new[rows, :, cols].to(cache.k[i].dtype)
         cache.v[i][rows, :, slots] = v_new[rows, :, cols].to(cache.v[i].dtype)
     cache.length += counts
-
-
-def select_cache(cache: DraftCache, index: Tensor) -> DraftCache:
-    """The cache of a subset of requests (continuous batching)."""
-    return DraftCache(
-        k=[k[index] for k in cache.k],
-        v=[v[index] for v in cache.v],
-        length=cache.length[index],
-        extra={key: val[index] for key, val in cache.extra.items()},
-    )

@@ -10,19 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..decoding.verify import probs_from_logits, sample_from
-from .base import (
-    DraftCache,
-    DraftOutput,
-    Proposal,
-    Shared,
-    TargetDims,
-    append_kv,
-    empty_cache,
-    layer_shape,
-    output_logits,
-)
+from ..core.sampling import probs_from_logits, sample_from
+from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
+from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
 from .layers import DraftLayer, RMSNorm, matmul_input
+from .registry import register
 
 
 def packed_block_mask(anchors: Tensor, ctx_len: int, gamma: int) -> Tensor:
@@ -147,12 +139,13 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     return anchors.gather(1, key.argsort(dim=1))
 
 
-class BlockDrafter(nn.Module):
+@register("dflash")
+class BlockDrafter(Drafter):
     """DFlash: parallel backbone only; the draft distribution at k is softmax(lm_head(h_k))."""
 
-    kind = "dflash"
+    supports_static_cache = True  # all its state is context keys/values at slot == position
 
-    def __init__(self, dims: TargetDims, cfg):
+    def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
         self.dims = dims
         self.gamma = int(cfg.block_size)
@@ -248,9 +241,9 @@ class BlockDrafter(nn.Module):
         return flex_block_mask(anchors, ctx_len, self.gamma)
 
     # ---- inference ---------------------------------------------------------------------------
-    def new_cache(self, r: int, device, dtype=None) -> DraftCache:
+    def new_cache(self, r: int, device, dtype=None, capacity: int = 0) -> DraftCache:
         ref = torch.zeros((), device=device, dtype=dtype or self.fc.weight.dtype)
-        return empty_cache(self.layers, r, ref)
+        return empty_cache(self.layers, r, ref, capacity)
 
     @torch.no_grad()
     def extend_context(
@@ -271,8 +264,7 @@ class BlockDrafter(nn.Module):
         generator: torch.Generator | None = None,
         uniforms: Tensor | None = None,
     ) -> Proposal:
-        """γ tokens from each anchor. ``uniforms`` [R, γ] replaces the draws from ``generator``
-        (the CUDA-graph engine feeds them through a static buffer)."""
+        """γ tokens from each anchor (see ``Drafter.propose``)."""
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
         x = self.block_inputs(anchor_tokens, shared)  # [R, γ, d]
@@ -282,13 +274,20 @@ class BlockDrafter(nn.Module):
         mask = torch.cat([sees_ctx, torch.ones(r, self.gamma, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(r, self.gamma, -1)
         hidden = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
-        u = uniforms
-        if u is None:
-            u = torch.rand(
-                r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
-            )
-        tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u.to(device))
+        u = draft_uniforms(r, self.gamma, generator, uniforms, device)
+        tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u)
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
+
+    @torch.no_grad()
+    def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:
+        """Static-cache hook (see ``Drafter.write_context``)."""
+        r, w = positions.shape
+        ctx = self.context(taps)
+        rows = rows[:, None].expand(r, w)
+        for layer, k_store, v_store in zip(self.layers, cache.k, cache.v):
+            k, v = layer.context_kv(ctx, positions)  # [R, Hkv, W, hd]
+            k_store[rows, :, positions] = k.transpose(1, 2).to(k_store.dtype)
+            v_store[rows, :, positions] = v.transpose(1, 2).to(v_store.dtype)
 
 
 def _init_linear(m: nn.Module) -> None:

@@ -6,16 +6,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..decoding.verify import probs_from_logits, sample_from
-from .base import TargetDims, output_logits
+from ..core.errors import ConfigError
+from ..core.sampling import probs_from_logits, sample_from
+from ..core.types import TargetDims
+from .base import output_logits
 from .dflash import BlockDrafter
 from .heads import HEADS, ConfidenceHead
+from .registry import register
 
 
+@register("dspark")
 class DSparkDrafter(BlockDrafter):
-    kind = "dspark"
-
-    def __init__(self, dims: TargetDims, cfg, head_cfg):
+    def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__(dims, cfg)
         name = head_cfg.name if head_cfg is not None else "none"
         self.head = (
@@ -23,9 +25,25 @@ class DSparkDrafter(BlockDrafter):
         )
         conf = cfg.get("confidence") or {}
         self.confidence = None
-        if conf.get("enabled", True):
+        if self.config_has_confidence(cfg):
             prev_dim = self.head.rank if self.head is not None and conf.get("use_prev_embedding", True) else 0
             self.confidence = ConfidenceHead(dims.hidden_size, prev_dim)
+
+    @classmethod
+    def check_config(cls, drafter_cfg, head_cfg) -> None:
+        head = head_cfg.name if head_cfg is not None else "none"
+        if head not in (*HEADS, "none"):
+            raise ConfigError(f"head.name '{head}' is not one of {(*HEADS, 'none')}")
+        if head != "none" and int(head_cfg.rank) <= 0:
+            raise ConfigError(f"head.rank must be positive for head={head}, got {head_cfg.rank}")
+
+    @classmethod
+    def config_has_confidence(cls, drafter_cfg) -> bool:
+        return bool((drafter_cfg.get("confidence") or {}).get("enabled", True))
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.confidence is not None
 
     def _confidence(self, h: Tensor, prev: Tensor) -> Tensor | None:
         if self.confidence is None:

@@ -12,20 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..decoding.verify import probs_from_logits, sample_from
-from .base import (
-    DraftCache,
-    DraftOutput,
-    Proposal,
-    Shared,
-    TargetDims,
-    append_kv,
-    empty_cache,
-    layer_shape,
-    output_logits,
-)
+from ..core.sampling import probs_from_logits, sample_from
+from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
+from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
 from .dflash import _init_linear, block_targets
 from .layers import DraftLayer, RMSNorm, matmul_input
+from .registry import register
 
 
 def ttt_mask(t: int, step: int, device) -> Tensor:
@@ -39,10 +31,9 @@ def ttt_mask(t: int, step: int, device) -> Tensor:
     return torch.cat(blocks, dim=1)
 
 
-class Eagle3Drafter(nn.Module):
-    kind = "eagle3"
-
-    def __init__(self, dims: TargetDims, cfg):
+@register("eagle3")
+class Eagle3Drafter(Drafter):
+    def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
         self.dims = dims
         self.gamma = int(cfg.block_size)
@@ -110,9 +101,9 @@ class Eagle3Drafter(nn.Module):
         )
 
     # ---- inference ---------------------------------------------------------------------------
-    def new_cache(self, r: int, device, dtype=None) -> DraftCache:
+    def new_cache(self, r: int, device, dtype=None, capacity: int = 0) -> DraftCache:
         ref = torch.zeros((), device=device, dtype=dtype or self.fc.weight.dtype)
-        cache = empty_cache(self.layers, r, ref)
+        cache = empty_cache(self.layers, r, ref, capacity)
         cache.extra["last"] = ref.new_zeros(r, self.fc.out_features)
         return cache
 
@@ -137,14 +128,11 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(
-        self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None
+        self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None, uniforms=None
     ) -> Proposal:
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
-        u = torch.rand(
-            r, self.gamma, generator=generator, device="cpu" if generator is None else generator.device
-        )
-        u = u.to(device)
+        u = draft_uniforms(r, self.gamma, generator, uniforms, device)
         g = cache.extra["last"]
         c = cache.k[0].shape[2]
         base_mask = torch.arange(c, device=device)[None, :] < cache.length[:, None]

@@ -1,8 +1,8 @@
-"""Interoperability with the serving engines and DeepSpec: export our drafters in the layouts vLLM,
-SGLang and DeepSpec load, and import DeepSpec-format DSpark/DFlash checkpoints (docs/formats.md)."""
+"""Other projects' drafter layouts: the serving engines' (vLLM, SGLang) and DeepSpec's checkpoint
+formats, their key names and config fields (formats), and the translation of a DeepSpec-format
+DSpark/DFlash folder into our schema (deepspec). Reading and writing folders: dspark.checkpoints."""
 
 from .deepspec import is_foreign, translate
-from .export import export_drafter, refusal
 from .formats import FORMATS, ExportError, InteropError
 
-__all__ = ["FORMATS", "ExportError", "InteropError", "export_drafter", "is_foreign", "refusal", "translate"]
+__all__ = ["FORMATS", "ExportError", "InteropError", "is_foreign", "translate"]

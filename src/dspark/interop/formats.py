@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import re
 
-from ..drafters import DrafterCheckpointError
+from ..core.errors import DrafterCheckpointError
 
 FORMATS = ("hf", "vllm", "sglang")
+# Our drafters whose weights are the engines' Qwen3 block layout (the others are refused on export).
+BLOCK_DRAFTERS = ("dspark", "dflash")
 
 # Our head names <-> DeepSpec `markov_head_type` values.
 HEAD_TO_EXT = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}

@@ -28,6 +28,7 @@ matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..artifacts import RunFolder  # noqa: E402
 from .plots import acceptance_by_position_plot, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
@@ -627,7 +628,7 @@ def publish_run(loggers, run_dir: str | os.PathLike) -> Path:
     """A one-run dashboard in <run>/report (loss curves, position-wise c*, calibration) whose figures
     and tables also go to the run's W&B / TensorBoard logger. Call after fit and summary.json."""
     run = read_run(Path(run_dir))
-    index = build_dashboard([run], Path(run_dir) / "report", title=run.name, source=str(run_dir))
+    index = build_dashboard([run], RunFolder(run_dir).report, title=run.name, source=str(run_dir))
     out = index.parent
     figures = sorted((out / "figures").glob("*.png"))
     tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted((out / "tables").glob("*.md"))}

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..data.io import atomic_write_json, finite  # noqa: E402
+from ..core.io import atomic_write_json, finite  # noqa: E402
 
 __all__ = ["acceptance_by_position_plot", "threshold_sweep_plot", "write_json"]
 

@@ -1,16 +1,14 @@
 """Training runs and evaluation folders read back from disk, and the sweep axis found among them.
 
-Everything here works offline from files the pipeline writes:
-  run folder   config.yaml (resolved), summary.json, logs/metrics.csv (or tb/ event files),
-               drafter/{config.json, calibration_report.json}
-  eval folder  results.json, calibration.json, meta.json (its `drafter_dir` links it to a run)
+Everything here works offline from the folders the pipeline writes (dspark.artifacts): a run's
+config, summary, logged curves (logs/metrics.csv or tb/ event files) and validation calibration
+report; an evaluation's results, calibration and meta (whose `drafter_dir` links it to a run).
 """
 
 from __future__ import annotations
 
 import csv
 import glob
-import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -18,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from ..artifacts import DrafterFolder, EvaluationFolder, RunFolder
+from ..core.errors import ConfigError
 
 __all__ = ["AxisError", "Evaluation", "Run", "find_runs", "flatten", "SweepAxis", "sweep_axis"]
 
@@ -36,12 +35,6 @@ _SKIP_DIRS = {
     "__pycache__",
 }
 _MAX_DEPTH = 6  # multirun job folders nest when an override value holds a path
-
-
-def _read_json(path: Path) -> Any:
-    # Python's json reads the NaN that summary.json / calibration_report.json may hold.
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _finite(v) -> float | None:
@@ -135,13 +128,11 @@ class Run:
 
 
 def _is_run_dir(d: Path) -> bool:
-    return (d / "config.yaml").is_file() and any(
-        (d / p).exists() for p in ("summary.json", "logs", "drafter/config.json", "tb")
-    )
+    return RunFolder(d).is_run()
 
 
 def _is_eval_dir(d: Path) -> bool:
-    return (d / "results.json").is_file()
+    return EvaluationFolder(d).exists()
 
 
 def _csv_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -187,9 +178,10 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     A resumed run logs each part into `resumed-<step>/`; the parts are stitched, a later part
     winning over steps an earlier one logged after its last checkpoint. W&B offline runs keep their
     history in a binary file: log with csv too to get curves here."""
-    parts, read = _parts(run_dir / "logs", "metrics.csv"), _csv_curves
-    if not parts and (run_dir / "tb").is_dir():
-        parts, read = _parts(run_dir / "tb", "events.out.tfevents.*"), _tb_curves
+    run = RunFolder(run_dir)
+    parts, read = _parts(run.logs, "metrics.csv"), _csv_curves
+    if not parts and run.tensorboard.is_dir():
+        parts, read = _parts(run.tensorboard, "events.out.tfevents.*"), _tb_curves
     curves: dict[str, list[tuple[int, float]]] = {}
     for i, (_, folder) in enumerate(parts):
         stop = parts[i + 1][0] if i + 1 < len(parts) else math.inf
@@ -199,29 +191,27 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_evaluation(d: Path) -> Evaluation:
-    cal = d / "calibration.json"
-    meta = d / "meta.json"
-    return Evaluation(
-        path=d,
-        results=_read_json(d / "results.json"),
-        calibration=_read_json(cal) if cal.is_file() else None,
-        meta=_read_json(meta) if meta.is_file() else {},
-    )
+    f = EvaluationFolder(d)
+    return Evaluation(path=d, results=f.read_results(), calibration=f.read_calibration(), meta=f.read_meta())
+
+
+def _results_below(d: Path) -> list[Path]:
+    """results.json files one or two folders below ``d``."""
+    name = EvaluationFolder.RESULTS
+    return sorted(d.glob(f"*/{name}")) + sorted(d.glob(f"*/*/{name}"))
 
 
 def read_run(d: Path) -> Run:
-    config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=False)
-    summary = _read_json(d / "summary.json") if (d / "summary.json").is_file() else {}
-    cal = d / "drafter" / "calibration_report.json"
+    folder = RunFolder(d)
     run = Run(
         path=d,
-        config=config,
-        summary=summary,
+        config=folder.read_config(),
+        summary=folder.read_summary(),
         curves=read_curves(d),
-        calibration=_read_json(cal) if cal.is_file() else None,
+        calibration=folder.drafter.read_calibration_report(),
     )
     # Evaluations written inside the run folder (e.g. hydra.run.dir=<run>/eval).
-    for res in sorted(d.glob("*/results.json")) + sorted(d.glob("*/*/results.json")):
+    for res in _results_below(d):
         if not set(res.relative_to(d).parts[:-1]) & _SKIP_DIRS:
             run.evaluations.append(read_evaluation(res.parent))
     return run
@@ -237,8 +227,8 @@ def _run_from_evaluation(ev: Evaluation) -> Run:
         "drafter": {"name": ev.results.get("drafter")},
         "target": {"name": ev.results.get("target")},
     }
-    if ddir is not None and (ddir / "config.json").is_file():
-        dc = _read_json(ddir / "config.json")
+    if ddir is not None and DrafterFolder(ddir).exists():
+        dc = DrafterFolder(ddir).read_config()
         config = {k: dc[k] for k in ("drafter", "head", "target") if k in dc}
         config["target"] = {"name": (dc.get("target") or {}).get("name")}
         config["run_name"] = ev.results.get("drafter")
@@ -282,7 +272,7 @@ def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
     # at its drafter; unlike the folders named in `spec`, a stray neighbour never becomes a run.
     neighbours: list[Path] = []
     for d in list(runs):
-        for res in [*d.parent.glob("*/results.json"), *d.parent.glob("*/*/results.json")]:
+        for res in _results_below(d.parent):
             if d not in res.parents and res.parent not in eval_dirs:
                 neighbours.append(res.parent)
     for d in dict.fromkeys([*eval_dirs, *neighbours]):
@@ -353,7 +343,7 @@ def is_numeric(values: Iterable[Any]) -> bool:
     return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
 
 
-class AxisError(ValueError):
+class AxisError(ConfigError):
     """axis=<key> names a key that not every run's config has."""
 
 

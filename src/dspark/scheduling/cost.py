@@ -223,7 +223,7 @@ class CostModel:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Atomic write: a reader sees the old table or the new one, never half a file."""
-        from ..data.io import atomic_open
+        from ..core.io import atomic_open
 
         path = Path(path)
         with atomic_open(path) as f:

@@ -15,16 +15,25 @@ from ``x_{r,k}`` (Markov feature), a policy must not let ``a[r, j > k]`` influen
 - ``Retrospective``: the unconstrained argmax over the whole path on *current* confidences. It
   looks past ``(r, k)`` and is NOT lossless; it exists only as the negative control for tests
   and as a throughput upper bound in diagnostics.
+
+A policy says what it needs (``needs_confidence``, ``needs_cost``) and whether it is ``lossless``;
+callers ask it, never its name. ``build_policy`` is the one way to make one from configuration.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from ..core.errors import ConfigError
 from .cost import CostModel
 
 __all__ = [
@@ -36,6 +45,7 @@ __all__ = [
     "Policy",
     "Retrospective",
     "Threshold",
+    "Truncated",
     "admission_order",
     "build_policy",
     "prefix_survival",
@@ -130,6 +140,9 @@ class Policy:
     """``lengths(confidences [R, gamma], cost) -> l [R]`` (long, on the confidences' device)."""
 
     name: str = "policy"
+    needs_confidence: bool = True  # reads the calibrated confidences (a drafter with a confidence head)
+    needs_cost: bool = False  # reads the cost model (a profiled SPS table)
+    lossless: bool = True  # non-anticipating (Appendix A): the output distribution is the target's
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         raise NotImplementedError
@@ -140,6 +153,11 @@ class Policy:
     def reset(self) -> None:
         """Forget cross-round state (stateless policies have none)."""
 
+    @property
+    def base(self) -> Policy:
+        """The policy itself, under any wrapper (``Truncated``)."""
+        return self
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
@@ -149,6 +167,7 @@ class Fixed(Policy):
     """Verify ``gamma`` draft tokens per request (``None``: the whole drafted block)."""
 
     name = "fixed"
+    needs_confidence = False
 
     def __init__(self, gamma: int | None = None) -> None:
         if gamma is not None and gamma < 0:
@@ -180,19 +199,19 @@ class Mtp1(Fixed):
 
 
 class Threshold(Policy):
-    """Static threshold: the longest prefix whose survival ``a[r, j] >= tau``."""
+    """Static threshold: the longest prefix whose survival ``a[r, j] >= threshold``."""
 
     name = "threshold"
 
-    def __init__(self, tau: float = 0.5) -> None:
-        if not 0.0 <= tau <= 1.0:
-            raise ValueError(f"tau must be in [0, 1], got {tau}")
-        self.tau = float(tau)
+    def __init__(self, threshold: float = 0.5) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold = float(threshold)
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         if (e := _empty(confidences)) is not None:
             return e
-        ok = prefix_survival(confidences) >= self.tau
+        ok = prefix_survival(confidences) >= self.threshold
         # cumprod keeps it a leading run even if a caller's rounding made `a` non-monotone.
         return torch.cumprod(ok.long(), dim=1).sum(dim=1)
 
@@ -202,6 +221,7 @@ class HardwareAware(Policy):
     does not beat the best so far. Lossless; globally optimal when Θ is unimodal on the path."""
 
     name = "hardware_aware"
+    needs_cost = True
 
     def __init__(self, check: bool = True) -> None:
         self.check = check
@@ -226,6 +246,8 @@ class Retrospective(Policy):
     depends on ``a[r, k+1]``, which depends on ``x_{r,k}`` (Appendix A). For tests/diagnostics."""
 
     name = "retrospective"
+    needs_cost = True
+    lossless = False
 
     def __init__(self, check: bool = True) -> None:
         self.check = check
@@ -259,6 +281,7 @@ class AsyncTopK(Policy):
     """
 
     name = "async_topk"
+    needs_cost = True
 
     def __init__(self, delay: int = 2, fallback: int | None = None, check: bool = True) -> None:
         if delay < 0:
@@ -272,6 +295,10 @@ class AsyncTopK(Policy):
 
     def reset(self) -> None:
         self._pending.clear()
+
+    @property
+    def lossless(self) -> bool:
+        return self.delay >= 1
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -304,8 +331,42 @@ class AsyncTopK(Policy):
         return _lengths_from_prefix(rows, j, k, confidences.shape[0], self.check)
 
 
+class Truncated(Policy):
+    """Cap the drafted block at ``gamma`` positions before the inner policy sees it, so every
+    policy of a sweep chooses from the same γ (e.g. a γ=7 drafter evaluated as DSpark-5)."""
+
+    def __init__(self, inner: Policy, gamma: int) -> None:
+        self.inner, self.gamma = inner, int(gamma)
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name}[:{self.gamma}]"
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.inner.needs_confidence
+
+    @property
+    def needs_cost(self) -> bool:
+        return self.inner.needs_cost
+
+    @property
+    def lossless(self) -> bool:
+        return self.inner.lossless
+
+    @property
+    def base(self) -> Policy:
+        return self.inner.base
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        return self.inner.lengths(confidences[:, : self.gamma], cost)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
 # ---------------------------------------------------------------------------------------------
-# registry
+# the one factory
 # ---------------------------------------------------------------------------------------------
 POLICIES: dict[str, type[Policy]] = {
     "fixed": Fixed,
@@ -315,14 +376,74 @@ POLICIES: dict[str, type[Policy]] = {
     "async_topk": AsyncTopK,
     "retrospective": Retrospective,
 }
+# Sweep names that carry their argument: fixed_3, threshold_0.3.
+_SWEEP_NAME = re.compile(r"(fixed|threshold)_([0-9.]+)")
+_SWEEP_ARG = {"fixed": ("gamma", int), "threshold": ("threshold", float)}
+# Keys of a policy config that configure the run, not the policy (the stage loads the cost model).
+_RUN_KEYS = {"name", "cost_table"}
 
 
-def build_policy(name: str, **kw) -> Policy:
-    """``build_policy("threshold", tau=0.3)``; names are case- and dash-insensitive."""
-    key = name.strip().lower().replace("-", "_")
-    if key not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+def build_policy(
+    spec: str | Mapping[str, Any],
+    *,
+    gamma: int | None = None,
+    block: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> Policy:
+    """The one way to make a policy from configuration.
+
+    ``spec``: a policy config (conf/policy/*.yaml, e.g. ``{name: threshold, threshold: 0.5}``; its
+    keys are the policy's arguments) or a sweep name: ``fixed`` (the whole block), ``fixed_<g>``,
+    ``mtp1``, ``threshold``, ``threshold_<t>``, ``hardware_aware``, ``async_topk``,
+    ``retrospective`` (not lossless: diagnostics only). Names are case- and dash-insensitive.
+    ``defaults``: arguments for the policies that take them when the spec leaves them out (the
+    others ignore them), e.g. the schedule's ``threshold`` and ``delay``. ``gamma``: the longest
+    draft any policy may verify (a longer fixed length is refused); when the drafter's ``block`` is
+    longer, the policy sees only the first ``gamma`` positions (``Truncated``).
+    Mistakes raise ConfigError naming the policy."""
+    args = _policy_args(spec)
+    label = str(spec) if isinstance(spec, str) else args["name"]
+    cls = POLICIES.get(args.pop("name"))
+    if cls is None:
+        raise ConfigError(
+            f"unknown policy {label!r}: use fixed, fixed_<g>, mtp1, threshold, threshold_<t>, "
+            "hardware_aware, async_topk (or retrospective, a non-lossless diagnostic)"
+        )
+    takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(args) - set(takes) - _RUN_KEYS)
+    if unknown:
+        raise ConfigError(f"policy {label}: it takes {takes or 'no arguments'}, not {unknown}")
+    kwargs = {k: v for k, v in (defaults or {}).items() if k in takes}
+    kwargs.update({k: v for k, v in args.items() if k in takes})
     try:
-        return POLICIES[key](**kw)
-    except TypeError as e:
-        raise TypeError(f"policy {key!r}: {e}") from None
+        policy = cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"policy {label}: {err}") from None
+    longest = getattr(policy, "gamma", None)
+    if gamma is not None and longest is not None and longest > gamma:
+        raise ConfigError(f"policy {label}: γ={longest} exceeds the draft length gamma={gamma}")
+    if gamma is not None and block is not None and gamma < block:
+        policy = Truncated(policy, gamma)
+    return policy
+
+
+def _policy_args(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``{"name": <normalised>, <argument>: <value>, …}`` from a config mapping or a sweep name."""
+    if isinstance(spec, DictConfig):
+        spec = OmegaConf.to_container(spec, resolve=True)
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        if "name" not in args:
+            raise ConfigError(f"policy config {args} has no name")
+    else:
+        args = {"name": str(spec)}
+    args["name"] = str(args["name"]).strip().lower().replace("-", "_")
+    m = _SWEEP_NAME.fullmatch(args["name"])
+    if m:
+        key, kind = _SWEEP_ARG[m.group(1)]
+        args["name"] = m.group(1)
+        try:
+            args[key] = kind(m.group(2))
+        except ValueError:
+            raise ConfigError(f"policy {spec}: '{m.group(2)}' is not a {kind.__name__}") from None
+    return args

@@ -13,16 +13,16 @@ Anything the target engine cannot represent faithfully is refused with the reaso
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from ..data.io import atomic_save_safetensors, atomic_write_json
-from ..drafters import load_drafter
+from ..artifacts import DrafterFolder
+from ..core.io import atomic_save_safetensors, atomic_write_json
 from ..drafters.base import layer_shape
-from . import formats
-from .formats import ExportError
+from ..interop import formats
+from ..interop.formats import ExportError
+from .store import load_drafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINE = {"hf": "DeepSpec (transformers from_pretrained)", "vllm": "vLLM", "sglang": "SGLang"}
@@ -43,6 +43,8 @@ def refusal(fmt: str, config: dict) -> str | None:
             "and keep the feature as the residual (and vLLM's Llama Eagle3 has no q/k norm). Export a "
             "DSpark or DFlash drafter instead, or retrain Eagle3 in the engines' layout"
         )
+    if d["name"] not in formats.BLOCK_DRAFTERS:
+        return f"drafter {d['name']} has no counterpart in the engines' layouts {formats.BLOCK_DRAFTERS}"
     if fmt == "vllm" and d["name"] == "dspark" and head not in ("markov",):
         return (
             f"vLLM's Qwen3DSparkModel builds only the vanilla Markov head (markov_w1/markov_w2); this "
@@ -92,7 +94,7 @@ def export_drafter(
     head = head_cfg.get("name", "none") or "none"
     if d["name"] == "dflash":
         head = "none"
-    confidence = getattr(drafter, "confidence", None) is not None
+    confidence = drafter.has_confidence
     tinfo = config.get("target") or {}
     taps = tinfo.get("layer_ids")
     if taps is None or len(taps) != drafter.dims.num_taps:
@@ -145,10 +147,12 @@ def export_drafter(
         if v.data_ptr() in seen:
             state[k] = v.clone()
         seen.add(v.data_ptr())
-    out.mkdir(parents=True, exist_ok=True)
+    # The engines' layout, not ours: their config.json carries no dspark schema stamp.
+    dst = DrafterFolder(out)
     # transformers' from_pretrained refuses safetensors files without metadata format=pt.
-    atomic_save_safetensors(out / "model.safetensors", state, metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", ext)
-    if (src / "calibration.json").exists():  # STS temperatures: ours, engines ignore the file
-        shutil.copyfile(src / "calibration.json", out / "calibration.json")
+    atomic_save_safetensors(dst.weights_path, state, metadata={"format": "pt"})
+    atomic_write_json(dst.config_path, ext)
+    calibration = DrafterFolder(src).read_calibration()
+    if calibration is not None:  # STS temperatures: ours, engines ignore the file
+        dst.write_calibration(calibration)
     return out

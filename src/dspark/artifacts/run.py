@@ -1,0 +1,64 @@
+"""A training run folder (python -m dspark.train): ``config.yaml`` (the resolved config),
+``summary.json`` (stamped: steps, time, throughput, final metrics), ``drafter/`` (a DrafterFolder
+kept in step with the checkpoints), ``checkpoints/last.ckpt``, ``logs/`` (CSV) or ``tb/``, and the
+one-run dashboard in ``report/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..core.io import atomic_open
+from .drafter import DrafterFolder
+from .folder import Folder
+
+
+class RunFolder(Folder):
+    kind = "run"
+    CONFIG = "config.yaml"
+    SUMMARY = DESCRIPTOR = "summary.json"
+
+    @property
+    def drafter(self) -> DrafterFolder:
+        return DrafterFolder(self.path / "drafter")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.checkpoints / "last.ckpt"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tb"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report"
+
+    def is_run(self) -> bool:
+        """A run's config plus anything a run leaves (a summary, logs, an exported drafter)."""
+        traces = (self.file(self.SUMMARY), self.logs, self.drafter.config_path, self.tensorboard)
+        return self.file(self.CONFIG).is_file() and any(p.exists() for p in traces)
+
+    def write_config(self, cfg: DictConfig) -> Path:
+        with atomic_open(self.file(self.CONFIG), "w", encoding="utf-8") as f:
+            f.write(OmegaConf.to_yaml(cfg, resolve=True))
+        return self.file(self.CONFIG)
+
+    def read_config(self) -> dict:
+        return OmegaConf.to_container(OmegaConf.load(self.file(self.CONFIG)), resolve=False)
+
+    def write_summary(self, summary: dict) -> Path:
+        return self.write_json(self.SUMMARY, summary)
+
+    def read_summary(self) -> dict:
+        """The run's summary ({} while it is still training)."""
+        return self.read_json(self.SUMMARY, {})

@@ -1,0 +1,102 @@
+"""Our drafter checkpoints: save a drafter as a folder (safetensors + JSON config) and load one
+back, ours or a DeepSpec/engine-format folder (translated by dspark.interop), checked against the
+target it is used with."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
+
+from ..artifacts import DrafterFolder
+from ..core.errors import DrafterCheckpointError
+from ..core.types import TargetDims
+from ..drafters import DrafterSpec, build_drafter
+from ..interop.deepspec import is_foreign, read_state, translate
+
+__all__ = ["load_drafter", "read_drafter_config", "read_drafter_spec", "save_drafter"]
+
+
+def _plain(cfg):
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+
+
+def save_drafter(
+    drafter, folder: str | Path, drafter_cfg, head_cfg, target_info: dict, extra: dict | None = None
+):
+    """safetensors weights + JSON config, each written atomically."""
+    config = {
+        "drafter": _plain(drafter_cfg),
+        "head": _plain(head_cfg),
+        "dims": asdict(drafter.dims),
+        "target": target_info,
+        **(extra or {}),
+    }
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    DrafterFolder(folder).write(config, state)
+
+
+def read_drafter_config(folder: str | Path) -> dict:
+    """A drafter folder's config in our schema (drafter / head / dims / target); a DeepSpec- or
+    engine-format folder (config.json with `architectures`) is translated (dspark.interop)."""
+    folder = DrafterFolder(folder)
+    config = folder.read_config()
+    if is_foreign(config):
+        return translate(config, folder.path)
+    if "drafter" not in config or "dims" not in config:
+        raise DrafterCheckpointError(
+            f"{folder.config_path} is neither our checkpoint (drafter/dims keys) nor a DeepSpec/engine "
+            f"drafter (architectures)"
+        )
+    return config
+
+
+def read_drafter_spec(folder: str | Path) -> DrafterSpec:
+    """What the checkpoint in ``folder`` is (kind, γ, capabilities), without loading its weights."""
+    return DrafterSpec.from_config(read_drafter_config(folder))
+
+
+def load_drafter(folder: str | Path, target=None, device="cpu"):
+    """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
+    refuse one built for another vocabulary, hidden size or tap layers."""
+    files = DrafterFolder(folder)
+    folder = files.path
+    config = read_drafter_config(folder)
+    foreign = "imported_from" in config
+    if not foreign and not files.weights_path.exists():
+        raise DrafterCheckpointError(
+            f"{folder} is not a drafter checkpoint (needs {files.CONFIG} and {files.WEIGHTS})"
+        )
+    dims = TargetDims(**config["dims"])
+    if target is not None:
+        for field, theirs in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size)):
+            if getattr(dims, field) != theirs:
+                raise DrafterCheckpointError(
+                    f"drafter {folder} was built for a target with {field}={getattr(dims, field)}, but "
+                    f"target {target.name} has {field}={theirs}: evaluate it with the target it was trained "
+                    f"for "
+                    f"({config.get('target', {}).get('name', 'unknown')})"
+                )
+        if dims.num_taps != len(target.layer_ids) or (
+            foreign and list(config["target"]["layer_ids"]) != list(target.layer_ids)
+        ):
+            recorded = config.get("target", {}).get("layer_ids")
+            raise DrafterCheckpointError(
+                f"drafter {folder} reads {dims.num_taps} tap layers {recorded or ''}, target "
+                f"{target.name} is configured with {list(target.layer_ids)}: set target.layer_ids={recorded}"
+            )
+    drafter = build_drafter(
+        dims,
+        OmegaConf.create(config["drafter"]),
+        OmegaConf.create(config.get("head") or {"name": "none", "rank": 0}),
+    )
+    if foreign:
+        state = read_state(folder, config, files.read_config(), target)
+    else:
+        state = load_file(files.weights_path, device=str(device))
+    drafter.load_state_dict(state)
+    # Served in the target's precision (a bf16 target drafts with a bf16 drafter, as engines do).
+    dtype = target.dtype if target is not None else None
+    return drafter.to(device=device, dtype=dtype).eval(), config

@@ -1,0 +1,92 @@
+"""The records that cross the target / drafter / engine / objective seams. Plain data: whoever
+produces one and whoever consumes one share this module and nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["DraftCache", "DraftOutput", "Proposal", "Shared", "TargetDims"]
+
+
+@dataclass(frozen=True)
+class TargetDims:
+    """The target facts a drafter's shape depends on (saved in the drafter's config.json)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_taps: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    mask_token_id: int
+
+    @classmethod
+    def of(cls, target) -> TargetDims:
+        return cls(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            num_taps=len(target.layer_ids),
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rope_theta=target.rope_theta,
+            rms_norm_eps=target.rms_norm_eps,
+            mask_token_id=target.mask_token_id,
+        )
+
+
+@dataclass
+class Shared:
+    """Frozen target parts lent to the drafter; never registered as its parameters, so they stay out
+    of its optimizer and its checkpoint."""
+
+    embed: Callable[[Tensor], Tensor]
+    lm_weight: Tensor  # [V, d]
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, target) -> Shared:
+        return cls(embed=target.embed, lm_weight=target.lm_head_weight, softcap=target.softcap)
+
+
+@dataclass
+class DraftOutput:
+    """Teacher-forced drafts for training. Rows are (sequence, anchor, position k)."""
+
+    features: Tensor  # [B, A, γ, d + r]: draft logits = features @ [W_lm | bias_weight]ᵀ
+    bias_weight: Tensor | None  # [V, r] trainable low-rank logit bias (DSpark's W2); None: r = 0
+    confidence_logits: Tensor | None  # [B, A, γ]
+    target_positions: Tensor  # [B, A, γ]: position whose target distribution matches draft k
+    valid: Tensor  # [B, A, γ] bool: eval mask (contiguous loss mask, inside the sequence)
+    labels: Tensor  # [B, A, γ] the true next tokens
+
+    def logits(self, lm_weight: Tensor) -> Tensor:
+        """Full draft logits [B, A, γ, V] (the loss never builds these; tests and tools do)."""
+        weight = lm_weight if self.bias_weight is None else torch.cat([lm_weight, self.bias_weight], 1)
+        return self.features @ weight.t().to(self.features.dtype)
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor  # [R, γ]
+    probs: Tensor  # [R, γ, V] float32: the exact distributions the tokens were sampled from
+    confidence_logits: Tensor | None = None  # [R, γ]
+
+
+@dataclass
+class DraftCache:
+    """Per-request drafter state across rounds: per-layer context keys/values [R, Hkv, C, hd]
+    (padded; `length` says how many are real) and anything else a drafter keeps in `extra`."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    length: Tensor  # [R] long
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,128 @@
+"""The engines of an evaluation: the calibration rollouts (full blocks, raw confidences, so every
+position gets a label and STS starts from scratch) and the benchmark rollouts, which use the fitted
+or the checkpoint's temperatures. Each benchmark gets its own seeded generator, so its result does
+not depend on which other benchmarks run."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from ..artifacts import DrafterFolder, EvaluationFolder
+from ..calibration.sts import Calibration
+from ..checkpoints import load_drafter
+from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
+from ..decoding.fast_engine import build_engine
+from ..scheduling.cost import CostModel
+from ..scheduling.policies import Fixed, Policy, build_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationFit:
+    calibration: Calibration
+    z: Tensor  # the rollouts' confidence logits [N, γ], prefix-acceptance labels and validity
+    y: Tensor
+    valid: Tensor
+    rounds: int
+    prompts: int
+
+
+@dataclass
+class Rollouts:
+    """The benchmark rollouts, per benchmark."""
+
+    rounds: dict[str, list[RoundRecord]]
+    generations: dict[str, list[Generation]]
+    timing: dict[str, dict]
+
+
+def requests(target, prompts: Iterable[tuple[str, str]]) -> list[Request]:
+    """Engine requests from ``(id, user turn)`` pairs, through the target's one prompt function."""
+    return [Request(prompt=target.prompt_ids(text), id=rid) for rid, text in prompts]
+
+
+class Evaluator:
+    def __init__(self, cfg: DictConfig, target, drafter, calibration, policy: Policy, cost):
+        self.cfg, self.target, self.drafter = cfg, target, drafter
+        self.calibration, self.policy, self.cost = calibration, policy, cost
+
+    @classmethod
+    def load(cls, cfg: DictConfig, target) -> Evaluator:
+        """The drafter of ``cfg.drafter_dir`` with its temperatures, the policy and its cost model."""
+        drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
+        calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
+        cost = CostModel.load(cfg.policy.cost_table) if cfg.policy.get("cost_table") else None
+        return cls(cfg, target, drafter, calibration, build_policy(cfg.policy), cost)
+
+    def engine(self, policy: Policy, calibration, name: str) -> Engine:
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode()))
+        return build_engine(
+            str(cfg.get("engine", "plain")),
+            self.target,
+            self.drafter,
+            policy,
+            temperature=float(cfg.temperature),
+            concurrency=int(cfg.concurrency),
+            max_new_tokens=int(cfg.max_new_tokens),
+            calibration=calibration,
+            cost=self.cost,
+            generator=gen,
+            progress=bool(cfg.progress),
+            desc=name,
+        )
+
+    def calibrate(self, prompts: list[tuple[str, str]]) -> CalibrationFit:
+        """Fit STS on rollouts of the held-out ``(benchmark, prompt)`` pairs; later rollouts use it."""
+        reqs = requests(self.target, ((f"calibration/{b}/{i}", p) for i, (b, p) in enumerate(prompts)))
+        engine = self.engine(Fixed(None), None, "calibration")
+        if self.cfg.calibration.get("max_new_tokens"):
+            engine.max_new_tokens = int(self.cfg.calibration.max_new_tokens)
+        res = engine.generate(reqs)
+        z, y, valid = calibration_arrays(res.rounds)
+        self.calibration = Calibration.fit(z, y, valid, n_bins=int(self.cfg.calibration.n_bins))
+        n = len(res.rounds)
+        log.info("STS temperatures %s from %d calibration rounds", self.calibration.temperatures, n)
+        return CalibrationFit(self.calibration, z, y, valid, n, len(reqs))
+
+    def decode(self, prompts: dict[str, list[str]], folder: EvaluationFolder) -> Rollouts:
+        """Each benchmark's prompts through the engine; every round and generation recorded."""
+        out = Rollouts({}, {}, {})
+        with folder.recorder() as (write_round, write_generation):
+            for name, texts in prompts.items():
+                reqs = requests(self.target, ((f"{name}/{i}", p) for i, p in enumerate(texts)))
+                res = self.engine(self.policy, self.calibration, name).generate(reqs)
+                out.rounds[name], out.generations[name] = res.rounds, res.generations
+                out.timing[name] = {
+                    "wall_s": res.wall_s,
+                    "new_tokens": res.new_tokens,
+                    "tokens_per_s": res.new_tokens / res.wall_s if res.wall_s else None,
+                }
+                for r in res.rounds:
+                    write_round({"benchmark": name, **r.to_dict()})
+                for g in res.generations:
+                    write_generation(
+                        {
+                            "benchmark": name,
+                            "id": g.id,
+                            "finish": g.finish,
+                            "rounds": g.rounds,
+                            "accepted": g.accepted,
+                            "tokens": g.tokens,
+                            "text": _decode(self.target.tokenizer, g.tokens),
+                        }
+                    )
+        return out
+
+
+def _decode(tokenizer, tokens: list[int]) -> str | None:
+    # Clean-up rewrites spaces around punctuation in BPE text (and transformers warns about it).
+    return tokenizer.decode(tokens, clean_up_tokenization_spaces=False) if tokenizer is not None else None

@@ -1,0 +1,148 @@
+"""What an evaluation writes into its folder: results.json (τ per benchmark, position-wise
+acceptance, macro averages), table.md (paper Table 1), the Fig. 2 acceptance and Fig. 5 threshold
+sweep figures (drafters with a confidence head), and with calibrate=true calibration.json (the
+temperatures and their metrics on the benchmark rounds, held out from the fit) with reliability
+diagrams."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..artifacts import EvaluationFolder
+from ..calibration.metrics import position_metrics, reliability_data, summary
+from ..calibration.plots import reliability_diagram
+from ..decoding.engine import calibration_arrays, conditional_acceptance, tau, threshold_sweep
+from ..drafters import DrafterSpec
+from ..reporting.plots import acceptance_by_position_plot, threshold_sweep_plot
+from ..reporting.tables import table1
+from .evaluator import CalibrationFit, Evaluator, Rollouts
+from .prompts import domain_map
+
+
+def write_outputs(
+    folder: EvaluationFolder, cfg: DictConfig, spec: DrafterSpec, ev: Evaluator, out: Rollouts,
+    fit: CalibrationFit | None,
+) -> dict:  # fmt: skip
+    """Everything but meta.json; returns the results."""
+    gamma, domains = spec.gamma, domain_map(out.rounds)
+    results = {
+        "target": ev.target.name,
+        "drafter": spec.label,
+        "temperature": float(cfg.temperature),
+        "policy": OmegaConf.to_container(cfg.policy, resolve=True),
+        "benchmarks": {
+            name: {
+                "tau": tau(recs),
+                "rounds": len(recs),
+                "new_tokens": sum(len(g.tokens) for g in out.generations[name]),
+                "accept_rate_by_position": conditional_acceptance(recs, gamma),
+            }
+            for name, recs in out.rounds.items()
+        },
+    }
+    results["macro"] = macro(results["benchmarks"], domains)
+    folder.write_results(results)
+    folder.write_table(table1([results], domains))
+    panels = _panels(results["benchmarks"], domains)
+    _acceptance_figure(folder, results, panels, out, gamma)
+    if spec.has_confidence:
+        _threshold_sweep_figure(folder, results, panels, out, cfg, ev.calibration)
+    if fit is not None:
+        write_calibration_report(folder, fit, out, int(cfg.calibration.n_bins))
+    return results
+
+
+def macro(benchmarks: dict, domains: dict[str, str]) -> dict:
+    """Mean τ over the benchmarks of each domain (None when the run has none) and over all."""
+
+    def mean(vals):
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {
+        d: mean([b["tau"] for n, b in benchmarks.items() if domains.get(n) == d])
+        for d in ("math", "code", "chat")
+    }
+    out["all"] = mean([b["tau"] for b in benchmarks.values()])
+    return out
+
+
+def _panels(benchmarks: dict, domains: dict[str, str]) -> dict[str, list[str]]:
+    """Figure panels: one per domain present (its benchmarks), plus "all" unless that is one."""
+    present = [d for d in ("math", "code", "chat") if d in domains.values()]
+    panels = {d: [n for n in benchmarks if domains.get(n) == d] for d in present}
+    if len(panels) != 1 or len(panels[present[0]]) != len(benchmarks):
+        panels["all"] = list(benchmarks)
+    return panels
+
+
+def _acceptance_figure(folder, results: dict, panels: dict, out: Rollouts, gamma: int) -> None:
+    """Fig. 2: domain panels (mean over the domain's benchmarks), the benchmarks as extra lines."""
+    label, benchmarks = results["drafter"], results["benchmarks"]
+    curves = {}
+    for dom, members in panels.items():
+        recs = [r for n in members for r in out.rounds[n]]
+        curves[dom] = {label: conditional_acceptance(recs, gamma)}
+        if len(members) > 1:
+            curves[dom].update({n: benchmarks[n]["accept_rate_by_position"] for n in members})
+    acceptance_by_position_plot(
+        curves,
+        folder.file("acceptance_by_position.png"),
+        data={
+            "drafter": label,
+            "positions": list(range(1, gamma + 1)),
+            "benchmarks": {n: b["accept_rate_by_position"] for n, b in benchmarks.items()},
+            "domains": {d: c[label] for d, c in curves.items()},
+            "definition": "P(position k accepted | positions 1..k-1 accepted), "
+            "over rounds that verified position k",
+        },
+    )
+
+
+def _threshold_sweep_figure(folder, results: dict, panels: dict, out: Rollouts, cfg, calibration) -> None:
+    """Fig. 5: tokens per step and acceptance rate against the confidence threshold."""
+    thresholds = [float(t) for t in cfg.thresholds]
+    sweep = {d: threshold_sweep([r for n in m for r in out.rounds[n]], thresholds) for d, m in panels.items()}
+    threshold_sweep_plot(
+        sweep,
+        folder.file("threshold_sweep.png"),
+        data={
+            "drafter": results["drafter"],
+            "confidence": "calibrated (STS)" if calibration is not None else "raw",
+            "rule": "verify the longest prefix with cumulative confidence >= threshold",
+            "sweep": sweep,
+        },
+    )
+
+
+def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out: Rollouts, n_bins: int):
+    """calibration.json in the issue-6 format (metrics on the benchmark rounds, held out from the
+    fit) plus the temperatures, and reliability diagrams per position before/after STS."""
+    temps = fit.calibration.temperatures
+    held = [r for recs in out.rounds.values() for r in recs]
+    z, y, valid = calibration_arrays(held)
+    keys = ("position", "count", "ece_raw", "ece_sts", "auroc", "brier_raw", "brier_sts", "temperature")
+    per_pos = [{k: row.get(k) for k in keys} for row in position_metrics(z, y, valid, temps, n_bins)]
+    s, fs = summary(per_pos), summary(position_metrics(fit.z, fit.y, fit.valid, temps, n_bins))
+    folder.write_calibration(
+        {
+            **fit.calibration.to_dict(),  # method + temperatures: Calibration.load reads this file
+            "per_position": per_pos,
+            "ece_raw_mean": s.get("ece_raw_mean"),
+            "ece_sts_mean": s.get("ece_sts_mean"),
+            "auroc_mean": s.get("auroc_mean"),
+            "evaluated_on": f"benchmark rounds ({len(held)}), held out from the fit",
+            "fit": {
+                "rounds": fit.rounds,
+                "prompts": fit.prompts,
+                "ece_raw_mean": fs.get("ece_raw_mean"),
+                "ece_sts_mean": fs.get("ece_sts_mean"),
+                "auroc_mean": fs.get("auroc_mean"),
+            },
+        }
+    )
+    reliability_diagram(
+        reliability_data(z, y, valid, temps, n_bins),
+        folder.file("reliability.png"),
+        title="Prefix survival on the benchmark rounds (held out)",
+    )

@@ -1,0 +1,153 @@
+"""The two ways to the frontier: replaying recorded rounds against a cost table (analytical,
+dspark.scheduling.replay) or running the engine at each concurrency (measured, dspark.bench.measure),
+profiling the target and the drafter into a cost table first when none is given."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig, ListConfig
+
+from ..artifacts import DrafterFolder, FrontierFolder, load_calibration
+from ..bench.measure import measure
+from ..bench.profile import profile_drafter, profile_target, settle_profile
+from ..checkpoints import load_drafter
+from ..core.errors import ConfigError, DataError
+from ..data.benchmarks import first_turns
+from ..scheduling.cost import CostModel
+from ..scheduling.replay import ReplayError, load_rounds, replay
+from ..target import load_target
+from .checks import load_cost, sweep_gamma, sweep_policies, synthetic_cost
+
+log = logging.getLogger(__name__)
+
+
+def run_analytical(cfg: DictConfig) -> tuple[dict, dict, CostModel, dict]:
+    temps = None
+    if cfg.calibration is not None:
+        temps = load_calibration(str(cfg.calibration)).temperatures
+    rounds_arg = cfg.rounds
+    paths = list(rounds_arg) if isinstance(rounds_arg, ListConfig) else [str(rounds_arg)]
+    try:
+        rounds = load_rounds(paths, temperatures=temps)
+    except ReplayError as err:
+        raise ConfigError(str(err)) from None
+    gamma = sweep_gamma(cfg, rounds.gamma)
+    policies = sweep_policies(cfg, gamma, rounds.gamma)
+    cost = load_cost(cfg) if cfg.cost_table is not None else synthetic_cost(cfg)
+    log.info("replaying %d rounds of %d requests (γ=%d)", len(rounds), len(rounds.sequences), rounds.gamma)
+    try:
+        frontier = replay(
+            rounds,
+            policies,
+            cost,
+            list(cfg.concurrency),
+            steps=int(cfg.replay.steps),
+            seed=int(cfg.seed),
+            warmup=int(cfg.replay.warmup),
+            outcome=str(cfg.replay.outcome),
+            progress=bool(cfg.progress),
+        )
+    except ReplayError as err:
+        raise ConfigError(str(err)) from None
+    info = {"rounds": len(rounds), "requests": len(rounds.sequences), "block": rounds.gamma, "gamma": gamma}
+    return frontier, policies, cost, info
+
+
+def benchmark_prompts(cfg: DictConfig, target) -> list[list[int]]:
+    """The measured mode's prompts, through the target's one prompt function."""
+    m = cfg.measured
+    texts = []
+    for name in m.benchmarks:
+        try:
+            texts += first_turns(str(name), m.benchmark_dir, m.max_prompts)
+        except DataError as err:
+            raise ConfigError(f"measured.benchmarks: {err}") from None
+    if not texts:
+        raise ConfigError("measured mode found no prompts: set measured.benchmarks / measured.benchmark_dir")
+    return [target.prompt_ids(t) for t in texts]
+
+
+def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, CostModel, dict]:
+    target = load_target(cfg.target)
+    drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
+    block = int(drafter.gamma)
+    gamma = sweep_gamma(cfg, block)
+    policies = sweep_policies(cfg, gamma, block)
+    prompts = benchmark_prompts(cfg, target)  # before profiling: a missing benchmark fails fast
+    calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
+    conc = [int(r) for r in cfg.concurrency]
+    cost = load_cost(cfg) if cfg.cost_table is not None else profiled_cost(cfg, target, drafter, gamma)
+    cost.save(folder.cost_table_path)
+    frontier = measure(
+        target,
+        drafter,
+        policies,
+        conc,
+        prompts,
+        cost=cost,
+        calibration=calibration,
+        temperature=float(cfg.measured.temperature),
+        max_new_tokens=int(cfg.measured.max_new_tokens),
+        seed=int(cfg.seed),
+        warmup=bool(cfg.measured.warmup),
+        progress=bool(cfg.progress),
+        engine_kind=str(cfg.measured.get("engine", "plain")),
+    )
+    info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
+    return frontier, policies, cost, info
+
+
+def profiled_cost(cfg: DictConfig, target, drafter, gamma: int) -> CostModel:
+    """The cost table timed here: the target's verification step over token batch sizes at
+    ``context_len`` (and the drafter's step per concurrency with profile.draft)."""
+    conc = [int(r) for r in cfg.concurrency]
+    p = cfg.profile
+    sizes = list(p.batch_sizes) if p.batch_sizes else _powers_of_two(max(conc) * (gamma + 1))
+    log.info("profiling the target step at context %d over B=%s", cfg.context_len, sizes)
+    t0 = time.perf_counter()
+    verify_ms, v_notes = settle_profile(
+        lambda b: profile_target(
+            target, b, int(cfg.context_len), gamma, warmup=int(p.warmup), repeats=int(p.repeats)
+        ),
+        sizes,
+    )
+    draft_ms, d_notes = (None, {})
+    if p.draft:
+        draft_ms, d_notes = settle_profile(
+            lambda r: profile_drafter(
+                target,
+                drafter,
+                r,
+                int(cfg.context_len),
+                float(cfg.measured.temperature),
+                warmup=int(p.warmup),
+                repeats=int(p.repeats),
+            ),
+            sorted(set(conc)),
+        )
+    return CostModel(
+        verify_ms,
+        draft_ms=draft_ms,
+        context_len=int(cfg.context_len),
+        meta={
+            "source": "profiled by python -m dspark.schedule mode=measured",
+            "target": target.name,
+            "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "gamma": gamma,
+            "profile_s": time.perf_counter() - t0,
+            "profile_notes": {"verify": v_notes, "draft": d_notes},
+            "torch": torch.__version__,
+        },
+    )
+
+
+def _powers_of_two(top: int) -> list[int]:
+    sizes, b = [], 1
+    while b < top:
+        sizes.append(b)
+        b *= 2
+    return sizes + [top]

@@ -1,0 +1,107 @@
+"""The drafter seam: every drafter keeps the one interface the engines, training and checkpoints
+use (capabilities instead of names, one ``propose`` signature), the registry finds drafters by
+name, and a checkpoint's spec says the same as the drafter it builds, without loading weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_group
+from test_drafters import VARIANTS, make
+
+from dspark.checkpoints import read_drafter_spec, save_drafter
+from dspark.core.errors import ConfigError
+from dspark.core.types import Shared
+from dspark.drafters import Drafter, drafter_class, drafter_names, register
+from dspark.drafters.registry import static_cache_drafters
+
+# Every registered drafter keeps the contract: the paper's three with their heads, and any added later
+# (built from its conf/drafter/<name>.yaml without a head).
+CASES = VARIANTS + [(name, "none") for name in drafter_names() if name not in {n for n, _ in VARIANTS}]
+KNOWN = {"dflash": (False, True), "dspark": (True, True), "eagle3": (False, False)}  # confidence, static
+
+
+def test_registry_finds_every_drafter_by_its_config_name():
+    assert set(drafter_names()) >= {"dflash", "dspark", "eagle3"}
+    for name in drafter_names():
+        cls = drafter_class(name)
+        assert issubclass(cls, Drafter) and cls.kind == name
+    static = {n for n in drafter_names() if drafter_class(n).supports_static_cache}
+    assert set(static_cache_drafters()) == static
+    assert {"dflash", "dspark"} <= set(static_cache_drafters()) and "eagle3" not in static_cache_drafters()
+    with pytest.raises(ConfigError, match=r"drafter.name 'medusa' is not one of \("):
+        drafter_class("medusa")
+    with pytest.raises(TypeError, match="Drafter subclass"):
+        register("plain")(torch.nn.Linear)
+    with pytest.raises(ValueError, match="two drafters registered as 'dflash'"):
+        register("dflash")(type("Copy", (drafter_class("dflash"),), {}))
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_spec_from_config_matches_the_built_drafter(tiny_target, tmp_path, name, head):
+    drafter = make(tiny_target, name, head)
+    save_drafter(drafter, tmp_path, *_cfg(name, head), tiny_target.describe())
+    (tmp_path / "model.safetensors").unlink()  # the spec reads the config alone
+    spec = read_drafter_spec(tmp_path)
+    assert (spec.kind, spec.head, spec.gamma) == (name, head, drafter.gamma)
+    assert spec.has_confidence == drafter.has_confidence
+    assert spec.supports_static_cache == drafter.supports_static_cache
+    assert KNOWN.get(name, (spec.has_confidence, spec.supports_static_cache)) == (
+        spec.has_confidence,
+        spec.supports_static_cache,
+    )
+    assert spec.label == (name if head == "none" else f"{name}-{head}")
+
+
+def _cfg(name, head):
+    d, h = load_group("drafter", name), load_group("head", head)
+    d.num_layers, d.block_size = 1, 4
+    if head != "none":
+        h.rank = 32
+    return d, h
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_propose_takes_uniforms_in_place_of_the_generator(tiny_target, name, head):
+    """One signature for all: explicit uniforms reproduce the generator's draws exactly."""
+    drafter = make(tiny_target, name, head).eval()
+    shared, r, ctx = Shared.of(tiny_target), 3, 6
+    g = torch.Generator().manual_seed(1)
+    taps = torch.randn(r, ctx, tiny_target.tap_dim, generator=g)
+    nxt = torch.randint(100, 5000, (r, ctx), generator=g)
+    cache = drafter.new_cache(r, "cpu")
+    pos = torch.arange(ctx).expand(r, -1)
+    drafter.extend_context(cache, taps, pos, torch.ones(r, ctx, dtype=torch.bool), nxt, shared)
+    anchors, apos, hot = nxt[:, -1], torch.full((r,), ctx), 50.0  # hot: flat enough that u matters
+    drawn = drafter.propose(cache, anchors, apos, shared, hot, torch.Generator().manual_seed(7))
+    u = torch.rand(r, drafter.gamma, generator=torch.Generator().manual_seed(7))
+    given = drafter.propose(cache, anchors, apos, shared, hot, uniforms=u)
+    assert torch.equal(drawn.tokens, given.tokens) and torch.equal(drawn.probs, given.probs)
+    other = drafter.propose(cache, anchors, apos, shared, hot, uniforms=1 - u)
+    assert not torch.equal(other.tokens, given.tokens)
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_static_cache_hook_equals_the_growing_cache(tiny_target, name, head):
+    """``write_context`` into a preallocated cache gives the proposals ``extend_context`` gives."""
+    drafter = make(tiny_target, name, head).eval()
+    if not drafter.supports_static_cache:
+        with pytest.raises(NotImplementedError, match="engine=plain"):
+            drafter.write_context(drafter.new_cache(1, "cpu"), None, None, None)
+        return
+    shared, r, ctx = Shared.of(tiny_target), 2, 5
+    g = torch.Generator().manual_seed(2)
+    taps = torch.randn(r, ctx, tiny_target.tap_dim, generator=g)
+    nxt = torch.randint(100, 5000, (r, ctx), generator=g)
+    pos = torch.arange(ctx).expand(r, -1)
+    grown = drafter.new_cache(r, "cpu")
+    drafter.extend_context(grown, taps, pos, torch.ones(r, ctx, dtype=torch.bool), nxt, shared)
+    static = drafter.new_cache(r + 1, "cpu", capacity=16)
+    drafter.write_context(static, taps, pos, torch.tensor([1, 2]))  # rows 1.., as the engine's row0
+    static.length[1:] = ctx
+    view = type(static)(k=[k[1:] for k in static.k], v=[v[1:] for v in static.v], length=static.length[1:])
+    u = torch.rand(r, drafter.gamma, generator=g)
+    a = drafter.propose(grown, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)
+    b = drafter.propose(view, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.probs, b.probs)
