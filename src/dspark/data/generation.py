@@ -4,7 +4,7 @@ Self-generated prompts and regenerated answers are target-only decoding through
 ``decoding.engine.Engine`` (plain PyTorch, the reference, used on the CPU) or
 ``decoding.fast_engine.FastEngine`` (static KV caches, CUDA graphs per row bucket, used on CUDA),
 with the data config's temperature / top-k / top-p as the target's distribution. ``data.engine``
-forces one (``plain`` | ``fast``); both decode the same tokens for the same seed (tested).
+forces one (``plain`` | ``fast``); on the CPU both decode the same tokens for a seed (tested).
 Throughput settings for bulk generation: wide concurrency (capped by GPU memory), a static cache
 sized from the longest prompt + budget, finished rows leaving in batches (``refill``), no round
 records, and each continuation handed to ``on_result`` the moment it finishes.
