@@ -417,7 +417,12 @@ def _section_calibration(runs, axis, out: Path):
     return [path], {"calibration": table}, []
 
 
-LOSS_PANELS = (("train/loss", "train/loss"), ("val/loss", "val/loss"), ("val/tau_prob", "val/tau_prob"))
+LOSS_PANELS = (
+    ("train/loss", "train/loss"),
+    ("val/loss", "val/loss"),
+    ("val/tau_prob", "val/tau_prob"),
+    ("lr-AdamW", "learning rate"),
+)
 
 
 def _section_loss(runs, axis, out: Path):
@@ -454,6 +459,10 @@ def _section_loss(runs, axis, out: Path):
         for r in runs
     ]
     table = md_table(["run", "steps", "train/loss", "val/loss", "val/tau_prob", "tokens/s"], rows)
+    # The plotted points beside the figure, so the numbers behind it can be read back.
+    write_json(
+        out / "figures" / "loss_curves.json", {r.label: {k: r.curves.get(k) for k, _ in panels} for r in runs}
+    )
     return [_save(fig, out / "figures" / "loss_curves.png")], {"loss": table}, []
 
 
