@@ -97,3 +97,28 @@ def test_every_decoding_stage_prompts_through_the_target(tiny_target, tmp_path, 
     measured = OmegaConf.create({"measured": measured})
     assert benchmark_prompts(measured, tiny_target) == want
     assert [r.prompt for r in requests(tiny_target, [("gsm8k/0", texts[0]), ("gsm8k/1", texts[1])])] == want
+
+
+def test_train_step_runs_the_real_step_and_agrees_across_loss_paths(tmp_path):
+    """dspark.bench.train_step at a toy shape on the CPU: the real DraftingModule step (online target
+    features), each variant's first-step loss, the FLOP count it divides by; no timing asserted."""
+    from dspark.bench import train_step
+
+    out = tmp_path / "step.json"
+    report = train_step.main(
+        ["--hidden", "32", "--layers", "5", "--vocab", "300", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "8", "--intermediate", "64", "--taps", "0,1,2", "--seq", "40", "--batch", "2",
+         "--anchors", "6", "--features", "online", "--device", "cpu", "--steps", "1", "--warmup", "0",
+         "--variants", "torch_loss,materialized", "--out", str(out)]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert (
+        [r["variant"] for r in rows]
+        == ["torch_loss", "materialized"]
+        == [r["variant"] for r in report["rows"]]
+    )
+    assert (
+        rows[1]["loss_rel_diff_vs_first"] < 1e-5
+    )  # the fused (row pass in torch) and materialised losses agree
+    assert set(rows[0]["flops"]) == {"draft_layers", "attention", "loss_gemms", "target_forward"}
+    assert all(v > 0 for v in rows[0]["flops"].values()) and rows[0]["ms_per_step"] > 0

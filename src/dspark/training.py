@@ -161,6 +161,7 @@ def trainer_kwargs(cfg: DictConfig, accumulate: int | None = None, world: int = 
         "check_val_every_n_epoch",
         "num_sanity_val_steps",
         "max_time",
+        "profiler",
     )
     nullable = {"check_val_every_n_epoch"}  # None is meaningful there: validate by global step
     out = {k: t[k] for k in keys if k in t and (t[k] is not None or k in nullable)}

@@ -55,6 +55,13 @@ def _parse(argv):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=3072)
     ap.add_argument("--taps", default="1,7,13,19,25")
+    ap.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    ap.add_argument(
+        "--features",
+        choices=["offline", "online"],
+        default="offline",
+        help="cached target features, or the target's forward inside the step (as training runs it)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     ap.add_argument("--out", default="train_step.json")
@@ -65,7 +72,7 @@ def _configs(overrides: list[str]):
     from hydra import compose, initialize_config_module
 
     base = ["drafter=dspark", "head=markov", "head.rank=256", "drafter.num_layers=5", "drafter.block_size=7"]
-    base += ["drafter.num_anchors=512", "loss.ce=0.1", "loss.tv=0.9", "loss.confidence=1.0"]
+    base += ["loss.ce=0.1", "loss.tv=0.9", "loss.confidence=1.0"]
     with initialize_config_module(config_module="dspark.conf", version_base="1.3"):
         return compose(config_name="train", overrides=base + overrides)
 
@@ -95,7 +102,8 @@ def random_target(args, device):
 
 
 def random_batch(args, target, device):
-    """One packed sequence with cached target features (random, never zeros)."""
+    """Packed sequences with cached target features (random, never zeros); with online features the
+    step runs the target itself and ignores them."""
     g = torch.Generator(device="cpu").manual_seed(1)
     b, t, d = args.batch, args.seq, target.hidden_size
     loss_mask = torch.ones(b, t, dtype=torch.long)
@@ -110,7 +118,7 @@ def random_batch(args, target, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def step_flops(module, batch, anchors) -> dict:
+def step_flops(module, batch, anchors, online: bool = False) -> dict:
     """Matmul FLOPs of one step (forward + backward = 3× forward for trained weights; 2× for the
     frozen-weight logit GEMMs, which need no weight gradient)."""
     d = module.drafter
@@ -133,7 +141,11 @@ def step_flops(module, batch, anchors) -> dict:
     k = s.hidden_size + rank
     logits = 2 * q * v * k + 2 * q * v * s.hidden_size  # draft and target logits
     grads = 2 * q * v * k + 2 * q * v * rank  # d(features) and d(W2)
-    return {"draft_layers": draft, "attention": attention, "loss_gemms": logits + grads}
+    out = {"draft_layers": draft, "attention": attention, "loss_gemms": logits + grads}
+    if online:  # the frozen target's forward over every token (its layers; embeddings are a lookup)
+        body = sum(p.numel() for n, p in module.target.model.base_model.layers.named_parameters())
+        out["target_forward"] = 2 * body * b * t
+    return out
 
 
 def _mark(cuda: bool):
@@ -149,7 +161,8 @@ def _ms(start, end) -> float:
 
 
 def run_variant(name, overrides, args, target, batch, device) -> dict:
-    from ..drafters import TargetDims, build_drafter
+    from ..core.types import TargetDims
+    from ..drafters import build_drafter
     from ..drafters.dflash import sample_anchors
     from ..module import DraftingModule
     from ..objectives import LossWeights
@@ -158,7 +171,12 @@ def run_variant(name, overrides, args, target, batch, device) -> dict:
     torch.manual_seed(0)
     drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.head)
     module = DraftingModule(
-        target, drafter, LossWeights.from_cfg(cfg.loss), dict(cfg.optim), "offline", num_anchors=512
+        target,
+        drafter,
+        LossWeights.from_cfg(cfg.loss),
+        dict(cfg.optim),
+        args.features,
+        num_anchors=args.anchors,
     ).to(device)
     opt = module.configure_optimizers()["optimizer"]
     cuda = device.type == "cuda"
@@ -192,7 +210,7 @@ def run_variant(name, overrides, args, target, batch, device) -> dict:
     anchors = sample_anchors(
         batch["loss_mask"], module.num_anchors, torch.Generator(device=device).manual_seed(1234)
     )
-    flops = step_flops(module, batch, anchors)
+    flops = step_flops(module, batch, anchors, args.features == "online")
     total = sum(flops.values())
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     row = {
