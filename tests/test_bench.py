@@ -26,7 +26,11 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert r["hf_eager_ms"] > 0 and r["static_eager_ms"] > 0 and "graph_ms" not in r
     model = CostModel.load(cost)
     curve = model.verify_ms
-    assert sorted(curve) == [1, 4, 8] and list(curve.values()) == sorted(curve.values())
+    assert sorted(curve) == [1, 4, 8]
+    # What settle_profile guarantees: no batch timed slower than a larger one by more than its 5 %
+    # tolerance (re-timed, else an isotonic fit); exact order would assert the CPU's timing noise.
+    times = [curve[b] for b in sorted(curve)]
+    assert all(t <= 1.05 * later for i, t in enumerate(times) for later in times[i + 1 :]), times
     assert sorted(int(r) for r in saved["draft_ms"]) == [1, 2, 4, 8]  # every row count measured
     assert sorted(model.draft_ms) == [1, 2, 4, 8] and all(v > 0 for v in model.draft_ms.values())
 
