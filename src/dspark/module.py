@@ -114,21 +114,29 @@ def lr_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, rest)))
 
 
-def run_progress(trainer) -> float:
-    """How far a fit is, in [0, 1], counting the optimizer step about to be taken: the larger of
-    steps / trainer.max_steps and, for a run with a clock (trainer.max_time), its elapsed training
-    time / max_time, the same clock Lightning stops the run by. So a run bounded by time gets its
-    whole schedule (warm-up and decay) inside that time, and a step-bounded one inside its steps;
-    with neither, the steps Lightning estimates for max_epochs."""
+def _timer(trainer):
     from lightning.pytorch.callbacks import Timer
 
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    return timer if timer is not None and timer._duration else None
+
+
+def run_progress(trainer, clock_start: float | None = None) -> float:
+    """How far a fit is, in [0, 1], counting the optimizer step about to be taken: the larger of
+    steps / trainer.max_steps and, for a run with a clock (trainer.max_time), its training time /
+    max_time on the clock Lightning stops the run by. So a run bounded by time gets its whole
+    schedule (warm-up and decay) inside that time, and a step-bounded one inside its steps; with
+    neither, the steps Lightning estimates for max_epochs. ``clock_start`` (seconds on that clock
+    when the first optimizer step ended) moves the clock's zero past compilation and start-up,
+    which would otherwise use up the warm-up before the first real step."""
     step = int(trainer.global_step) + 1
     fractions = []
     if trainer.max_steps and trainer.max_steps > 0:
         fractions.append(step / trainer.max_steps)
-    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
-    if timer is not None and timer._duration:
-        fractions.append(timer.time_elapsed("train") / timer._duration)
+    timer = _timer(trainer)
+    if timer is not None:
+        start = min(clock_start or 0.0, 0.5 * timer._duration)
+        fractions.append(max(0.0, timer.time_elapsed("train") - start) / (timer._duration - start))
     if not fractions:
         fractions.append(step / max(1, int(trainer.estimated_stepping_batches)))
     return min(1.0, max(fractions))
@@ -159,12 +167,24 @@ class DraftingModule(L.LightningModule):
         self.num_anchors = int(num_anchors or getattr(drafter, "num_anchors", 512))
         self.seed = int(seed)
         self.val_records: list[dict] = []
+        self.clock_start: float | None = None  # see run_progress
         gamma = int(getattr(drafter, "ttt_steps", None) or drafter.gamma)
         self.train_sums, self.val_sums = MetricSums(gamma), MetricSums(gamma)
 
     @property
     def shared(self) -> Shared:
         return Shared.of(self.target)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        timer = _timer(self.trainer)
+        if self.clock_start is None and timer is not None and self.trainer.global_step >= 1:
+            self.clock_start = timer.time_elapsed("train")  # the end of the first optimizer step
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["dspark_clock_start"] = self.clock_start  # a resumed run keeps its schedule
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.clock_start = checkpoint.get("dspark_clock_start")
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
@@ -309,6 +329,9 @@ class DraftingModule(L.LightningModule):
         warmup, floor = self.optim["warmup_ratio"], self.optim["min_lr_ratio"]
         # The multiplier follows the run's progress (steps or clock), not the scheduler's own count.
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda _: lr_factor(run_progress(self._trainer) if self._trainer else 0.0, warmup, floor)
+            opt,
+            lambda _: lr_factor(
+                run_progress(self._trainer, self.clock_start) if self._trainer else 0.0, warmup, floor
+            ),
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
