@@ -3,6 +3,8 @@
 # held machine (outputs/ survives between calls while the machine stays warm):
 #   bash scripts/h200_drafter.sh data [N]                          # N conversations (30000) via the fast engine
 #   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
+#     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
+#     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = 0 on the six benchmarks
 # Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).
 # Everything worth keeping is copied under $OUT/<NAME>/ (logs, summaries, results; no weights).
@@ -27,20 +29,33 @@ train)
   name=$1 minutes=$2
   shift 2
   run=outputs/h200/$name
-  python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
-    trainer.max_time=00:00:$(printf %02d "$minutes"):00 trainer.max_steps=10000000 \
-    trainer.val_check_interval=250 trainer.limit_val_batches=40 hydra.run.dir=$run "$@" > $run.log 2>&1 ||
-    { tr '\r' '\n' < $run.log | tail -40; exit 1; }
+  status=0
+  timeout -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
+    trainer.max_time=00:$(printf %02d $((minutes / 60))):$(printf %02d $((minutes % 60))):00 \
+    trainer.max_steps=10000000 trainer.val_check_interval=500 trainer.limit_val_batches=40 \
+    callbacks.checkpoint_every_n_steps=1000 hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
+  if [ $status = 124 ]; then
+    echo "stopped after ${CALL_LIMIT:-540} s: run the same command again to resume"
+  elif [ $status != 0 ]; then
+    tr '\r' '\n' < $run.log | tail -40
+    exit 1
+  fi
   tr '\r' '\n' < $run.log | grep -a -v Warning | tail -4
   mkdir -p "$OUTDIR/$name"
-  cp $run/summary.json $run/config.yaml $run/logs/metrics.csv "$OUTDIR/$name/"
-  cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json"
+  cp $run/config.yaml "$OUTDIR/$name/"
+  cp $run/summary.json "$OUTDIR/$name/" 2>/dev/null || true  # written when the run finishes
+  cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json" 2>/dev/null || true
   cp $run/drafter/calibration*.json "$OUTDIR/$name/" 2>/dev/null || true
-  python3 - "$run/logs/metrics.csv" <<'EOF'
+  # A resumed run logs each part in its own folder (logs/, logs/resumed-<step>/): keep them all.
+  for f in $(find $run/logs -name metrics.csv | sort); do
+    part=$(basename "$(dirname "$f")")
+    cp "$f" "$OUTDIR/$name/metrics_${part}.csv"
+  done
+  python3 - $(find $run/logs -name metrics.csv | sort) <<'EOF'
 import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-val = [(r["step"], r["val/tau_prob"]) for r in rows if r.get("val/tau_prob")]
-print("val tau_prob by step:", ", ".join(f"{s}:{float(t):.3f}" for s, t in val))
+val = sorted({(int(r["step"]), float(r["val/tau_prob"])) for f in sys.argv[1:] for r in csv.DictReader(open(f))
+              if r.get("val/tau_prob")})
+print("val tau_prob by step:", ", ".join(f"{s}:{t:.3f}" for s, t in val))
 EOF
   ;;
 eval)
