@@ -150,8 +150,12 @@ def test_config_errors_before_loading(tiny_target, tmp_path):
         check_config(_cfg(f"drafter_dir={dflash}", "policy=threshold"))
     with pytest.raises(ConfigError, match="calibrate=true needs a drafter with a confidence head"):
         check_config(_cfg(f"drafter_dir={dflash}", "calibrate=true", "policy.gamma=3"))
-    with pytest.raises(ConfigError, match="policy.gamma=7 exceeds the drafter's block size 3"):
-        check_config(_cfg(f"drafter_dir={dflash}"))
+    with pytest.raises(ConfigError, match="policy.gamma=7 exceeds the 3 tokens the drafter in"):
+        check_config(_cfg(f"drafter_dir={dflash}", "policy.gamma=7"))
+    # The default policy verifies the drafter's own block, whatever its size (issue 21).
+    five = _save(tiny_target, tmp_path / "five", "dflash", gamma=5)
+    assert check_config(_cfg(f"drafter_dir={five}")).gamma == 5
+    assert _cfg(f"drafter_dir={five}").policy.gamma is None
     dspark = _save(tiny_target, tmp_path / "dspark", "dspark", "markov", gamma=4)
     with pytest.raises(ConfigError, match="policy.cost_table"):
         check_config(_cfg(f"drafter_dir={dspark}", "policy=hardware_aware"))

@@ -1,12 +1,15 @@
-"""Interop (issue 12): export to the engines' layouts, import DeepSpec-format checkpoints.
+"""Interop (issues 12, 21): export to the engines' layouts, import DeepSpec-format checkpoints.
 
-Round trip export -> import must reproduce the drafter bit for bit (logits, confidences, samples);
-an export whose keys do not match the engine's layout is refused before anything is written; a
-checkpoint built here from DeepSpec's documented key names and config fields loads and runs."""
+Round trip export -> import must reproduce the drafter bit for bit (logits, confidences, samples),
+its slot convention included; an export whose keys do not match the engine's layout is refused
+before anything is written, and so is a drafter the format cannot express, with a format that does
+take it; a checkpoint built here from DeepSpec's documented key names and config fields loads and
+runs. (The slot conventions' acceptance and z-lab's layout: test_dflash_slots.py.)"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,9 +25,9 @@ from dspark.interop import ExportError, InteropError, formats
 GAMMA, RANK = 4, 16
 
 
-def _save(target, folder, name="dspark", head="markov", confidence=True, with_prev=True):
+def _save(target, folder, name="dspark", head="markov", confidence=True, with_prev=True, slots="anchor"):
     dc, hc = load_group("drafter", name), load_group("head", head)
-    dc.num_layers, dc.block_size = 2, GAMMA
+    dc.num_layers, dc.block_size, dc.slots = 2, GAMMA, slots
     dc.confidence.enabled, dc.confidence.use_prev_embedding = confidence, with_prev
     hc.rank = RANK if head != "none" else 0
     torch.manual_seed(0)
@@ -58,18 +61,28 @@ def _outputs(drafter, target, seed=0):
     return logits, out.confidence_logits, prop
 
 
+# name: (drafter, head, confidence, confidence reads the Markov embedding, slots)
 VARIANTS = {
-    "dflash": ("dflash", "none", False, False),
-    "markov": ("dspark", "markov", True, True),
-    "gated": ("dspark", "gated", True, True),
-    "rnn": ("dspark", "rnn", True, False),
+    "dflash": ("dflash", "none", False, False, "anchor"),
+    "dflash-masks": ("dflash", "none", False, False, "masks"),
+    "markov": ("dspark", "markov", True, True, "anchor"),
+    "markov-masks": ("dspark", "markov", True, True, "masks"),
+    "gated": ("dspark", "gated", True, True, "anchor"),
+    "rnn": ("dspark", "rnn", True, False, "anchor"),
+    "markov-noconf": ("dspark", "markov", False, False, "anchor"),
 }
-CASES = [
-    (v, f)
-    for v in VARIANTS
-    for f in formats.FORMATS
-    if not (f == "vllm" and v in ("gated", "rnn"))  # vLLM builds only the vanilla Markov head
-]
+# The formats that load each variant and read it as we do (docs/formats.md §3).
+TAKES = {
+    "dflash": ("hf",),  # the engines' DFlashDraftModel drafts from the mask slots
+    "dflash-masks": ("vllm", "sglang"),  # DeepSpec's Qwen3DSparkModel drafts from the anchor's slot
+    "markov": ("hf", "vllm", "sglang"),
+    "markov-masks": ("vllm",),  # vLLM's DSpark with sample_from_anchor=false
+    "gated": ("hf", "sglang"),  # vLLM builds only the vanilla Markov head
+    "rnn": ("hf", "sglang"),
+    "markov-noconf": ("hf", "vllm"),  # SGLang builds the confidence head regardless
+}
+CASES = [(v, f) for v in VARIANTS for f in TAKES[v]]
+REFUSED = [(v, f) for v in VARIANTS for f in formats.FORMATS if f not in TAKES[v]]
 
 
 @pytest.mark.parametrize("variant,fmt", CASES)
@@ -77,11 +90,20 @@ def test_round_trip_identical(tiny_target, tmp_path, variant, fmt):
     src = _save(tiny_target, tmp_path / "ours", *VARIANTS[variant])
     out = export_drafter(src, tmp_path / fmt, fmt, target=tiny_target)
     ext = json.loads((out / "config.json").read_text())
-    dspark = VARIANTS[variant][0] == "dspark"
-    assert ext["architectures"] == ["Qwen3DSparkModel" if fmt == "hf" or dspark else "DFlashDraftModel"]
+    dspark, slots = VARIANTS[variant][0] == "dspark", VARIANTS[variant][4]
+    gamma = GAMMA - (slots == "masks")
+    arch = "Qwen3DSparkModel" if fmt == "hf" or dspark else "DFlashDraftModel"
+    assert ext["architectures"] == [arch]
     assert ext["target_layer_ids"] == tiny_target.layer_ids and ext["block_size"] == GAMMA
+    assert ext["sample_from_anchor"] == (slots == "anchor")  # the convention, stated explicitly
+    if arch == "DFlashDraftModel":
+        assert ext["dflash_config"]["sample_from_anchor"] is False  # where vLLM's DFlash reads it
     if fmt == "vllm":
         assert ext["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in tiny_target.layer_ids]
+        # vLLM drafts num_speculative_tokens, whatever block_size says
+        assert ext["dspark_serving"]["num_speculative_tokens"] == gamma
+    if fmt == "sglang":  # its verify window counts the anchor
+        assert ext["dspark_serving"]["speculative_num_draft_tokens"] == gamma + 1
     keys = set(load_file(out / "model.safetensors"))
     assert ("lm_head.weight" in keys) == (fmt == "hf") and "layers.1.self_attn.k_norm.weight" in keys
 
@@ -89,12 +111,14 @@ def test_round_trip_identical(tiny_target, tmp_path, variant, fmt):
     b, cb = load_drafter(out, tiny_target)
     assert cb["drafter"]["name"] == ca["drafter"]["name"]
     assert cb["head"]["name"] == (ca["head"]["name"] if dspark else "none")
+    assert cb["drafter"]["slots"] == slots and b.gamma == a.gamma == gamma
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
     la, conf_a, pa = _outputs(a, tiny_target)
     lb, conf_b, pb = _outputs(b, tiny_target)
     assert torch.equal(la, lb)
-    assert (conf_a is None) == (not dspark) and (conf_b is None) == (conf_a is None)
+    assert (conf_a is None) == (not a.has_confidence) and (conf_b is None) == (conf_a is None)
+    assert pa.tokens.shape == (2, gamma)
     if conf_a is not None:
         assert torch.equal(conf_a, conf_b)
         assert torch.equal(pa.confidence_logits, pb.confidence_logits)
@@ -152,9 +176,54 @@ def test_key_check_names_missing_and_misshapen(tiny_target, tmp_path):
         formats.check_fields(ext, "sglang")
 
 
+@pytest.mark.parametrize("variant,fmt", REFUSED)
+def test_export_refuses_what_the_format_cannot_express(tiny_target, tmp_path, variant, fmt):
+    """Refused before anything is written, naming the formats that do take the drafter."""
+    src = _save(tiny_target, tmp_path / "ours", *VARIANTS[variant])
+    with pytest.raises(ExportError, match=re.escape(f"Export format={'|'.join(TAKES[variant])} instead")):
+        export_drafter(src, tmp_path / fmt, fmt, target=tiny_target)
+    assert not (tmp_path / fmt).exists()
+
+
+def _named_formats(message: str) -> list[str]:
+    m = re.search(r"Export format=([a-z|]+) instead", message)
+    return m.group(1).split("|") if m else []
+
+
+def test_every_refusal_names_a_format_that_works(tiny_target, tmp_path):
+    """Over every drafter the block layouts could hold (drafter × head × confidence × slots × taps):
+    a refused format's message names exactly the formats that take the drafter, or says none does;
+    no message ever points at a format that refuses the same drafter (issue 21: vLLM's head=none
+    refusal once suggested SGLang, which refuses it too)."""
+    base = read_drafter_config(_save(tiny_target, tmp_path / "base"))
+    seen_none = 0
+    for name in ("dflash", "dspark"):
+        for head in ("none", "markov", "gated", "rnn") if name == "dspark" else ("none",):
+            for conf in (True, False) if name == "dspark" else (False,):
+                for slots in ("anchor", "masks"):
+                    for taps in ([0, 1, 2], [-1, 1, 2]):
+                        config = {
+                            **base,
+                            "drafter": {**base["drafter"], "name": name, "slots": slots,
+                                        "confidence": {"enabled": conf, "use_prev_embedding": False}},
+                            "head": {"name": head, "rank": 8 if head != "none" else 0},
+                            "target": {**base["target"], "layer_ids": taps},
+                        }  # fmt: skip
+                        reasons = {f: refusal(f, config) for f in formats.FORMATS}
+                        works = [f for f, why in reasons.items() if why is None]
+                        for fmt, why in reasons.items():
+                            if why is None:
+                                continue
+                            assert _named_formats(why) == works, (name, head, conf, slots, taps, fmt, why)
+                            if not works:
+                                seen_none += 1
+                                assert "No export format takes this drafter" in why
+    assert seen_none  # e.g. an SGLang-only DSpark (gated head, slots=masks) has nowhere to go
+
+
 def test_refusals_name_the_problem(tiny_target, tmp_path):
     eagle = _save(tiny_target, tmp_path / "eagle", "eagle3", "none", False, False)
-    with pytest.raises(ExportError, match="Eagle3"):
+    with pytest.raises(ExportError, match="Eagle3.*No export format takes this drafter"):
         export_drafter(eagle, tmp_path / "x", "vllm")
     gated = read_drafter_config(_save(tiny_target, tmp_path / "gated", "dspark", "gated"))
     assert "head=markov" in refusal("vllm", gated) and refusal("sglang", gated) is None
@@ -162,6 +231,15 @@ def test_refusals_name_the_problem(tiny_target, tmp_path):
     assert "[0, num_target_layers)" in refusal("sglang", gated)
     headless = read_drafter_config(_save(tiny_target, tmp_path / "hl", "dspark", "none", True, False))
     assert "markov_rank > 0" in refusal("sglang", headless)
+    # vLLM's refusal of the same drafter points at hf, the one format that takes it, not at sglang
+    assert "Export format=hf instead" in refusal("vllm", headless)
+    quiet = read_drafter_config(_save(tiny_target, tmp_path / "q", "dspark", "markov", False, False))
+    assert "whatever enable_confidence_head says" in refusal("sglang", quiet)
+    anchor = read_drafter_config(_save(tiny_target, tmp_path / "a", "dflash", "none", False, False))
+    assert "one position late" in refusal("vllm", anchor) and "one position late" in refusal("sglang", anchor)
+    assert "drafter.slots=masks" in refusal("vllm", anchor)
+    masks = read_drafter_config(_save(tiny_target, tmp_path / "m", "dflash", "none", False, False, "masks"))
+    assert "anchor's slot" in refusal("hf", masks) and "drafter.slots=anchor" in refusal("hf", masks)
     other = {**headless, "drafter": {**headless["drafter"], "name": "medusa"}}  # a drafter added later
     assert "no counterpart in the engines' layouts" in refusal("vllm", other)
     with pytest.raises(ExportError, match="target="):
@@ -266,8 +344,10 @@ def test_deepspec_checkpoint_loads_and_runs(tiny_target, tmp_path, head):
         assert torch.equal(v.float(), tensors[k].float()), k
 
 
-def test_zlab_style_dflash_loads(tiny_target, tmp_path):
-    """A DFlashDraftModel folder with dflash_config (the vLLM/SGLang/z-lab layout, no embeddings)."""
+def test_engine_style_dflash_loads(tiny_target, tmp_path):
+    """A DFlashDraftModel folder with dflash_config (the vLLM/SGLang layout, no embeddings) reads in
+    its own slot convention: the anchor is the bonus token, so a block of GAMMA slots drafts GAMMA-1
+    (z-lab's exact layout: test_dflash_slots.py)."""
     folder, _ = _deepspec_folder(
         tiny_target,
         tmp_path / "zl",
@@ -283,7 +363,9 @@ def test_zlab_style_dflash_loads(tiny_target, tmp_path):
     )
     drafter, config = load_drafter(folder, tiny_target)
     assert config["drafter"]["name"] == "dflash" and config["target"]["layer_ids"] == tiny_target.layer_ids
-    assert _outputs(drafter, tiny_target)[1] is None
+    assert config["drafter"]["slots"] == "masks" and drafter.gamma == GAMMA - 1
+    _, conf, prop = _outputs(drafter, tiny_target)
+    assert conf is None and prop.tokens.shape == (2, GAMMA - 1)
 
 
 def test_deepspec_mismatches_are_refused(tiny_target, tmp_path):

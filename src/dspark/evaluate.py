@@ -1,5 +1,8 @@
 """python -m dspark.evaluate drafter_dir=<checkpoint dir> benchmarks=[gsm8k,mt-bench] temperature=1.0 \
-    policy=fixed policy.gamma=7 [calibrate=true]
+    [policy=fixed policy.gamma=<g>] [calibrate=true]
+
+The default policy verifies the drafter's whole proposal each round (policy=fixed policy.gamma=null:
+block_size tokens, block_size-1 for a drafter whose anchor slot drafts nothing).
 
 Speculative decoding of benchmark prompts with a saved drafter (dspark.evaluation); writes an
 evaluation folder into out_dir (dspark.artifacts.EvaluationFolder): results.json, table.md,

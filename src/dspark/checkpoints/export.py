@@ -3,12 +3,16 @@ model.safetensors) in the layout a serving engine's DSpark/DFlash loader reads.
 
 Formats (sources and the field-by-field layout: docs/formats.md):
   hf      DeepSpec's `save_pretrained` layout (architectures=["Qwen3DSparkModel"] for DSpark and
-          DFlash alike); ships the target's embed_tokens / lm_head like DeepSpec does.
-  vllm    vLLM's qwen3_dspark (Qwen3DSparkModel) / qwen3_dflash (DFlashDraftModel) loaders; the
+          DFlash alike); ships the target's embed_tokens / lm_head like DeepSpec does. Drafts from
+          the anchor's slot only (drafter.slots=anchor).
+  vllm    vLLM's qwen3_dspark (Qwen3DSparkModel, either slot convention through sample_from_anchor)
+          / qwen3_dflash (DFlashDraftModel: the mask slots draft, drafter.slots=masks) loaders; the
           embedding and LM head are shared from the target, so they are left out.
-  sglang  SGLang's dspark (Qwen3DSparkModel) / dflash (DFlashDraftModel) loaders; likewise.
+  sglang  SGLang's dspark (Qwen3DSparkModel, slots=anchor) / dflash (DFlashDraftModel,
+          slots=masks) loaders; likewise.
 
-Anything the target engine cannot represent faithfully is refused with the reason and a fix.
+Anything the target engine cannot load, or would load and read differently, is refused with the
+reason, the formats that do take the drafter (if any) and what to retrain otherwise.
 """
 
 from __future__ import annotations
@@ -28,41 +32,107 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ENGINE = {"hf": "DeepSpec (transformers from_pretrained)", "vllm": "vLLM", "sglang": "SGLang"}
 
 
-def refusal(fmt: str, config: dict) -> str | None:
-    """Why `config` (our checkpoint's config.json) cannot be exported as `fmt`, or None."""
+def _cannot(fmt: str, config: dict) -> tuple[str, str | None] | None:
+    """(why format `fmt` cannot express this drafter, what to retrain instead) or None."""
     d = config["drafter"]
     head = (config.get("head") or {}).get("name", "none") or "none"
     taps = (config.get("target") or {}).get("layer_ids") or []
-    if fmt not in formats.FORMATS:
-        return f"format={fmt} is not one of {formats.FORMATS}"
     if d["name"] == "eagle3":
         return (
             "our Eagle3 drafter is not the Eagle3 the engines load: ours projects [norm(embed); "
             "norm(feature)] to the hidden size (in_proj) and runs a standard pre-norm layer on it, "
             "while vLLM/SGLang/DeepSpec Eagle3 feed the 2·hidden concatenation straight into q/k/v "
-            "and keep the feature as the residual (and vLLM's Llama Eagle3 has no q/k norm). Export a "
-            "DSpark or DFlash drafter instead, or retrain Eagle3 in the engines' layout"
+            "and keep the feature as the residual (and vLLM's Llama Eagle3 has no q/k norm)",
+            "export a DSpark or DFlash drafter instead, or retrain Eagle3 in the engines' layout",
         )
     if d["name"] not in formats.BLOCK_DRAFTERS:
-        return f"drafter {d['name']} has no counterpart in the engines' layouts {formats.BLOCK_DRAFTERS}"
-    if fmt == "vllm" and d["name"] == "dspark" and head not in ("markov",):
         return (
-            f"vLLM's Qwen3DSparkModel builds only the vanilla Markov head (markov_w1/markov_w2); this "
-            f"drafter uses head={head}: export format=sglang or format=hf, or train with head=markov"
+            f"drafter {d['name']} has no counterpart in the engines' layouts {formats.BLOCK_DRAFTERS}",
+            None,
         )
-    if fmt == "sglang" and d["name"] == "dspark" and head == "none":
-        return (
-            "SGLang's DSpark loader requires markov_rank > 0 and this DSpark drafter has no sequential "
-            "head: train with head=markov|gated|rnn, or use drafter=dflash"
-        )
-    if fmt == "sglang" and any(int(t) < 0 for t in taps):
+    dspark = d["name"] == "dspark"
+    slots = d.get("slots", "anchor")
+    confidence = dspark and bool((d.get("confidence") or {}).get("enabled", True))
+    if dspark and head != "none" and head not in formats.HEAD_TO_EXT:
+        return f"head={head} has no counterpart in the engines' markov_head_type", None
+    if fmt == "hf":
+        if slots == "masks":
+            return (
+                "DeepSpec's Qwen3DSparkModel drafts from the anchor's slot (block slot k predicts "
+                "x_{a+k+1}), while this drafter (slots=masks) drafts from its mask slots, the anchor "
+                "being the bonus token",
+                "retrain with drafter.slots=anchor",
+            )
+        return None
+    if fmt == "vllm":
+        if dspark and head != "markov":
+            return (
+                "vLLM's Qwen3DSparkModel builds the vanilla Markov head (markov_w1/markov_w2) and no "
+                f"other; this drafter has head={head}",
+                "train with head=markov",
+            )
+        if not dspark and slots == "anchor":
+            return (
+                "vLLM's DFlashDraftModel treats the anchor as the bonus token and samples only the mask "
+                "slots (it refuses sample_from_anchor=true), so a DFlash that drafts from the anchor's "
+                "slot (slots=anchor) would draft every token one position late; its Qwen3DSparkModel, "
+                "which can read the anchor's slot, always builds a Markov head",
+                "retrain with drafter.slots=masks",
+            )
+        return None
+    # sglang
+    if any(int(t) < 0 for t in taps):
         return (
             f"SGLang accepts target_layer_ids only in [0, num_target_layers); this drafter taps {taps} "
-            "(-1 = the embeddings): retrain with non-negative target.layer_ids, or export format=hf|vllm"
+            "(-1 = the embeddings)",
+            "retrain with non-negative target.layer_ids",
         )
-    if head != "none" and d["name"] == "dspark" and head not in formats.HEAD_TO_EXT:
-        return f"head={head} has no counterpart in the engines' markov_head_type"
+    if not dspark:
+        if slots == "anchor":
+            return (
+                "SGLang's DFlash worker reads the mask slots (draft_hidden[:, 1:]) as x_{a+1}…, so a "
+                "DFlash that drafts from the anchor's slot (slots=anchor) would draft every token one "
+                "position late; its DSpark loader, which reads the anchor's slot, requires a Markov head",
+                "retrain with drafter.slots=masks",
+            )
+        return None
+    if head == "none":
+        return (
+            "SGLang's DSpark loader requires markov_rank > 0 and this DSpark drafter has no sequential head",
+            "train with head=markov|gated|rnn, or use drafter=dflash drafter.slots=masks",
+        )
+    if slots == "masks":
+        return (
+            "SGLang's Qwen3DSparkModel reads block slot k as x_{a+k+1} (the anchor's slot drafts; it "
+            "has no sample_from_anchor=false layout), while this drafter (slots=masks) drafts from its "
+            "mask slots",
+            "retrain with drafter.slots=anchor",
+        )
+    if not confidence:
+        return (
+            "SGLang builds the DSpark confidence head whatever enable_confidence_head says (only its "
+            "static ragged-verify mode skips it) and then refuses a checkpoint without confidence_head "
+            "weights; this drafter has confidence.enabled=false",
+            "retrain with drafter.confidence.enabled=true",
+        )
     return None
+
+
+def refusal(fmt: str, config: dict) -> str | None:
+    """Why `config` (our checkpoint's config.json) cannot be exported as `fmt`, or None. The reason
+    names every format that does take the drafter, or says that none does and what to retrain."""
+    if fmt not in formats.FORMATS:
+        return f"format={fmt} is not one of {formats.FORMATS}"
+    cannot = _cannot(fmt, config)
+    if cannot is None:
+        return None
+    why, retrain = cannot
+    works = [f for f in formats.FORMATS if f != fmt and _cannot(f, config) is None]
+    if works:
+        fix = f"export format={'|'.join(works)} instead" + (f", or {retrain}" if retrain else "")
+    else:
+        fix = "no export format takes this drafter" + (f": {retrain}" if retrain else "")
+    return f"{why}. {fix[0].upper()}{fix[1:]}"
 
 
 def export_drafter(
@@ -112,7 +182,8 @@ def export_drafter(
         dims=drafter.dims,
         taps=[int(t) for t in taps],
         num_target_layers=tinfo.get("num_layers"),
-        gamma=int(drafter.gamma),
+        block_size=int(drafter.block_size),
+        slots=drafter.slots,
         num_layers=len(drafter.layers),
         head=head,
         rank=int(head_cfg.get("rank") or 0) if head != "none" else 0,

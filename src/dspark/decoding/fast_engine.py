@@ -138,9 +138,11 @@ class FastEngine(Engine):
         with torch.inference_mode():
             self.static = StaticTarget(self.target, rows, capacity, compile=self.compile)
             if self.drafter is not None:
-                # The draft step attends over context + γ keys: keep that length a multiple of 16
-                # (fused attention kernels want aligned mask rows).
-                slots = capacity + (-(capacity + self._gamma)) % 16
+                # The draft step attends over context + block keys (γ, or γ + 1 when the anchor
+                # slot drafts nothing): keep that length a multiple of 16 (fused attention kernels
+                # want aligned mask rows).
+                block = int(getattr(self.drafter, "block_size", self._gamma))
+                slots = capacity + (-(capacity + block)) % 16
                 self.dcache = self.drafter.new_cache(rows, self.device, capacity=slots)
             # Static inputs of the captured steps.
             width = self.max_width

@@ -33,7 +33,8 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
 
     kind: ClassVar[str] = "drafter"  # the registry name (conf/drafter/<kind>.yaml), set by @register
     supports_static_cache: ClassVar[bool] = False
-    gamma: int  # draft tokens per proposal (drafter.block_size)
+    gamma: int  # draft tokens per proposal (``config_gamma``: drafter.block_size, less an
+    #             anchor slot that drafts nothing)
     dims: TargetDims
 
     @property
@@ -57,6 +58,11 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         """``has_confidence`` of the drafter this config builds (read from a checkpoint's
         config.json without loading it)."""
         return False
+
+    @classmethod
+    def config_gamma(cls, drafter_cfg) -> int:
+        """``gamma`` (draft tokens per proposal) of the drafter this config builds, likewise."""
+        return int(drafter_cfg["block_size"])
 
     # ---- training ----------------------------------------------------------------------------
     @abc.abstractmethod

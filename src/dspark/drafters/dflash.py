@@ -1,8 +1,16 @@
 """DFlash: the parallel block drafter (and DSpark's backbone).
 
-Block layout (§3.1): anchor x0 at position a plus γ-1 mask tokens at positions a..a+γ-1; output k
-predicts x_{a+k+1}. The context is the fused target taps of positions < a, injected as keys/values
-into every layer. Training packs many anchor blocks of one sequence into a single query sequence.
+Block layout (§3.1): the anchor x_a (the last token the target produced) at position a, then mask
+tokens, block_size slots in all at positions a..a+block_size-1, attending bidirectionally to each
+other and to the context: the fused target taps of positions < a, injected as keys/values into
+every layer. Training packs many anchor blocks of one sequence into a single query sequence.
+
+Which slot drafts which token is the drafter's ``slots`` setting (docs/formats.md, "slot
+conventions"); draft k (k = 1..γ) is x_{a+k} in both:
+  anchor  (DeepSpec)  slot k predicts x_{a+k+1}: the anchor's own slot drafts the next token, so
+                      γ = block_size draft tokens;
+  masks   (z-lab)     the anchor is the bonus token and drafts nothing; mask slot k predicts x_{a+k}
+                      (the token at its own position), so γ = block_size - 1.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..core.errors import ConfigError
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
@@ -18,8 +27,9 @@ from .registry import register
 
 
 def packed_block_mask(anchors: Tensor, ctx_len: int, gamma: int) -> Tensor:
-    """Dense training mask [B, A·γ, C + A·γ]: block b sees context positions < a_b and its own γ
-    tokens (bidirectionally), never another block. Invalid anchors (-1) see only their block."""
+    """Dense training mask [B, A·γ, C + A·γ] (γ here: slots per block, ``block_size``): block b
+    sees context positions < a_b and its own γ slots (bidirectionally), never another block.
+    Invalid anchors (-1) see only their block."""
     b, a = anchors.shape
     device = anchors.device
     ctx = torch.arange(ctx_len, device=device)
@@ -139,6 +149,25 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     return anchors.gather(1, key.argsort(dim=1))
 
 
+# The slot conventions (module docstring): which block slot drafts the first token.
+SLOTS = {"anchor": 0, "masks": 1}
+
+
+def check_slots(drafter_cfg) -> None:
+    """Refuse an unknown ``slots`` value, or a masks block with no mask slot to draft from."""
+    slots = drafter_cfg.get("slots", "anchor")
+    if slots not in SLOTS:
+        raise ConfigError(
+            f"drafter.slots={slots} is not one of {tuple(SLOTS)} (anchor: DeepSpec's layout, the anchor's "
+            f"slot drafts the next token; masks: z-lab's, the anchor is the bonus token)"
+        )
+    if int(drafter_cfg["block_size"]) - SLOTS[slots] < 1:
+        raise ConfigError(
+            f"drafter.block_size={drafter_cfg['block_size']} with drafter.slots={slots} drafts no token: "
+            f"the block needs at least {SLOTS[slots] + 1} slots"
+        )
+
+
 @register("dflash")
 class BlockDrafter(Drafter):
     """DFlash: parallel backbone only; the draft distribution at k is softmax(lm_head(h_k))."""
@@ -147,8 +176,12 @@ class BlockDrafter(Drafter):
 
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
+        check_slots(cfg)
         self.dims = dims
-        self.gamma = int(cfg.block_size)
+        self.slots = str(cfg.get("slots", "anchor"))
+        self.block_size = int(cfg.block_size)  # slots per block, the anchor's included
+        self.first_draft = SLOTS[self.slots]  # the slot that drafts x_{a+1}
+        self.gamma = self.block_size - self.first_draft
         self.num_anchors = int(cfg.get("num_anchors", 512))
         # Training attention: "dense" (boolean mask, SDPA), "flex" (block-sparse, compiled on CUDA;
         # it has no CPU backward) or "auto" (flex on CUDA, dense elsewhere). Flex is tested equal to
@@ -165,6 +198,15 @@ class BlockDrafter(Drafter):
         self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
         self.norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.apply(_init_linear)
+
+    @classmethod
+    def check_config(cls, drafter_cfg, head_cfg) -> None:
+        super().check_config(drafter_cfg, head_cfg)
+        check_slots(drafter_cfg)
+
+    @classmethod
+    def config_gamma(cls, drafter_cfg) -> int:
+        return int(drafter_cfg["block_size"]) - SLOTS[drafter_cfg.get("slots", "anchor")]
 
     # ---- shared pieces -----------------------------------------------------------------------
     def context(self, taps: Tensor) -> Tensor:
@@ -185,9 +227,14 @@ class BlockDrafter(Drafter):
         return self._compiled_layers
 
     def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
-        ids = anchor_tokens[..., None].expand(*anchor_tokens.shape, self.gamma).clone()
+        """[anchor, mask, …, mask] (block_size slots) embedded, for anchors of any shape."""
+        ids = anchor_tokens[..., None].expand(*anchor_tokens.shape, self.block_size).clone()
         ids[..., 1:] = self.dims.mask_token_id
         return matmul_input(shared.embed(ids), self.fc.weight)
+
+    def drafting_slots(self, hidden: Tensor) -> Tensor:
+        """The hidden states [..., block_size, d] of the slots that draft x_{a+1}..x_{a+γ}."""
+        return hidden if self.first_draft == 0 else hidden[..., self.first_draft :, :].contiguous()
 
     # ---- hooks a sequential head overrides ---------------------------------------------------
     def head_features(self, hidden: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -212,13 +259,14 @@ class BlockDrafter(Drafter):
         ctx = self.context(taps)
         ctx_pos = torch.arange(t, device=input_ids.device).expand(b, -1)
         anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
-        x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, Aγ, d]
-        pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.gamma, device=x.device)).flatten(1)
+        x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, A·block, d]
+        pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.block_size, device=x.device)).flatten(1)
         mask = self.training_mask(anchors, t, x.device)
         ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
         hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(
-            b, a, self.gamma, -1
+            b, a, self.block_size, -1
         )
+        hidden = self.drafting_slots(hidden)  # [B, A, γ, d]: row k drafts x_{a+k+1} in both conventions
         pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
         # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
         prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
@@ -237,8 +285,8 @@ class BlockDrafter(Drafter):
             self.attention == "auto" and torch.device(device).type == "cuda"
         )
         if not use_flex or not flex_available():
-            return packed_block_mask(anchors, ctx_len, self.gamma)
-        return flex_block_mask(anchors, ctx_len, self.gamma)
+            return packed_block_mask(anchors, ctx_len, self.block_size)
+        return flex_block_mask(anchors, ctx_len, self.block_size)
 
     # ---- inference ---------------------------------------------------------------------------
     def new_cache(self, r: int, device, dtype=None, capacity: int = 0) -> DraftCache:
@@ -267,13 +315,14 @@ class BlockDrafter(Drafter):
         """γ tokens from each anchor (see ``Drafter.propose``)."""
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
-        x = self.block_inputs(anchor_tokens, shared)  # [R, γ, d]
-        pos = anchor_pos[:, None] + torch.arange(self.gamma, device=device)
+        width = self.block_size
+        x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
+        pos = anchor_pos[:, None] + torch.arange(width, device=device)
         c = cache.k[0].shape[2]
         sees_ctx = torch.arange(c, device=device)[None, :] < cache.length[:, None]
-        mask = torch.cat([sees_ctx, torch.ones(r, self.gamma, dtype=torch.bool, device=device)], dim=1)
-        mask = mask[:, None, :].expand(r, self.gamma, -1)
-        hidden = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask)
+        mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
+        mask = mask[:, None, :].expand(r, width, -1)
+        hidden = self.drafting_slots(self.backbone(x, pos, list(zip(cache.k, cache.v)), mask))  # [R, γ, d]
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
         tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u)
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)

@@ -10,7 +10,7 @@ from ..core.errors import ConfigError
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import TargetDims
 from .base import output_logits
-from .dflash import BlockDrafter
+from .dflash import BlockDrafter, check_slots
 from .heads import HEADS, ConfidenceHead
 from .registry import register
 
@@ -36,6 +36,7 @@ class DSparkDrafter(BlockDrafter):
             raise ConfigError(f"head.name '{head}' is not one of {(*HEADS, 'none')}")
         if head != "none" and int(head_cfg.rank) <= 0:
             raise ConfigError(f"head.rank must be positive for head={head}, got {head_cfg.rank}")
+        check_slots(drafter_cfg)
 
     @classmethod
     def config_has_confidence(cls, drafter_cfg) -> bool:

@@ -15,7 +15,7 @@ __all__ = ["DrafterSpec"]
 class DrafterSpec:
     kind: str  # registry name: dspark, dflash, eagle3, …
     head: str  # sequential head, "none" without one
-    gamma: int  # draft tokens per proposal (block_size)
+    gamma: int  # draft tokens per proposal (the drafter class's ``config_gamma``)
     has_confidence: bool
     supports_static_cache: bool  # can run on engine=fast
     config: dict = field(repr=False)  # the checkpoint's config (ours, or translated from a foreign one)
@@ -38,7 +38,7 @@ class DrafterSpec:
         return cls(
             kind=impl.kind,
             head=(config.get("head") or {}).get("name") or "none",
-            gamma=int(drafter["block_size"]),
+            gamma=impl.config_gamma(drafter),
             has_confidence=impl.config_has_confidence(drafter),
             supports_static_cache=impl.supports_static_cache,
             config=config,

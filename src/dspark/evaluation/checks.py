@@ -43,8 +43,9 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
     policy = build_policy(cfg.policy)
     if isinstance(policy, Fixed) and policy.gamma is not None and policy.gamma > spec.gamma:
         raise ConfigError(
-            f"policy.gamma={policy.gamma} exceeds the drafter's block size {spec.gamma}: "
-            f"set policy.gamma<={spec.gamma} (or policy.gamma=null for the whole block)"
+            f"policy.gamma={policy.gamma} exceeds the {spec.gamma} tokens the drafter in {folder} drafts "
+            f"per round (its block): set policy.gamma<={spec.gamma}, or policy.gamma=null (the default) "
+            f"for the whole block"
         )
     if policy.needs_confidence and not spec.has_confidence:
         raise ConfigError(

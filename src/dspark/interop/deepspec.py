@@ -1,10 +1,13 @@
-"""Import DeepSpec-released (and engine-layout) DSpark/DFlash checkpoint folders into our drafters.
+"""Import DeepSpec-released, z-lab-released and engine-layout DSpark/DFlash checkpoint folders into
+our drafters.
 
 A foreign folder is a Hugging Face style config.json (a Qwen3 config with `architectures` and
 the drafter fields) plus model.safetensors (or a sharded index). `translate` turns its config into
-ours; `read_state` renames the tensors, checks them against the layout the config implies, and
-compares the shipped embed_tokens / lm_head with the target's before dropping them (our drafters
-borrow the target's). Every difference we cannot represent is refused, never approximated.
+ours, the slot convention included (DeepSpec's Qwen3DSparkModel drafts from the anchor's slot,
+z-lab's DFlashDraftModel from the mask slots: `formats.slot_convention`); `read_state` renames the
+tensors, checks them against the layout the config implies, and compares the shipped embed_tokens /
+lm_head with the target's before dropping them (our drafters borrow the target's). Every difference
+we cannot represent is refused, never approximated.
 """
 
 from __future__ import annotations
@@ -35,6 +38,37 @@ def _refuse(folder, why: str) -> InteropError:
     return InteropError(f"cannot import {folder}: {why}")
 
 
+# Fields of later DFlash variants (z-lab's DFlash2 / Muse drafts, MiMo, Domino) that change the
+# computation, with the value that means "off". Read in dflash_config first, then the top level.
+_NEUTRAL = {
+    "input_embedding_scale": 1.0,  # scales the block's token embeddings
+    "output_multiplier": 1.0,  # scales the draft logits
+    "logit_scale": 1.0,
+    "final_logit_softcapping": None,  # soft-caps the draft logits
+    "attention_sink_bias": False,  # a learned per-head attention sink
+    "attention_value_scale": None,
+    "partial_rotary_factor": 1.0,  # RoPE on part of each head
+    "conv_kernel_size": 0,  # DFlash2's grouped dynamic convolutions
+    "selector_rank": 0,  # DFlash2's candidate selector
+    "projector_type": None,  # Domino and other projectors
+}
+
+
+def _unsupported_extras(ext: dict) -> list[str]:
+    found = []
+    for name, neutral in _NEUTRAL.items():
+        value = formats.draft_field(ext, name)
+        if value is None or value == neutral or (name == "projector_type" and value == "dflash"):
+            continue
+        if name == "final_logit_softcapping" and not float(value):
+            continue
+        found.append(f"{name}={value}")
+    head_dim = ext.get("head_dim")
+    if ext.get("v_head_dim") is not None and head_dim is not None and int(ext["v_head_dim"]) != int(head_dim):
+        found.append(f"v_head_dim={ext['v_head_dim']}")
+    return found
+
+
 def translate(ext: dict, folder: str | Path = "<config>") -> dict:
     """A foreign config.json -> our checkpoint config (drafter / head / dims / target)."""
     arch = (ext.get("architectures") or [None])[0]
@@ -51,8 +85,16 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
     if ext.get("speculators_model_type"):
         raise _refuse(
             folder,
-            "a speculators-convention checkpoint (block slot j predicts anchor+j); ours and DeepSpec's "
-            "slot k predicts anchor+k+1",
+            "a speculators-format checkpoint (speculators_model_type): its config nests the layer "
+            "config and its tensor names were not mapped here; only the DeepSpec / z-lab / engine "
+            "layouts (docs/formats.md) are read",
+        )
+    extras = _unsupported_extras(ext)
+    if extras:
+        raise _refuse(
+            folder,
+            f"{', '.join(extras)}: a DFlash variant whose computation our block drafter does not have "
+            "(plain Qwen3 layers, unscaled embeddings and logits)",
         )
     dflash = ext.get("dflash_config") or {}
     if ext.get("is_causal") or dflash.get("causal") or dflash.get("use_swa"):
@@ -60,6 +102,8 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
             folder, "causal or sliding-window draft attention; our block attention is bidirectional"
         )
     kinds = set(ext.get("layer_types") or ["full_attention"])
+    if not ext.get("layer_types") and ext.get("use_sliding_window") and ext.get("sliding_window"):
+        kinds = {"sliding_attention"}  # a Qwen3 config then derives windowed layers itself
     if kinds != {"full_attention"}:
         raise _refuse(folder, f"layer_types {sorted(kinds)}: only full_attention layers are supported")
     if ext.get("attention_bias"):
@@ -81,10 +125,23 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
         )
 
     taps = formats.target_layer_ids(ext)
-    mask = ext["mask_token_id"] if ext.get("mask_token_id") is not None else dflash.get("mask_token_id")
-    gamma = ext["block_size"] if ext.get("block_size") is not None else dflash.get("block_size")
-    if mask is None or gamma is None:
+    for name in ("mask_token_id", "block_size"):  # the engines and z-lab read dflash_config first
+        both = (dflash.get(name), ext.get(name))
+        if None not in both and int(both[0]) != int(both[1]):
+            raise _refuse(folder, f"dflash_config.{name}={both[0]} but the top-level {name}={both[1]}")
+    mask, block = formats.draft_field(ext, "mask_token_id"), formats.draft_field(ext, "block_size")
+    if mask is None or block is None:
         raise _refuse(folder, "config.json lacks mask_token_id or block_size")
+    slots = formats.slot_convention(ext)
+    if slots == "masks" and int(block) < 2:
+        raise _refuse(folder, f"block_size={block} with the anchor as bonus token leaves no slot to draft")
+    ours = ((ext.get("dspark_source") or {}).get("drafter") or {}).get("slots")
+    if ours is not None and ours != slots:  # written by our export: the two must agree
+        raise _refuse(
+            folder,
+            f"its config declares the {slots} slot convention (architectures / sample_from_anchor), but "
+            f"the drafter it was exported from had slots={ours}: the folder was edited; re-export it",
+        )
     rank = int(ext.get("markov_rank") or 0)
     head = "none"
     if rank > 0:
@@ -105,7 +162,8 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
     return {
         "drafter": {
             "name": name,
-            "block_size": int(gamma),
+            "block_size": int(block),  # slots, the anchor's included, in every layout
+            "slots": slots,
             "num_layers": int(ext["num_hidden_layers"]),
             "hidden_size": None,
             "intermediate_size": None,

@@ -3,11 +3,14 @@
 All three external layouts (DeepSpec `save_pretrained`, vLLM, SGLang) share one Qwen3-style key
 scheme for the DFlash/DSpark backbone; they differ in the `architectures` name, where the tap
 layers and the mask token sit in config.json, whether the target's embedding / LM head are
-shipped, and which sequential heads the loader can build. This module owns
+shipped, which sequential heads the loader can build, and which block slot drafts which token
+(`slot_convention`: DeepSpec's Qwen3DSparkModel drafts from the anchor's slot, the engines'
+DFlashDraftModel from the mask slots). This module owns
 
   * the rename between our parameter names and theirs (`to_external` / `to_ours`),
   * the key list and shapes each loader requires, derived from the external config alone (so a
-    wrong rename is caught, not mirrored), and
+    wrong rename is caught, not mirrored),
+  * the slot convention a config declares, and the engine-side settings a folder needs, and
   * the config.json each format writes.
 """
 
@@ -94,7 +97,8 @@ def to_ours(name: str) -> str | None:
 def expected_shapes(ext: dict, embeddings: bool) -> dict[str, tuple[int, ...]]:
     """Every tensor a loader of this external config reads, with its shape, from the config alone."""
     d, v = int(ext["hidden_size"]), int(ext["vocab_size"])
-    hd, nq = int(ext["head_dim"]), int(ext["num_attention_heads"])
+    nq = int(ext["num_attention_heads"])
+    hd = int(ext.get("head_dim") or d // nq)
     nkv, inner = int(ext["num_key_value_heads"]), int(ext["intermediate_size"])
     taps = len(target_layer_ids(ext))
     shapes: dict[str, tuple[int, ...]] = {
@@ -173,6 +177,39 @@ def target_layer_ids(ext: dict) -> list[int]:
     return [int(i) for i in ids]
 
 
+# ---- slot conventions ---------------------------------------------------------------------------
+def draft_field(ext: dict, name: str, default=None):
+    """A drafter field of a foreign config: dflash_config first, then the top level (as the engines
+    and z-lab's loader read it)."""
+    nested = ext.get("dflash_config") or {}
+    return nested[name] if nested.get(name) is not None else ext.get(name, default)
+
+
+def slot_convention(ext: dict) -> str:
+    """Which block slot a foreign config drafts from: "anchor" (slot k predicts x_{a+k+1}; DeepSpec's
+    Qwen3DSparkModel, vLLM's DSpark unless sample_from_anchor=false) or "masks" (the anchor is the
+    bonus token and mask slot k predicts x_{a+k}; z-lab's, vLLM's and SGLang's DFlashDraftModel,
+    which vLLM refuses to run with sample_from_anchor=true)."""
+    arch = (ext.get("architectures") or [None])[0]
+    declared = draft_field(ext, "sample_from_anchor")
+    if declared is None:
+        return "masks" if arch == "DFlashDraftModel" else "anchor"
+    return "anchor" if bool(declared) else "masks"
+
+
+def serving_settings(fmt: str, arch: str, block_size: int, gamma: int) -> dict:
+    """What the engine must be told besides the folder: neither engine takes the drafted length from
+    block_size alone (vLLM never does; docs/formats.md §1b)."""
+    if fmt == "vllm":
+        method = "dspark" if arch == "Qwen3DSparkModel" else "dflash"
+        return {"method": method, "num_speculative_tokens": gamma}
+    if fmt == "sglang":
+        if arch == "Qwen3DSparkModel":  # its verify window counts the anchor: γ + 1
+            return {"speculative_algorithm": "DSPARK", "speculative_num_draft_tokens": gamma + 1}
+        return {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": block_size}
+    return {}
+
+
 # ---- config.json per format ---------------------------------------------------------------------
 REQUIRED_FIELDS = {
     # Qwen3DSparkModel.__init__ asserts these (DeepSpec deepspec/modeling/dspark/qwen3/modeling.py).
@@ -191,13 +228,18 @@ def architecture(fmt: str, dspark: bool) -> str:
     return "DFlashDraftModel"
 
 
-def build_config(fmt: str, *, shape, dims, taps: list[int], num_target_layers: int | None, gamma: int,
-                 num_layers: int, head: str, rank: int, confidence: bool, conf_with_markov: bool,
-                 num_anchors: int, dtype: str, target_name: str | None) -> dict:  # fmt: skip
-    """The external config.json (a Qwen3 config plus the drafter fields its loader reads)."""
+def build_config(fmt: str, *, shape, dims, taps: list[int], num_target_layers: int | None,
+                 block_size: int, slots: str, num_layers: int, head: str, rank: int, confidence: bool,
+                 conf_with_markov: bool, num_anchors: int, dtype: str,
+                 target_name: str | None) -> dict:  # fmt: skip
+    """The external config.json (a Qwen3 config plus the drafter fields its loader reads).
+    block_size counts the block's slots, the anchor's included, in every format; `sample_from_anchor`
+    states the slot convention explicitly (vLLM reads it; the others ignore it)."""
     dspark = head != "none" or confidence
+    arch = architecture(fmt, dspark)
+    gamma = block_size - (slots == "masks")
     ext = {
-        "architectures": [architecture(fmt, dspark)],
+        "architectures": [arch],
         "model_type": "qwen3",
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -218,7 +260,8 @@ def build_config(fmt: str, *, shape, dims, taps: list[int], num_target_layers: i
         "layer_types": ["full_attention"] * num_layers,
         "max_position_embeddings": 131072,
         "torch_dtype": dtype,
-        "block_size": gamma,
+        "block_size": block_size,
+        "sample_from_anchor": slots == "anchor",
         "mask_token_id": dims.mask_token_id,
         "target_layer_ids": list(taps),
         "num_anchors": num_anchors,
@@ -235,10 +278,15 @@ def build_config(fmt: str, *, shape, dims, taps: list[int], num_target_layers: i
         ext["target_model_name_or_path"] = target_name
     if fmt in ("vllm", "sglang"):
         ext["dflash_config"] = {"mask_token_id": dims.mask_token_id, "target_layer_ids": list(taps)}
-        if fmt == "sglang":
-            ext["dflash_config"]["block_size"] = gamma
+        if fmt == "sglang" or arch == "DFlashDraftModel":
+            ext["dflash_config"]["block_size"] = block_size
+        if arch == "DFlashDraftModel":  # vLLM's DFlash speculator reads it here (and refuses true)
+            ext["dflash_config"]["sample_from_anchor"] = slots == "anchor"
     if fmt == "vllm":
         ext["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in taps]
+    serving = serving_settings(fmt, arch, block_size, gamma)
+    if serving:  # ours, for the reader: the engine takes these on its command line, not from here
+        ext["dspark_serving"] = serving
     return ext
 
 
