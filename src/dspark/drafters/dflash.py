@@ -7,12 +7,15 @@ into every layer. Training packs many anchor blocks of one sequence into a singl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
+from .base import Drafter, DrafterConfig, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
 
@@ -139,11 +142,18 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     return anchors.gather(1, key.argsort(dim=1))
 
 
+@dataclass
+class BlockDrafterConfig(DrafterConfig):
+    attention: Literal["auto", "dense", "flex"] = "auto"  # training attention (see BlockDrafter)
+    compile: Literal["auto", True, False] = "auto"  # torch.compile the draft layers for training
+
+
 @register("dflash")
 class BlockDrafter(Drafter):
     """DFlash: parallel backbone only; the draft distribution at k is softmax(lm_head(h_k))."""
 
     supports_static_cache = True  # all its state is context keys/values at slot == position
+    config_schema = BlockDrafterConfig
 
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
