@@ -23,6 +23,13 @@ def load_group(group: str, name: str):
 
 
 @pytest.fixture(scope="session")
+def smoke_data(tmp_path_factory):
+    """The data.dir of the tiny target's smoke set (12 prompts, 12-token answers, a quarter held
+    out) that the training tests share; prepared by the first run that needs it."""
+    return tmp_path_factory.mktemp("smoke-data") / "smoke"
+
+
+@pytest.fixture(scope="session")
 def tiny_target():
     from dspark.target import load_target
 

@@ -274,3 +274,12 @@ def test_commands_exit_2_with_one_line_and_leave_no_folder(app, args, message, t
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("dspark: error: ") and message in proc.stderr
     assert not hydra_dir.exists()
+
+
+def test_export_force_replaces_a_stale_folder(tmp_path, drafter_src):
+    """force=true: the new drafter, and no temperatures of an earlier export applied to it."""
+    out = tmp_path / "export"
+    non_empty_out(tmp_path, drafter_src)
+    (out / "calibration_report.json").write_text("{}")
+    run_entry("export", [f"drafter_dir={drafter_src}", f"out={out}", "format=vllm", "force=true"])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

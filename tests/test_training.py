@@ -33,8 +33,8 @@ def cfg_for(out_dir, data_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data") / "smoke"
+def data_dir(smoke_data):
+    return smoke_data
 
 
 def test_train_export_and_resume(tmp_path, data_dir):
