@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, smoke_run
 from hydra import compose, initialize_config_module
 
 from dspark.artifacts import RunFolder
@@ -32,23 +32,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DSPARK_TEST
 
 
 def overrides(out_dir: Path, data_dir: Path, *more: str) -> list[str]:
-    return [
-        "experiment=cpu_smoke",
-        f"out_dir={out_dir}",
-        f"data.dir={data_dir}",
-        "data.num_prompts=12",
-        "data.max_new_tokens=12",
-        "data.val_fraction=0.25",
-        "data.batch_size=2",
+    return smoke_run(
+        out_dir,
+        data_dir,
         "data.global_batch_size=4",  # two micro-batches per optimizer step
         f"trainer.max_steps={STEPS}",
         "trainer.max_time=null",  # the learning rate follows the steps, not the clock
         "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1",
-        "callbacks.checkpoint_every_n_steps=2",
         *more,
-    ]
+    )
 
 
 def cfg_for(*args: str):
