@@ -22,6 +22,30 @@ def load_group(group: str, name: str):
     return cfg
 
 
+def smoke_run(out_dir, data_dir, *more: str) -> list[str]:
+    """Overrides of a seconds-long training run on the tiny target over ``smoke_data``."""
+    return [
+        "experiment=cpu_smoke",
+        f"out_dir={out_dir}",
+        f"data.dir={data_dir}",
+        "data.num_prompts=12",
+        "data.max_new_tokens=12",
+        "data.val_fraction=0.25",
+        "data.batch_size=2",
+        "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1",
+        "callbacks.checkpoint_every_n_steps=2",
+        *more,
+    ]
+
+
+@pytest.fixture(scope="session")
+def smoke_data(tmp_path_factory):
+    """The data.dir of the tiny target's smoke set (12 prompts, 12-token answers, a quarter held
+    out) that the training tests share; prepared by the first run that needs it."""
+    return tmp_path_factory.mktemp("smoke-data") / "smoke"
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from dspark.target import load_target

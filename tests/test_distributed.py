@@ -112,7 +112,7 @@ def test_ddp_run_writes_once_and_counts_all_ranks(runs):
     assert summary["batch"] == {"per_device": 2, "world": 2, "accumulate": 1, "global": 4}
     assert runs["one_summary"]["batch"] == {"per_device": 2, "world": 1, "accumulate": 2, "global": 4}
     assert summary["throughput"]["global_samples"] == STEPS * 4  # both ranks' samples
-    assert [p.name for p in (ddp / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["last.ckpt", "previous.ckpt"]
     assert not list(ddp.glob("**/*.tmp*"))
 
 

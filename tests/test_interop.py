@@ -395,6 +395,7 @@ def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):
     from hydra import compose, initialize_config_module
 
     from dspark import export as export_cli
+    from dspark.config import check_export
     from dspark.evaluation import check_config
 
     folder, _ = _deepspec_folder(tiny_target, tmp_path / "ds")
@@ -407,4 +408,4 @@ def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):
     out = export_cli.run(ex)  # vllm: no target needed
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     with pytest.raises(Exception, match="target="):
-        export_cli.check_config(ex_hf)
+        check_export(ex_hf)

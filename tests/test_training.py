@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import smoke_run
 from hydra import compose, initialize_config_module
 
 from dspark.checkpoints import load_drafter
@@ -12,29 +13,12 @@ from dspark.training import run_training
 
 def cfg_for(out_dir, data_dir, *overrides):
     with initialize_config_module("dspark.conf", version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                "experiment=cpu_smoke",
-                f"out_dir={out_dir}",
-                f"data.dir={data_dir}",
-                "data.num_prompts=12",
-                "data.max_new_tokens=12",
-                "data.val_fraction=0.25",
-                "data.batch_size=2",
-                "trainer.val_check_interval=2",
-                "trainer.limit_val_batches=1",
-                "trainer.log_every_n_steps=1",
-                "callbacks.checkpoint_every_n_steps=2",
-                *overrides,
-            ],
-        )
-    return cfg
+        return compose("train", smoke_run(out_dir, data_dir, "trainer.val_check_interval=2", *overrides))
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data") / "smoke"
+def data_dir(smoke_data):
+    return smoke_data
 
 
 def test_train_export_and_resume(tmp_path, data_dir):

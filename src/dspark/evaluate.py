@@ -24,22 +24,31 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .cli import user_errors
+from .cli import launch, user_errors
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> dict:
-    from .artifacts import DrafterFolder, EvaluationFolder
+    from .artifacts import EvaluationFolder
+    from .config import check_evaluate
+    from .evaluation import split_prompts
+
+    spec = check_evaluate(cfg)
+    report, held_out = split_prompts(cfg)  # before the models: a missing file fails fast
+    with EvaluationFolder(str(cfg.out_dir)).claimed("out_dir") as folder:
+        return _evaluate(cfg, spec, report, held_out, folder)
+
+
+def _evaluate(cfg: DictConfig, spec, report: dict, held_out: list, folder) -> dict:
+    from .artifacts import DrafterFolder
     from .core.provenance import provenance
-    from .evaluation import Evaluator, check_config, split_prompts, write_outputs
+    from .evaluation import Evaluator, write_outputs
     from .target import load_target
 
-    spec = check_config(cfg)
-    report, held_out = split_prompts(cfg)  # before the models: a missing file fails fast
-    folder = EvaluationFolder(str(cfg.out_dir))
     started = time.time()
     ev = Evaluator.load(cfg, load_target(cfg.target))
+    ev.check_context(report, held_out)
     fit = ev.calibrate(held_out) if cfg.calibrate else None
     if fit is not None and cfg.calibration.save_to_drafter:
         DrafterFolder(str(cfg.drafter_dir)).write_calibration(fit.calibration)
@@ -68,4 +77,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(main)

@@ -8,6 +8,7 @@ its frozen LM head: full-vocabulary target logits are never stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,8 @@ from torch import Tensor
 
 from dspark.kernels.fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 
+from .core.errors import ConfigError
+from .core.schema import Count, NonNegative, Positive, check
 from .core.types import DraftOutput
 
 CPU_MATERIALIZE_BYTES = 1 << 30
@@ -22,20 +25,29 @@ CPU_MATERIALIZE_BYTES = 1 << 30
 
 @dataclass
 class LossWeights:
-    ce: float = 0.1
-    tv: float = 0.9
-    confidence: float = 1.0
-    gamma_decay: float = 4.0
-    impl: str = "auto"  # auto | torch | triton | materialized
-    chunk_rows: int | None = None  # rows per fused-loss chunk (None: sized from the vocabulary)
-    kind: str = "block"
-    kl: float = 1.0
-    step_weight: float = 0.8
+    """conf/loss/*.yaml, checked (dspark.core.schema): block drafters weigh ce / tv / confidence,
+    Eagle3 kl with step_weight; every weight finite and >= 0."""
+
+    ce: NonNegative = 0.1
+    tv: NonNegative = 0.9
+    confidence: NonNegative = 1.0
+    gamma_decay: Positive = 4.0  # w_k = exp(-(k-1)/gamma_decay)
+    impl: Literal["auto", "torch", "triton", "materialized"] = "auto"
+    chunk_rows: Count | None = None  # rows per fused-loss chunk (None: sized from the vocabulary)
+    kind: Literal["block", "eagle3"] = "block"
+    kl: NonNegative = 1.0
+    step_weight: Positive = 0.8
+
+    def __post_init__(self):
+        used = {"ce": self.ce, "tv": self.tv, "confidence": self.confidence}
+        if self.kind == "eagle3":
+            used = {"kl": self.kl}
+        if not any(used.values()):
+            raise ConfigError(f"{' and '.join(used)} are all 0: nothing to train on (give one a weight > 0)")
 
     @classmethod
     def from_cfg(cls, cfg) -> LossWeights:
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in dict(cfg).items() if k in fields})
+        return check(cfg, cls, "loss")
 
 
 def position_weights(gamma: int, decay: float, device=None) -> Tensor:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from .cli import user_errors
-from .config import check_target
+from .cli import launch, user_errors
+from .config import check_prepare
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        check_target(cfg.target)
+        check_prepare(cfg)
         from .data.dataset import check_data_config, ensure_dataset, prepare_dataset, read_done
 
         check_data_config(cfg.data)  # before the target loads
@@ -30,4 +30,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(main)

@@ -12,15 +12,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .cli import user_errors
+from .cli import launch, user_errors
 
 log = logging.getLogger(__name__)
 
 
 def run_report(cfg: DictConfig) -> Path:
+    from .config import check_report
     from .reporting.dashboard import build_dashboard, publish
     from .reporting.runs import find_runs
 
+    check_report(cfg)
     spec = OmegaConf.to_container(cfg.runs) if OmegaConf.is_list(cfg.runs) else str(cfg.runs)
     runs = find_runs(spec)
     if not runs:
@@ -54,4 +56,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(main)

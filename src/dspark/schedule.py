@@ -22,24 +22,24 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from .cli import user_errors
+from .cli import launch, user_errors
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> dict:
     from .artifacts import FrontierFolder
-    from .frontier import check_config, run_analytical, run_measured, write_outputs
+    from .config import check_schedule
+    from .frontier import run_analytical, run_measured, write_outputs
 
-    check_config(cfg)
+    check_schedule(cfg)
     started = time.time()
-    folder = FrontierFolder(str(cfg.out_dir))
-    folder.path.mkdir(parents=True, exist_ok=True)
-    if cfg.mode == "analytical":
-        frontier, policies, cost, info = run_analytical(cfg)
-    else:
-        frontier, policies, cost, info = run_measured(cfg, folder)
-    result = write_outputs(cfg, folder, frontier, policies, cost, info, started)
+    with FrontierFolder(str(cfg.out_dir)).claimed("out_dir") as folder:
+        if cfg.mode == "analytical":
+            frontier, policies, cost, info = run_analytical(cfg)
+        else:
+            frontier, policies, cost, info = run_measured(cfg, folder)
+        result = write_outputs(cfg, folder, frontier, policies, cost, info, started)
     for name, pts in result["policies"].items():
         points = [f"R={p['concurrency']}: {p['throughput']:.0f} tok/s, τ={p['tau']:.2f}" for p in pts]
         log.info("%-16s %s", name, "  ".join(points))
@@ -54,4 +54,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(main)

@@ -17,20 +17,128 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from .core.errors import TargetError
-from .core.io import atomic_open
+from .core.errors import ConfigError, TargetError
+from .core.io import atomic_open, read_json
+from .core.schema import Count, Natural, NonNegative, Pattern, Positive, Probability
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_CONTEXT = 4096  # max_position_embeddings of the tiny random target
+
+
+# ----------------------------------------------------------------------------------------------
+# The target config (conf/target/*.yaml), checked before anything loads (dspark.core.schema)
+
+
+@dataclass
+class TokenizerSource:
+    name: str
+    path: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
+    eos_tokens: list[str] = field(default_factory=list)
+    pad_token: str | None = None
+
+
+@dataclass
+class TinyConfig:
+    hidden_size: Count
+    intermediate_size: Count
+    num_layers: Count
+    num_heads: Count
+    num_kv_heads: Count
+    tokenizer: TokenizerSource
+    seed: int = 0
+    initializer_range: Positive = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads="
+                f"{self.num_kv_heads}: num_heads must divide hidden_size and num_kv_heads num_heads"
+            )
+
+
+@dataclass
+class PackageParts:
+    """A GGUF split over several PyPI packages."""
+
+    parts: list[str]
+    sha256: str | None = None
+
+
+@dataclass
+class GenerationConfig:
+    temperature: NonNegative = 1.0
+    top_p: Probability = 1.0
+    top_k: Natural = 0
+    max_new_tokens: Count = 256
+
+
+@dataclass
+class TargetConfig:
+    name: str
+    layer_ids: list[int]
+    mask_token_id: Natural
+    hub_id: str | None = None
+    path: str | None = None
+    package: str | PackageParts | None = None
+    gguf_file: str | None = None
+    num_layers: Count | None = None
+    tiny: TinyConfig | None = None
+    eos_tokens: list[str] = field(default_factory=list)
+    pad_token: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Annotated[str, Pattern(r"auto|cpu|mps|cuda(:\d+)?", "auto, cpu, cuda or cuda:<n>")] = "auto"
+    cache_dir: str | None = None
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self):
+        if not (self.path or self.package or self.hub_id or self.tiny):
+            raise ConfigError("sets none of path, package, hub_id: say where the weights are")
+        if self.num_layers:
+            try:
+                validate_layer_ids(self.layer_ids, self.num_layers)
+            except TargetError as err:
+                raise ConfigError(str(err).removeprefix("target.")) from None
+
+
+def known_context_length(cfg) -> int | None:
+    """The target's context window when it is known without loading weights: the tiny target's, a
+    local Hugging Face folder's config.json, or the de-quantised copy of an offline package once it
+    is cached; else None (the loaded target checks it: Target.context_length)."""
+    if cfg.get("tiny"):
+        return TINY_CONTEXT
+    config = None
+    path = Path(str(cfg.get("path"))).expanduser() if cfg.get("path") else None
+    if path is not None and (path / "config.json").is_file():
+        config = path / "config.json"
+    elif path is None and isinstance(cfg.get("package"), str):
+        spec = importlib.util.find_spec(cfg.package)
+        if spec is not None and spec.submodule_search_locations:
+            try:
+                gguf = _single_gguf(Path(next(iter(spec.submodule_search_locations))), cfg.get("gguf_file"))
+            except TargetError:
+                gguf = None
+            if gguf is not None:
+                cache_dir = Path(cfg.get("cache_dir") or default_cache_dir()).expanduser()
+                config = _gguf_cache_dir(gguf, str(cfg.get("dtype", "float32")), cache_dir) / "config.json"
+    if config is None or not config.is_file():
+        return None
+    n = read_json(config)
+    n = (n.get("text_config") or n).get("max_position_embeddings") if isinstance(n, dict) else None
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 @dataclass
@@ -94,6 +202,8 @@ class Target(nn.Module):
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
         self.intermediate_size = int(cfg.intermediate_size)
+        context = getattr(cfg, "max_position_embeddings", None)
+        self.context_length = int(context) if context else None  # None: unknown
         self.rms_norm_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.rope_theta = float(_rope_theta(cfg))
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -379,7 +489,7 @@ def build_tiny(cfg, dtype: torch.dtype, cache_dir: Path):
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=TINY_CONTEXT,
         tie_word_embeddings=True,
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         bos_token_id=tok.bos_token_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from .cli import user_errors
+from .cli import launch, user_errors
 from .config import check_train
 
 
@@ -19,4 +19,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(main)

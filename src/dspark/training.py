@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,11 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from .artifacts import RunFolder
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
-from .core.errors import ConfigError
+from .core.errors import ConfigError, DataError
+from .core.lock import folder_lock
 from .core.types import TargetDims
 from .drafters import build_drafter
 from .module import DraftingModule
 from .objectives import LossWeights
+from .resume import AtomicCheckpointIO, GracefulStop, Interrupted, resume_point
 from .target import load_target
 
 log = logging.getLogger(__name__)
@@ -157,7 +160,6 @@ def trainer_kwargs(cfg: DictConfig, accumulate: int | None = None, world: int = 
         "log_every_n_steps",
         "gradient_clip_val",
         "accumulate_grad_batches",
-        "limit_train_batches",
         "check_val_every_n_epoch",
         "num_sanity_val_steps",
         "max_time",
@@ -188,17 +190,35 @@ def _launching_rank_zero() -> bool:
 
 
 def run_training(cfg: DictConfig) -> dict:
+    """Train into ``cfg.out_dir``, resuming from its last readable checkpoint (``cfg.resume``). The
+    launching process holds the run folder's lock (and a shared one on data.dir) throughout."""
     from .data.dataset import check_data_dir
 
     batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
-    check_data_dir(cfg.data, cfg.target)
+    check_data_dir(cfg.data, cfg.target, refuse_busy=_launching_rank_zero())  # rank 0 builds it
+    run = RunFolder(cfg.out_dir)
+    resume = resume_point(run) if cfg.resume else None  # a checkpoint that loads, or a clear error
+    with contextlib.ExitStack() as held:
+        if _launching_rank_zero():  # the other ranks run under rank 0's claim
+            held.enter_context(run.claimed("out_dir"))
+        return _train(cfg, run, batch, resume, held)
+
+
+def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextlib.ExitStack) -> dict:
+    resumed_at = resume[1] if resume else None
+    try:
+        done = run.read_summary()  # a finished run's, kept when a rerun trains nothing
+    except DataError:  # unreadable: it describes nothing; this run writes a new one
+        done = {}
+    if resume and done and 0 < int(cfg.trainer.max_steps) <= resumed_at:
+        log.info("nothing to do: %s finished at step %d (summary.json kept)", run.path, resumed_at)
+        return done
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank and torch.cuda.is_available() and int(local_rank) < torch.cuda.device_count():
         # A process started for GPU k (Lightning's launcher, torchrun) loads the target straight
         # onto GPU k ("cuda" means the current device), not onto GPU 0 first.
         torch.cuda.set_device(int(local_rank))
     L.seed_everything(int(cfg.seed), workers=True)
-    run = RunFolder(cfg.out_dir)
     out_dir = run.path
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
@@ -210,6 +230,8 @@ def run_training(cfg: DictConfig) -> dict:
     if not _launching_rank_zero():
         wait_for_dataset(cfg.data, cfg.features)  # rank 0 prepares; the others must not race it
     data_dir = ensure_dataset(cfg.data, cfg.target, target=target, features=cfg.features)
+    if _launching_rank_zero():
+        held.enter_context(folder_lock(data_dir, "data.dir", shared=True))  # no rebuild under us
     datamodule = DraftDataModule(
         cfg.data,
         features=cfg.features,
@@ -234,27 +256,25 @@ def run_training(cfg: DictConfig) -> dict:
     )
 
     throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
-    ckpt_dir = run.checkpoints
+    stop = GracefulStop(run.last_checkpoint)
     every = int(cfg.callbacks.checkpoint_every_n_steps)
     callbacks = [
-        ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every, save_top_k=0),
+        ModelCheckpoint(dirpath=run.checkpoints, save_last=True, every_n_train_steps=every, save_top_k=0),
         DrafterExport(run.drafter, cfg.drafter, cfg.get("head"), every),
         throughput,
+        stop,
         LearningRateMonitor(logging_interval="step"),  # logged as lr-AdamW
         RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10),
     ]
     if cfg.callbacks.get("calibration", True) and drafter.has_confidence:
         callbacks.insert(0, CalibrationCallback())
-    last = run.last_checkpoint
-    resume = last if cfg.resume and last.exists() else None
-    resumed_at = None
     if resume:
-        resumed_at = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"])
-        log.info("resuming from %s (step %d)", resume, resumed_at)
+        log.info("resuming from %s (step %d)", *resume)
     trainer = L.Trainer(
         **trainer_kwargs(cfg.trainer, batch["accumulate"], batch["world"]),
         logger=build_logger(cfg.logger, out_dir, cfg.run_name, cfg, resumed_at),
         callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
         default_root_dir=out_dir,
         enable_model_summary=False,
     )
@@ -270,7 +290,22 @@ def run_training(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         run.write_config(cfg)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume and resume[0], weights_only=True)
+    except SystemExit:  # Lightning exits with status 1 on a second Ctrl-C: report it as one
+        if stop.hard:
+            raise Interrupted(
+                f"stopped at once: resume from {run.checkpoints} with hydra.run.dir={run.path}"
+            ) from None
+        raise
+    if stop.interrupted:
+        raise Interrupted(
+            f"saved {run.last_checkpoint} at step {trainer.global_step}: resume with the same command "
+            f"and hydra.run.dir={run.path}"
+        )
+    if done and resume and trainer.global_step == resumed_at:  # a finished run rerun: nothing trained
+        log.info("nothing to do: %s finished at step %d (summary.json kept)", run.path, resumed_at)
+        return done
     summary = {
         "run_name": cfg.run_name,
         "drafter": cfg.drafter.name,

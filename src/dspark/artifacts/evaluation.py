@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..core.errors import DataError
-from ..core.io import atomic_open
+from ..core.io import atomic_open, atomic_write_text
 from .drafter import CALIBRATION
 from .folder import Folder
 
@@ -40,9 +40,7 @@ class EvaluationFolder(Folder):
         return self.read_json(self.RESULTS)
 
     def write_table(self, markdown: str) -> Path:
-        with atomic_open(self.file(self.TABLE), "w", encoding="utf-8") as f:
-            f.write(markdown)
-        return self.file(self.TABLE)
+        return atomic_write_text(self.file(self.TABLE), markdown)
 
     def write_meta(self, meta: dict) -> Path:
         return self.write_json(self.META, meta)
@@ -80,7 +78,7 @@ def read_rounds(path: str | Path) -> Iterator[dict]:
     """The records of a rounds.jsonl file, one dict a line (DataError naming the line otherwise)."""
     path = Path(path)
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in enumerate(_lines_of(f, path), 1):
             if not line.strip():
                 continue
             try:
@@ -90,3 +88,10 @@ def read_rounds(path: str | Path) -> Iterator[dict]:
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{n}: expected a JSON object per line")
             yield rec
+
+
+def _lines_of(f, path: Path) -> Iterator[str]:
+    try:
+        yield from f
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text: not a rounds.jsonl this pipeline wrote") from None

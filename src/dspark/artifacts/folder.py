@@ -3,11 +3,14 @@ descriptor file that carries the folder's schema stamp."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.io import atomic_write_json, finite, read_json
+from ..core.io import atomic_write_json, finite, read_json, remove_temp_files
+from ..core.lock import folder_lock
 from . import schema
 
 
@@ -20,6 +23,16 @@ class Folder:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r})"
+
+    @contextlib.contextmanager
+    def claimed(self, key: str) -> Iterator[Folder]:
+        """This folder, held for writing by this process for the block: a second writer is refused
+        (FolderInUseError naming the config ``key``), and the temp files a killed writer left in it
+        (and in its sub-folders) are removed."""
+        with folder_lock(self.path, key):
+            for d in (self.path, *(p for p in self.path.iterdir() if p.is_dir())):
+                remove_temp_files(d)
+            yield self
 
     def file(self, name: str) -> Path:
         return self.path / name

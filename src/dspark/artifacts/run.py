@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from ..core.io import atomic_open
+from ..core.errors import DataError
+from ..core.io import atomic_write_text
 from .drafter import DrafterFolder
 from .folder import Folder
 
@@ -49,12 +52,18 @@ class RunFolder(Folder):
         return self.file(self.CONFIG).is_file() and any(p.exists() for p in traces)
 
     def write_config(self, cfg: DictConfig) -> Path:
-        with atomic_open(self.file(self.CONFIG), "w", encoding="utf-8") as f:
-            f.write(OmegaConf.to_yaml(cfg, resolve=True))
-        return self.file(self.CONFIG)
+        return atomic_write_text(self.file(self.CONFIG), OmegaConf.to_yaml(cfg, resolve=True))
 
     def read_config(self) -> dict:
-        return OmegaConf.to_container(OmegaConf.load(self.file(self.CONFIG)), resolve=False)
+        """The run's config (DataError when config.yaml is not a readable YAML mapping)."""
+        path = self.file(self.CONFIG)
+        try:
+            config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as err:
+            raise DataError(f"{path} is not readable YAML ({' '.join(str(err).split())[:120]})") from None
+        if not isinstance(config, dict):
+            raise DataError(f"{path} is not a YAML mapping of config keys")
+        return config
 
     def write_summary(self, summary: dict) -> Path:
         return self.write_json(self.SUMMARY, summary)

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: training nodes and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..core.io import atomic_write_json, finite  # noqa: E402
+from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
 __all__ = ["reliability_diagram"]
 
@@ -92,7 +92,7 @@ def reliability_diagram(
     )
     if title:
         fig.suptitle(title, y=1.0 + 0.12 / nrows, fontsize=11)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     atomic_write_json(path.with_suffix(".json"), {"positions": rows})

@@ -8,7 +8,6 @@ Positive temperatures keep each position's ranking of c_k intact.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -19,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.io import atomic_write_json
+from ..core.errors import DataError
+from ..core.io import atomic_write_json, read_json
 from .metrics import _check_inputs, _ece_l1
 
 __all__ = [
@@ -153,4 +153,12 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The temperatures in a calibration.json; DataError naming the file when it holds none."""
+        data = read_json(path)
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise DataError(
+                f"{path} is not a calibration file ({type(err).__name__}: {err}): expected "
+                f'{{"method": "sts", "temperatures": [positive numbers]}}; delete it or refit it'
+            ) from None

@@ -2,9 +2,10 @@
 through dspark.interop, and export into those formats."""
 
 from .export import export_drafter, refusal
-from .store import load_drafter, read_drafter_config, read_drafter_spec, save_drafter
+from .store import check_drafter_files, load_drafter, read_drafter_config, read_drafter_spec, save_drafter
 
 __all__ = [
+    "check_drafter_files",
     "export_drafter",
     "load_drafter",
     "read_drafter_config",

@@ -226,4 +226,7 @@ def export_drafter(
     calibration = DrafterFolder(src).read_calibration()
     if calibration is not None:  # STS temperatures: ours, engines ignore the file
         dst.write_calibration(calibration)
+    else:  # an earlier export's temperatures would be applied to these weights
+        dst.file(dst.CALIBRATION).unlink(missing_ok=True)
+    dst.file(dst.CALIBRATION_REPORT).unlink(missing_ok=True)  # describes other weights
     return out

@@ -14,9 +14,9 @@ from ..artifacts import DrafterFolder
 from ..core.errors import DrafterCheckpointError
 from ..core.types import TargetDims
 from ..drafters import DrafterSpec, build_drafter
-from ..interop.deepspec import is_foreign, read_state, translate
+from ..interop.deepspec import is_foreign, read_state, translate, weight_files
 
-__all__ = ["load_drafter", "read_drafter_config", "read_drafter_spec", "save_drafter"]
+__all__ = ["check_drafter_files", "load_drafter", "read_drafter_config", "read_drafter_spec", "save_drafter"]
 
 
 def _plain(cfg):
@@ -58,6 +58,33 @@ def read_drafter_spec(folder: str | Path) -> DrafterSpec:
     return DrafterSpec.from_config(read_drafter_config(folder))
 
 
+def check_drafter_files(folder: str | Path) -> DrafterSpec:
+    """read_drafter_spec, plus what loading the folder would trip on, found without loading it: a
+    weights file that is not a complete safetensors file (its header and size are read), and a
+    calibration.json that is not one temperature per draft position."""
+    from safetensors import safe_open
+
+    files = DrafterFolder(folder)
+    config = read_drafter_config(files.path)
+    spec = DrafterSpec.from_config(config)
+    paths = weight_files(files.path) if "imported_from" in config else [files.weights_path]
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as err:  # SafetensorError, or an OSError of a missing file
+            raise DrafterCheckpointError(
+                f"{path} is not a readable safetensors file ({err}): re-export or retrain the drafter"
+            ) from None
+    calibration = files.read_calibration()
+    if calibration is not None and len(calibration.temperatures) != spec.gamma:
+        raise DrafterCheckpointError(
+            f"{files.file(files.CALIBRATION)} holds {len(calibration.temperatures)} temperatures for a "
+            f"drafter of {spec.gamma} positions: delete it, or refit it (evaluate calibrate=true)"
+        )
+    return spec
+
+
 def load_drafter(folder: str | Path, target=None, device="cpu"):
     """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
     refuse one built for another vocabulary, hidden size or tap layers."""
@@ -95,8 +122,17 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
     if foreign:
         state = read_state(folder, config, files.read_config(), target)
     else:
-        state = load_file(files.weights_path, device=str(device))
-    drafter.load_state_dict(state)
+        try:
+            state = load_file(files.weights_path, device=str(device))
+        except Exception as err:  # SafetensorError: truncated or not safetensors at all
+            why = f"{files.weights_path} is not a readable safetensors file ({err})"
+            raise DrafterCheckpointError(why) from None
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as err:  # missing / unexpected keys, other shapes
+        raise DrafterCheckpointError(
+            f"{folder}: the weights do not fit its config.json ({' '.join(str(err).split())[:300]})"
+        ) from None
     # Served in the target's precision (a bf16 target drafts with a bf16 drafter, as engines do).
     dtype = target.dtype if target is not None else None
     return drafter.to(device=device, dtype=dtype).eval(), config

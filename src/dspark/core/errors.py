@@ -23,3 +23,7 @@ class TargetError(UserError):
 
 class DrafterCheckpointError(UserError):
     """A drafter folder that cannot be read, or that does not fit the target it is used with."""
+
+
+class FolderInUseError(UserError):
+    """A folder another dspark process is writing (or reading while this one would write)."""

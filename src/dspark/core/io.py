@@ -4,6 +4,7 @@ under its final name, and what is written is strict JSON."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -12,24 +13,62 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .errors import DataError
+
+TEMP_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp beside the target
+
 
 @contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[Any]:
+def atomic_open(path: str | Path, mode: str = "w", keep: str | Path | None = None, **kw) -> Iterator[Any]:
     """Write to a temp file beside `path` and rename it into place only when the block succeeds, so
-    a crash or a full disk never leaves a half-written file under the final name."""
+    a crash or a full disk never leaves a half-written file under the final name. The file gets the
+    usual mode (0644 under the common umask, not mkstemp's 0600) and is synced before the rename,
+    the folder after it. `keep`: where the file it replaces moves first (the previous version)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, **kw) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if keep is not None and path.exists():
+            os.replace(path, keep)
         os.replace(tmp, path)
-    except BaseException:
+        _sync_dir(path.parent)
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.errno and err.filename is None:  # name the file (ENOSPC)
+            raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from err
         raise
+
+
+def remove_temp_files(folder: str | Path) -> list[Path]:
+    """Delete the temp files an interrupted atomic_open left in `folder` (a process killed while
+    writing). Only for a folder this process owns (holds its lock), or a writer loses its file."""
+    found = [p for p in Path(folder).glob(f".*{TEMP_SUFFIX}") if p.is_file()] if Path(folder).is_dir() else []
+    for p in found:
+        p.unlink(missing_ok=True)
+    return found
+
+
+@functools.cache
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a crash right after it keeps the new name)."""
+    with contextlib.suppress(OSError):  # not every platform or filesystem syncs a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def finite(x: Any) -> Any:
@@ -63,12 +102,39 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
         f.write(blob)
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(path)
+
+
+def atomic_savefig(fig, path: str | Path, **kw) -> Path:
+    """A matplotlib figure saved atomically, in the format its suffix names."""
+    path = Path(path)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png", **kw)
+    return path
+
+
 def read_json(path: str | Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """The JSON in `path`; a file that is not UTF-8 JSON is a DataError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not readable JSON ({_reason(err)}): fix or replace the file") from None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Strict reader for files this pipeline wrote itself (user files: prompts.read_prompt_jsonl)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not readable JSON lines ({_reason(err)}): fix or replace it") from None
+
+
+def _reason(err: ValueError) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"line {err.lineno}: {err.msg}"
+    return "not UTF-8 text"

@@ -55,16 +55,26 @@ HUB_SUITES = {
 
 
 def _read_turns_file(path: Path) -> list[list[str]]:
+    """Rows of a turns-JSONL file: each line {"turns": [non-empty strings]} (DataError naming the
+    line otherwise: a string for `turns` would read as one turn per character)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise DataError(f"{path}:{n}: expected a JSON object with a 'turns' list ({err})") from None
-            rows.append([str(t) for t in turns])
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not UTF-8 text: save it as UTF-8") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise DataError(f"{path}:{n}: expected a JSON object with a 'turns' list ({err})") from None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DataError(f"{path}:{n}: 'turns' must be a non-empty list of strings, not {turns!r:.60}")
+        if not turns[0].strip():
+            raise DataError(f"{path}:{n}: the first turn is empty: give it a prompt or drop the line")
+        rows.append(turns)
     return rows
 
 

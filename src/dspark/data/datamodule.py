@@ -14,6 +14,7 @@ attention_mask=attention_mask)`; right padding leaves the real positions' featur
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from pathlib import Path
 
@@ -171,6 +172,7 @@ class GlobalBatchSampler(Sampler):
         accumulate: int = 1,
         bucket_batches: int = 16,
         seed: int = 0,
+        steps=None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -186,17 +188,51 @@ class GlobalBatchSampler(Sampler):
             bucket_batches=bucket_batches,
             seed=seed,
         )
+        self.steps = steps  # () -> optimizer steps taken so far, or None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.global_batches)
 
     def micro_index(self, step_in_accumulation: int) -> int:
         return step_in_accumulation * self.world_size + self.rank
 
     def __iter__(self):
-        for batch in self.global_batches:
+        skip = 0
+        if self.steps is not None and self.steps_per_epoch:  # the position follows the optimizer step
+            epoch, skip = divmod(int(self.steps()), self.steps_per_epoch)
+            self.sampler.set_epoch(epoch)
+        for batch in itertools.islice(self.global_batches, skip, None):
             for a in range(self.accumulate):
                 yield batch[self.micro_index(a) :: self.num_micro]
 
     def __len__(self) -> int:
         return len(self.global_batches) * self.accumulate
+
+    def state_dict(self) -> dict:
+        """What the position depends on besides the step (recorded in the checkpoint)."""
+        sampler = self.sampler
+        return {"samples": len(sampler), "steps_per_epoch": self.steps_per_epoch, "seed": sampler.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and state != self.state_dict():
+            log.warning(
+                "the training batches differ from the checkpoint's (%s, now %s): the run resumes at its "
+                "step, but not on the batches the uninterrupted run would have taken",
+                state,
+                self.state_dict(),
+            )
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning records in its checkpoints (its batch sampler's state), so it knows
+    the loader resumes mid-epoch (GlobalBatchSampler follows the optimizer step)."""
+
+    def state_dict(self) -> dict:
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.load_state_dict(state)
 
 
 class DraftDataModule(L.LightningDataModule):
@@ -259,6 +295,7 @@ class DraftDataModule(L.LightningDataModule):
             accumulate=accumulate,
             bucket_batches=int(self.cfg.get("bucket_batches", 16)),
             seed=self.seed,
+            steps=(lambda: self.trainer.global_step) if self.trainer is not None else None,
         )
         if len(sampler) == 0:
             raise DataError(
@@ -266,7 +303,7 @@ class DraftDataModule(L.LightningDataModule):
                 f"{self.batch_size * world * accumulate} (data.batch_size × devices × accumulation): "
                 f"prepare more data (data.num_prompts) or lower data.global_batch_size"
             )
-        return self._loader(ds, sampler)
+        return self._loader(ds, sampler, ResumableLoader)
 
     def val_dataloader(self) -> DataLoader:
         ds = self._load("val")
@@ -282,11 +319,11 @@ class DraftDataModule(L.LightningDataModule):
             batches = batches[rank:usable:world]
         return self._loader(ds, batches)
 
-    def _loader(self, ds: Dataset, batch_sampler) -> DataLoader:
+    def _loader(self, ds: Dataset, batch_sampler, kind: type[DataLoader] = DataLoader) -> DataLoader:
         workers = int(self.cfg.get("num_workers", 0))
         # A partial of a module-level function pickles cheaply into worker processes.
         collate_fn = functools.partial(collate, pad_id=int(self.pad_token_id))
-        return DataLoader(
+        return kind(
             ds,
             batch_sampler=batch_sampler,
             collate_fn=collate_fn,

@@ -23,7 +23,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.errors import DataError
-from ..core.io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
+from ..core.io import atomic_write_json, atomic_write_jsonl, read_json, read_jsonl, remove_temp_files
+from ..core.lock import folder_lock
 from .benchmarks import decontamination_folder
 from .cache import MANIFEST, FeatureCache, build_cache, target_fingerprint
 from .io import resolve_path
@@ -91,15 +92,24 @@ def _check_build(data_dir: Path, key: dict) -> None:
 
 
 def check_data_config(cfg_data) -> None:
-    """Data settings that would otherwise fail only after the target has loaded."""
+    """Data settings and files that would otherwise fail only after the target has loaded."""
     if cfg_data.get("benchmark_dir"):
         decontamination_folder(cfg_data.benchmark_dir)
+    if cfg_data.get("source") == "jsonl" and cfg_data.get("jsonl", {}).get("path"):
+        from .prompts import prompt_lines
+
+        prompt_lines(cfg_data.jsonl.path)  # there, and UTF-8
 
 
-def check_data_dir(cfg_data, cfg_target) -> None:
-    """Refuse a data.dir built for another config, or a bad data config, before any model loads."""
+def check_data_dir(cfg_data, cfg_target, refuse_busy: bool = True) -> None:
+    """Refuse a data.dir built for another config, or a bad data config, before any model loads;
+    ``refuse_busy``: also one another process is building now (it holds the folder's lock)."""
     check_data_config(cfg_data)
-    _check_build(resolve_path(cfg_data.dir), build_key(cfg_data, cfg_target))
+    data_dir = resolve_path(cfg_data.dir)
+    _check_build(data_dir, build_key(cfg_data, cfg_target))
+    if refuse_busy and data_dir.is_dir():
+        with folder_lock(data_dir, "data.dir", shared=True):
+            pass
 
 
 def _load_target(cfg_target):
@@ -109,12 +119,14 @@ def _load_target(cfg_target):
 
 
 def prepare_dataset(cfg_data, cfg_target, target=None, force: bool = False) -> Path:
-    """Run every missing stage into data.dir (finished stages and answer shards are reused)."""
+    """Run every missing stage into data.dir (finished stages and answer shards are reused), holding
+    the folder's lock: a second process building (or training from) it is refused."""
     import torch
 
     threads = torch.get_num_threads()
     try:
-        return _prepare(cfg_data, cfg_target, target, force)
+        with folder_lock(resolve_path(cfg_data.dir), "data.dir"):
+            return _prepare(cfg_data, cfg_target, target, force)
     finally:  # generation may lower the thread count; the caller (train) gets its own back
         torch.set_num_threads(threads)
 
@@ -136,7 +148,8 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     key = build_key(cfg_data, cfg_target)
     _check_build(data_dir, key)
     engine = engine_options(cfg_data)  # refuse a bad data.engine before loading the model
-    atomic_write_json(data_dir / BUILD, key)
+    for sub in ("", "prompts", "answers", "tokens"):
+        remove_temp_files(data_dir / sub)  # what a killed writer left
     target = target if target is not None else _load_target(cfg_target)
     tok, chat_kwargs = target.tokenizer, target.chat_template_kwargs
     timings: dict[str, float] = {}
@@ -156,6 +169,8 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
     pdir = data_dir / "prompts"
     t = time.perf_counter()
     if (pdir / "stats.json").exists():
+        if not (data_dir / BUILD).exists():
+            atomic_write_json(data_dir / BUILD, key)
         splits = {s: read_jsonl(pdir / f"{s}.jsonl") for s in ("train", "val")}
         prompt_stats = read_json(pdir / "stats.json")
         prompt_gen = {"reused": True}
@@ -164,6 +179,9 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
             cfg_data, tok, target=target, chat_kwargs=chat_kwargs, on_step=on_step
         )
         splits = {"train": train, "val": val}
+        # The folder is bound to this config from its first file on (not before: a config that fails
+        # before any prompt exists must not lock the folder to itself).
+        atomic_write_json(data_dir / BUILD, key)
         for s, rows in splits.items():
             atomic_write_jsonl(pdir / f"{s}.jsonl", rows)
         prompt_stats = stats.as_dict() | {"train": len(train), "val": len(val)}
@@ -295,14 +313,14 @@ def ensure_dataset(cfg_data, cfg_target, target=None, features: str | None = Non
     need_cache = features == "offline" or (features is None and bool(cfg_data.get("offline_cache", False)))
     if read_done(data_dir) is None:
         log.info("no finished dataset at %s: preparing it (python -m dspark.prepare does the same)", data_dir)
-        target = target if target is not None else _load_target(cfg_target)
-        prepare_dataset(cfg_data, cfg_target, target=target)
+        prepare_dataset(cfg_data, cfg_target, target=target)  # loads the target once it holds the folder
     else:
         _check_build(data_dir, build_key(cfg_data, cfg_target))
     if need_cache:
         if not _cache_complete(data_dir):
             target = target if target is not None else _load_target(cfg_target)
-            build_offline_cache(cfg_data, target, data_dir)
+            with folder_lock(data_dir, "data.dir"):
+                build_offline_cache(cfg_data, target, data_dir)
         elif target is not None:
             FeatureCache(data_dir / "cache", "train", target_fingerprint(target))  # refuses a mismatch now
     return data_dir

@@ -163,45 +163,54 @@ def _from_messages(msgs: object) -> tuple[str, str | None] | None:
 # Sources
 
 
-def read_prompt_jsonl(path: str | Path, strict: bool = False, stats: PromptStats | None = None) -> list[dict]:
-    """Prompts of a `{"turns": [...]}` / `{"messages": [...]}` JSONL file. Empty and malformed lines
-    are counted (and listed by line number); with `strict` the first one is fatal."""
+def prompt_lines(path: str | Path) -> tuple[Path, list[str]]:
+    """The lines of the prompts file data.jsonl.path (DataError when it is missing or not UTF-8)."""
     path = resolve_path(path)
     if not path.is_file():
         raise DataError(f"data.jsonl.path: no such file {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"data.jsonl.path={path} is not UTF-8 text: save it as UTF-8") from None
+    return path, text.split("\n")[: -1 if text.endswith("\n") else None]
+
+
+def read_prompt_jsonl(path: str | Path, strict: bool = False, stats: PromptStats | None = None) -> list[dict]:
+    """Prompts of a `{"turns": [...]}` / `{"messages": [...]}` JSONL file. Empty and malformed lines
+    are counted (and listed by line number); with `strict` the first one is fatal."""
+    path, lines = prompt_lines(path)
     stats = stats if stats is not None else PromptStats()
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                reason, parsed = "empty_line", None
-            else:
-                try:
-                    row = json.loads(line)
-                    parsed = row_to_prompt(row)
-                    reason = None if parsed and parsed[0].strip() else "malformed_line"
-                except json.JSONDecodeError:
-                    reason, parsed = "malformed_line", None
-            if reason:
-                if strict:
-                    raise DataError(
-                        f"{path}:{n}: {reason.replace('_', ' ')} (expected a JSON object with a non-empty "
-                        f"'turns' or "
-                        f"'messages' list); set data.strict=false to skip and count such lines"
-                    )
-                stats.drop(reason, n)
-                continue
-            text, system = parsed
-            row_domain = row.get("domain") if isinstance(row, dict) else None
-            out.append(
-                {
-                    "id": f"{path.stem}:{n}",
-                    "prompt": text,
-                    "system": system,
-                    "domain": row_domain,
-                    "source": "jsonl",
-                }
-            )
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            reason, parsed = "empty_line", None
+        else:
+            try:
+                row = json.loads(line)
+                parsed = row_to_prompt(row)
+                reason = None if parsed and parsed[0].strip() else "malformed_line"
+            except json.JSONDecodeError:
+                reason, parsed = "malformed_line", None
+        if reason:
+            if strict:
+                raise DataError(
+                    f"{path}:{n}: {reason.replace('_', ' ')} (expected a JSON object with a non-empty "
+                    f"'turns' or "
+                    f"'messages' list); set data.strict=false to skip and count such lines"
+                )
+            stats.drop(reason, n)
+            continue
+        text, system = parsed
+        row_domain = row.get("domain") if isinstance(row, dict) else None
+        out.append(
+            {
+                "id": f"{path.stem}:{n}",
+                "prompt": text,
+                "system": system,
+                "domain": row_domain,
+                "source": "jsonl",
+            }
+        )
     bad = {k: stats.counts[k] for k in ("empty_line", "malformed_line") if stats.counts[k]}
     if bad:
         log.warning("%s: skipped %s (first lines: %s)", path, bad, {k: stats.examples.get(k) for k in bad})

@@ -7,14 +7,56 @@ checkpoints ask the interface below, never a drafter's name or its submodules.""
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from ..core.errors import ConfigError
+from ..core.schema import Count, Positive, Range
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from .layers import LayerShape
+
+
+@dataclass
+class ConfidenceConfig:
+    enabled: bool = False
+    use_prev_embedding: bool = False
+
+
+@dataclass
+class DrafterConfig:
+    """The keys of every conf/drafter/<name>.yaml (dspark.core.schema); a drafter with keys of its
+    own extends it and names the result in its ``config_schema``. Null layer sizes are the target's."""
+
+    name: str
+    block_size: Count
+    num_layers: Count
+    hidden_size: Count | None = None
+    intermediate_size: Count | None = None
+    num_heads: Count | None = None
+    num_kv_heads: Count | None = None
+    head_dim: Count | None = None
+    rope_theta: Positive | None = None
+    num_anchors: Count = 512
+    confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
+
+    def __post_init__(self):
+        if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} "
+                f"(grouped-query attention shares each key/value head among whole groups)"
+            )
+
+
+@dataclass
+class HeadConfig:
+    """conf/head/<name>.yaml: the sequential head and its rank (which drafters take one is theirs
+    to say: ``Drafter.check_config``)."""
+
+    name: str
+    rank: Annotated[int, Range(ge=0)]
 
 
 class Drafter(nn.Module, metaclass=abc.ABCMeta):
@@ -32,6 +74,7 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
     """
 
     kind: ClassVar[str] = "drafter"  # the registry name (conf/drafter/<kind>.yaml), set by @register
+    config_schema: ClassVar[type[DrafterConfig]] = DrafterConfig  # the keys of conf/drafter/<kind>.yaml
     supports_static_cache: ClassVar[bool] = False
     gamma: int  # draft tokens per proposal (``config_gamma``: drafter.block_size, less an
     #             anchor slot that drafts nothing)
@@ -119,15 +162,21 @@ def draft_uniforms(r: int, gamma: int, generator: torch.Generator | None, unifor
 def layer_shape(dims: TargetDims, cfg) -> LayerShape:
     hidden = cfg.get("hidden_size") or dims.hidden_size
     if hidden != dims.hidden_size:
-        raise ValueError(
+        raise ConfigError(
             f"drafter.hidden_size={hidden} differs from the target's {dims.hidden_size}: the drafter shares "
             f"the target's embedding and LM head, so leave drafter.hidden_size null"
+        )
+    heads, kv_heads = cfg.get("num_heads") or dims.num_heads, cfg.get("num_kv_heads") or dims.num_kv_heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv_heads} (null keys "
+            f"are the target's): set both, e.g. num_heads={kv_heads * max(1, heads // kv_heads)}"
         )
     return LayerShape(
         hidden_size=hidden,
         intermediate_size=cfg.get("intermediate_size") or dims.intermediate_size,
-        num_heads=cfg.get("num_heads") or dims.num_heads,
-        num_kv_heads=cfg.get("num_kv_heads") or dims.num_kv_heads,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         head_dim=cfg.get("head_dim") or dims.head_dim,
         rope_theta=cfg.get("rope_theta") or dims.rope_theta,
         rms_norm_eps=dims.rms_norm_eps,

@@ -15,13 +15,16 @@ conventions"); draft k (k = 1..γ) is x_{a+k} in both:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
 from ..core.errors import ConfigError
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
+from .base import Drafter, DrafterConfig, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
 
@@ -168,11 +171,19 @@ def check_slots(drafter_cfg) -> None:
         )
 
 
+@dataclass
+class BlockDrafterConfig(DrafterConfig):
+    attention: Literal["auto", "dense", "flex"] = "auto"  # training attention (see BlockDrafter)
+    compile: Literal["auto", True, False] = "auto"  # torch.compile the draft layers for training
+    slots: Literal["anchor", "masks"] = "anchor"  # which block slot drafts the first token (SLOTS)
+
+
 @register("dflash")
 class BlockDrafter(Drafter):
     """DFlash: parallel backbone only; the draft distribution at k is softmax(lm_head(h_k))."""
 
     supports_static_cache = True  # all its state is context keys/values at slot == position
+    config_schema = BlockDrafterConfig
 
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()

@@ -9,12 +9,15 @@ exactly the keys an inference chain from anchor a would have. Step i predicts x_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from ..core.sampling import probs_from_logits, sample_from
+from ..core.schema import Count
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .base import Drafter, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
+from .base import Drafter, DrafterConfig, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
 from .dflash import _init_linear, block_targets
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
@@ -31,8 +34,15 @@ def ttt_mask(t: int, step: int, device) -> Tensor:
     return torch.cat(blocks, dim=1)
 
 
+@dataclass
+class Eagle3Config(DrafterConfig):
+    ttt_steps: Count = 7  # training-time-test horizon
+
+
 @register("eagle3")
 class Eagle3Drafter(Drafter):
+    config_schema = Eagle3Config
+
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
         self.dims = dims

@@ -8,10 +8,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..artifacts import DrafterFolder
-from ..checkpoints import read_drafter_spec
+from ..checkpoints import check_drafter_files
 from ..core.errors import ConfigError
 from ..decoding.fast_engine import ENGINES
 from ..drafters import DrafterSpec, static_cache_drafters
+from ..scheduling.cost import CostModel, CostTableError
 from ..scheduling.policies import Fixed, build_policy
 
 
@@ -23,7 +24,7 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not DrafterFolder(folder).exists():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    spec = read_drafter_spec(folder)
+    spec = check_drafter_files(folder)  # the weights and calibration.json readable
     if not cfg.benchmarks:
         raise ConfigError("benchmarks is empty: e.g. benchmarks=[gsm8k,mt-bench]")
     if float(cfg.temperature) < 0:
@@ -57,6 +58,11 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
             f"policy={policy.name} needs a profiled cost table: "
             f"set policy.cost_table=<json> (python -m dspark.schedule)"
         )
+    if cfg.policy.get("cost_table"):  # readable now, not after the models load
+        try:
+            CostModel.load(cfg.policy.cost_table)
+        except (CostTableError, OSError) as err:
+            raise ConfigError(f"policy.cost_table={cfg.policy.cost_table}: {err}") from None
     if cfg.calibrate and not spec.has_confidence:
         raise ConfigError(
             f"calibrate=true needs a drafter with a confidence head; {folder} holds a "

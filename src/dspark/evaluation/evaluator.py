@@ -17,6 +17,7 @@ from torch import Tensor
 from ..artifacts import DrafterFolder, EvaluationFolder
 from ..calibration.sts import Calibration
 from ..checkpoints import load_drafter
+from ..core.errors import ConfigError
 from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
@@ -61,6 +62,24 @@ class Evaluator:
         calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
         cost = CostModel.load(cfg.policy.cost_table) if cfg.policy.get("cost_table") else None
         return cls(cfg, target, drafter, calibration, build_policy(cfg.policy), cost)
+
+    def check_context(self, report: dict[str, list[str]], held_out: list[tuple[str, str]]) -> None:
+        """Before any decoding: every prompt with its answer budget fits the target's context
+        (ConfigError naming the first that does not)."""
+        context, cfg = self.target.context_length, self.cfg
+        if context is None:
+            return
+        budget = int(cfg.max_new_tokens)
+        held_budget = int(cfg.calibration.get("max_new_tokens") or budget)
+        items = [(f"{b} prompt {i}", p, budget) for b, ps in report.items() for i, p in enumerate(ps)]
+        items += [(f"calibration prompt {i} ({b})", p, held_budget) for i, (b, p) in enumerate(held_out)]
+        for label, text, new in items:
+            n = len(self.target.prompt_ids(text))
+            if n + new > context:
+                raise ConfigError(
+                    f"{label} is {n} tokens: with {new} new tokens it exceeds target {self.target.name}'s "
+                    f"context of {context}: lower max_new_tokens, or leave the prompt out"
+                )
 
     def engine(self, policy: Policy, calibration, name: str) -> Engine:
         cfg = self.cfg

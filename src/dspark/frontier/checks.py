@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..artifacts import DrafterFolder
-from ..checkpoints import read_drafter_spec
+from ..checkpoints import check_drafter_files
 from ..core.errors import ConfigError
 from ..drafters import DrafterSpec
 from ..scheduling.cost import CostModel, CostTableError
@@ -36,6 +36,8 @@ def check_config(cfg: DictConfig) -> None:
             log.warning("policy %s is NOT lossless (Appendix A); it is a diagnostic upper bound", name)
     if cfg.cost_table is not None and not Path(str(cfg.cost_table)).expanduser().is_file():
         raise ConfigError(f"cost_table={cfg.cost_table}: no such file (null: synthetic / profile)")
+    if cfg.cost_table is not None:
+        load_cost(cfg)  # a readable table, before any rounds are read or models load
     if cfg.mode == "analytical":
         if cfg.rounds is None:
             raise ConfigError(
@@ -68,7 +70,7 @@ def drafter_spec(cfg: DictConfig) -> DrafterSpec:
     folder = Path(str(cfg.drafter_dir)).expanduser()
     if not DrafterFolder(folder).exists():
         raise ConfigError(f"drafter_dir={folder} is not a drafter checkpoint (no config.json there)")
-    return read_drafter_spec(folder)  # ours, or a DeepSpec/engine-format folder (translated)
+    return check_drafter_files(folder)  # ours, or a DeepSpec/engine-format folder (translated)
 
 
 def sweep_gamma(cfg: DictConfig, block: int) -> int:

@@ -12,11 +12,11 @@ we cannot represent is refused, never approximated.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ..core.io import read_json
 from . import formats
 from .formats import InteropError
 
@@ -204,20 +204,36 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
     }
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards named by model.safetensors.index.json (never a pickle)."""
-    from safetensors.torch import load_file
-
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json names, each a file in
+    ``folder`` (an index naming a path elsewhere is refused, never followed); never a pickle."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.exists():
-        return load_file(single)
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(folder / shard))
-        return state
-    raise InteropError(f"{folder} has config.json but no model.safetensors (or index); .bin is not read")
+        return [single]
+    if not index.exists():
+        raise InteropError(f"{folder} has config.json but no model.safetensors (or index); .bin is not read")
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InteropError(f"{index} has no weight_map: not a safetensors index")
+    shards = sorted({str(v) for v in weight_map.values()})
+    for name in shards:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise InteropError(f"{index} names the shard {name!r}, not a file in {folder}: refused")
+    return [folder / name for name in shards]
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of weight_files(folder)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        try:
+            state.update(load_file(path))
+        except Exception as err:  # SafetensorError, or an OSError of a missing shard
+            raise InteropError(f"{path} is not a readable safetensors file ({err})") from None
+    return state
 
 
 def _same_rows(name: str, theirs: torch.Tensor, ours: torch.Tensor, folder, target_name) -> None:

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..artifacts import RunFolder  # noqa: E402
+from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
 from .plots import acceptance_by_position_plot, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
@@ -79,7 +80,7 @@ def _save(fig, path: Path) -> Path:
             ax.ticklabel_format(axis="y", useOffset=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -572,7 +573,7 @@ def build_dashboard(
             body.append(f'<p><img src="{rel}" alt="{key}"></p>')
             md_parts.append(f"![{key}]({rel})\n")
         for name, md in tables.items():
-            (out / "tables" / f"{name}.md").write_text(md, encoding="utf-8")
+            atomic_write_text(out / "tables" / f"{name}.md", md)
             body.append(md_to_html(md))
             body.append(f'<p class="meta"><a href="tables/{name}.md">tables/{name}.md</a></p>')
             md_parts.append(md)
@@ -594,8 +595,8 @@ def build_dashboard(
         f"<nav>{nav}</nav>\n" + "\n".join(parts) + "\n</body></html>\n"
     )
     index = out / "index.html"
-    index.write_text(page, encoding="utf-8")
-    (out / "report.md").write_text("\n".join(md_parts), encoding="utf-8")
+    atomic_write_text(index, page)
+    atomic_write_text(out / "report.md", "\n".join(md_parts))
     write_json(out / "dashboard.json", json.loads(json.dumps(data, default=str)))
     return index
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..core.io import atomic_savefig
 from .plots import plt, write_json
 
 __all__ = ["budget_plot", "frontier_plot"]
@@ -69,7 +70,7 @@ def frontier_plot(
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    atomic_savefig(fig, path, dpi=150)
     plt.close(fig)
     write_json(path.with_suffix(".json"), data if data is not None else {"policies": dict(policies)})
     return path
@@ -101,7 +102,7 @@ def budget_plot(
     top.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    atomic_savefig(fig, path, dpi=150)
     plt.close(fig)
     write_json(path.with_suffix(".json"), data if data is not None else {"policies": dict(policies)})
     return path

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..core.io import atomic_write_json, finite  # noqa: E402
+from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
 __all__ = ["acceptance_by_position_plot", "threshold_sweep_plot", "write_json"]
 
@@ -58,7 +58,7 @@ def acceptance_by_position_plot(
     axes[0].set_ylabel("Cond. acceptance")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     write_json(path.with_suffix(".json"), data if data is not None else {"curves": curves})
     return path
@@ -122,7 +122,7 @@ def threshold_sweep_plot(
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     write_json(path.with_suffix(".json"), data if data is not None else {"sweep": sweep})
     return path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import logging
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import DrafterFolder, EvaluationFolder, RunFolder
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AxisError", "Evaluation", "Run", "find_runs", "flatten", "SweepAxis", "sweep_axis"]
 
@@ -212,8 +215,9 @@ def read_run(d: Path) -> Run:
     )
     # Evaluations written inside the run folder (e.g. hydra.run.dir=<run>/eval).
     for res in _results_below(d):
-        if not set(res.relative_to(d).parts[:-1]) & _SKIP_DIRS:
-            run.evaluations.append(read_evaluation(res.parent))
+        inside = set(res.relative_to(d).parts[:-1]) & _SKIP_DIRS
+        if not inside and (ev := _readable(read_evaluation, res.parent)) is not None:
+            run.evaluations.append(ev)
     return run
 
 
@@ -246,6 +250,16 @@ def _walk(d: Path, depth: int, runs: list[Path], evals: list[Path]) -> None:
             _walk(child, depth + 1, runs, evals)
 
 
+def _readable(read, d: Path):
+    """``read(d)``, or None with a warning when the folder cannot be read (a corrupt or half-copied
+    file): one broken run does not take the whole dashboard down."""
+    try:
+        return read(d)
+    except (UserError, OSError, ValueError, csv.Error) as err:
+        log.warning("skipping %s: %s", d, " ".join(str(err).split()))
+        return None
+
+
 def _patterns(spec: str | Sequence[str]) -> list[str]:
     if isinstance(spec, str):
         return [spec]  # one pattern: Hydra multirun folder names contain commas
@@ -267,7 +281,10 @@ def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
             if Path(m).is_dir():
                 _walk(Path(m).resolve(), 0, run_dirs, eval_dirs)
 
-    runs: dict[Path, Run] = {d: read_run(d) for d in dict.fromkeys(run_dirs)}
+    runs: dict[Path, Run] = {}
+    for d in dict.fromkeys(run_dirs):
+        if (run := _readable(read_run, d)) is not None:
+            runs[d] = run
     # Evaluations next to a run (in its parent folder or one level below) join it when they point
     # at its drafter; unlike the folders named in `spec`, a stray neighbour never becomes a run.
     neighbours: list[Path] = []
@@ -278,7 +295,9 @@ def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
     for d in dict.fromkeys([*eval_dirs, *neighbours]):
         if any(d == r or r in d.parents for r in runs):
             continue  # inside a run: read_run has it
-        ev = read_evaluation(d)
+        ev = _readable(read_evaluation, d)
+        if ev is None:
+            continue
         ddir = ev.drafter_dir()
         owner = ddir.parent if ddir is not None else None
         if owner in runs:

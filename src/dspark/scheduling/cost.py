@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import DataError
+
 __all__ = ["CostModel", "CostTableError", "profile"]
 
 _FORMAT = "dspark.cost_model/v1"
 
 
-class CostTableError(ValueError):
-    """A measured table that cannot be a step-time curve."""
+class CostTableError(DataError):
+    """A measured or saved table that cannot be a step-time curve."""
 
 
 def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +234,14 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostModel:
-        return cls.from_json(Path(path).read_text())
+        """A table saved by ``save``; CostTableError when the file holds none."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(data, Mapping):
+                raise TypeError("not a JSON object")
+            return cls.from_dict(data)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise CostTableError(f"not a cost table ({type(err).__name__}: {err})") from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CostModel) and self.to_dict() == other.to_dict()
