@@ -105,3 +105,30 @@ def test_static_cache_hook_equals_the_growing_cache(tiny_target, name, head):
     b = drafter.propose(view, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(a.probs, b.probs)
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_draft_len_samples_the_first_positions_only(tiny_target, name, head):
+    """``draft_len`` cuts a proposal to its first positions, drawn exactly as in the whole block
+    (same uniforms): what an engine verifies of a shorter draft is what the drafter would have
+    proposed there anyway."""
+    drafter = make(tiny_target, name, head).eval()
+    shared, r, ctx = Shared.of(tiny_target), 3, 6
+    g = torch.Generator().manual_seed(4)
+    taps = torch.randn(r, ctx, tiny_target.tap_dim, generator=g)
+    nxt = torch.randint(100, 5000, (r, ctx), generator=g)
+    cache = drafter.new_cache(r, "cpu")
+    pos = torch.arange(ctx).expand(r, -1)
+    drafter.extend_context(cache, taps, pos, torch.ones(r, ctx, dtype=torch.bool), nxt, shared)
+    u = torch.rand(r, drafter.gamma, generator=g)
+    anchors, apos = nxt[:, -1], torch.full((r,), ctx)
+    full = drafter.propose(cache, anchors, apos, shared, 50.0, uniforms=u)
+    for n in range(1, drafter.gamma + 1):
+        cut = drafter.propose(cache, anchors, apos, shared, 50.0, uniforms=u, draft_len=n)
+        assert cut.tokens.shape == (r, n) and cut.probs.shape[:2] == (r, n)
+        assert torch.equal(cut.tokens, full.tokens[:, :n])
+        torch.testing.assert_close(cut.probs, full.probs[:, :n])
+        if full.confidence_logits is not None:
+            torch.testing.assert_close(cut.confidence_logits, full.confidence_logits[:, :n])
+    with pytest.raises(ValueError, match="draft_len"):
+        drafter.propose(cache, anchors, apos, shared, 1.0, uniforms=u, draft_len=drafter.gamma + 1)

@@ -94,7 +94,7 @@ def draft_step_times(
             anchors = torch.randint(0, target.vocab_size, (r,), device=device)
             pos = torch.full((r,), ctx, device=device)
             u = torch.rand(r, drafter.gamma, device=device)
-            step = lambda a=anchors, p=pos, x=u: eng._draft_step(a, p, x)  # noqa: E731
+            step = lambda a=anchors, p=pos, x=u: eng._draft_step(a, p, x, drafter.gamma)  # noqa: E731
             out[r] = median_ms(step, device, warmup, repeats)
             print(f"draft R={r:4d}: {out[r]:8.3f} ms", flush=True)
     return out
