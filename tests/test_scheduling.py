@@ -71,7 +71,7 @@ def algorithm1_reference(conf: torch.Tensor, cost: CostModel) -> list[int]:
     best, chosen = R * cost.sps(R, R), [0] * R
     for r, j in E:
         ell[r] = j + 1
-        B += 1
+        B = R * (1 + max(ell)) if cost.padded else B + 1  # padded: every row as wide as the widest
         tau += a[r][j]
         theta = tau * cost.sps(B, R)
         if theta > best:
@@ -289,6 +289,35 @@ def test_hardware_aware_matches_literal_algorithm1():
             conf = torch.tensor(rng.uniform(0, 1, size=(R, G)))
         cost = random_cost(rng, jagged=it % 3 == 0)
         assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
+
+
+def test_hardware_aware_on_a_padded_engine():
+    """With ``padded`` (rows verified at the widest row's width, as our engines do) Alg. 1 prices
+    its path by the deepest admitted position: the literal transcription agrees, the early stop
+    keeps it lossless, and a saturated step makes it verify nothing where the ragged price would
+    admit a confident row's whole block."""
+    rng = np.random.default_rng(12)
+    ha = HardwareAware()
+    for it in range(150):
+        R, G = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        conf = torch.tensor(
+            rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=(R, G)) if it % 2 else rng.uniform(size=(R, G))
+        )
+        cost = random_cost(rng, jagged=it % 3 == 0)
+        cost.padded = True
+        assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
+    for it in range(30):
+        inst, cost = random_instance(rng, R=2), random_cost(rng, jagged=it % 2 == 1)
+        cost.padded = True
+        laws = exact_output_law(lambda c, cost=cost: ha(c, cost), inst)
+        for r in range(2):
+            np.testing.assert_allclose(laws[r], target_law(inst, r), atol=1e-12)
+    # 8 rows, one confident: a ragged price admits its 4 drafts (4 extra tokens of 12), a padded
+    # one would pay 32 tokens for them.
+    conf = torch.tensor([[0.99] * 4] + [[0.05] * 4] * 7)
+    steep = {8: 4.0, 12: 4.4, 16: 8.0, 40: 30.0}
+    assert ha(conf, CostModel(steep)).tolist() == [4] + [0] * 7
+    assert ha(conf, CostModel(steep, padded=True)).tolist() == [0] * 8
 
 
 def test_hardware_aware_equals_brute_force_when_unimodal():
@@ -634,9 +663,10 @@ def test_cost_draft_lengths_overhead_and_round_time(tmp_path):
     assert cm.step_time(8, 1) == pytest.approx((4.0 + 2.0 + 0.5) * 1e-3)  # Alg. 1: whole block drafted
     back = CostModel.from_json(cm.to_json())
     assert back == cm and back.draft_len_ms == {2: {1: 1.0, 16: 2.0}, 4: {1: 1.5, 16: 3.0}}
-    assert back.overhead_ms == 0.5
+    assert back.overhead_ms == 0.5 and not back.padded
+    assert CostModel.from_json(CostModel({1: 1.0}, padded=True).to_json()).padded
     old = cm.to_dict()
-    del old["draft_len_ms"], old["overhead_ms"]  # a table written before both existed
+    del old["draft_len_ms"], old["overhead_ms"], old["padded"]  # a table written before they existed
     assert CostModel.from_dict(old).round_time(1, 2) == pytest.approx((4.0 + 2.0) * 1e-3)
     with pytest.raises(CostTableError, match=r"draft_len_ms\[2\]"):
         CostModel({1: 1.0}, draft_len_ms={2: {1: 5.0, 8: 1.0}})

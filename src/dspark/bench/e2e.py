@@ -50,6 +50,7 @@ def main(argv=None) -> dict:
 
     from ..artifacts import DrafterFolder
     from ..checkpoints import load_drafter
+    from ..core.io import atomic_write_json
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
     from ..scheduling.cost import CostModel
@@ -73,11 +74,6 @@ def main(argv=None) -> dict:
     prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
     conc = [int(r) for r in args.concurrency.split(",")]
-    rows, goals = compare(
-        target, drafter, names, conc, prompts, temperatures, cost=cost, calibration=calibration,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, engine_kind=args.engine,
-        engine_kw={"compile": args.compile} if args.engine == "fast" else None,
-    )  # fmt: skip
     report = {
         **provenance("dspark.bench.e2e", argv, target.device),
         "target": target.name,
@@ -92,9 +88,19 @@ def main(argv=None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "gamma": gamma,
         "cost_table": None if cost is None else cost.to_dict(),
-        "rows": rows,
-        "goals": goals,
+        "rows": [],
+        "goals": {},
     }
+    for temperature in temperatures:  # the report is rewritten after each: a cut-off run keeps its part
+        rows, goals = compare(
+            target, drafter, names, conc, prompts, [temperature], cost=cost, calibration=calibration,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, engine_kind=args.engine,
+            engine_kw={"compile": args.compile} if args.engine == "fast" else None,
+        )  # fmt: skip
+        report["rows"] += rows
+        report["goals"].update(goals)
+        atomic_write_json(args.out, report)
+    rows, goals = report["rows"], report["goals"]
     nan = float("nan")
     publish(
         args.out,

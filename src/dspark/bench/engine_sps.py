@@ -45,6 +45,7 @@ def _parse(argv):
 def main(argv=None) -> dict:
     import sys
 
+    from ..core.io import atomic_write_json
     from ..core.provenance import provenance
     from ..scheduling.cost import CostModel
     from ..target import load_target
@@ -69,31 +70,40 @@ def main(argv=None) -> dict:
     results = verify_step_times(
         target, widths, sizes, ctx, max_rows=args.max_rows, hf=not args.no_hf, compile=args.compile, **timing
     )
-    meta = {"compiled": args.compile if args.compile is not None else target.device.type == "cuda"}
-    cost = CostModel(cost_curve(results, widths), context_len=ctx)
-    if args.drafter_dir:
-        drafter = load_served_drafter(target, args.drafter_dir)
-        rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths + [drafter.gamma + 1])
-        lengths = draft_step_times(target, drafter, rows_all, ctx, cap, compile=args.compile, **timing)
-        meta.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
-        cost = CostModel(
-            cost.verify_ms, draft_ms=lengths[drafter.gamma], draft_len_ms=lengths, context_len=ctx
-        )
-        if args.overhead:
-            meta["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
-            cost.overhead_ms = meta["round_overhead"]["overhead_ms"]
-        if args.draft_parts:
-            parts = [int(r) for r in args.draft_parts.split(",")]
-            meta["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
     report = {
         **provenance("dspark.bench.engine_sps", argv, target.device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,
+        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "drafter": args.drafter_dir,
-        **meta,
         "rows": results,
     }
+    cost = CostModel(cost_curve(results, widths), context_len=ctx, padded=True)  # our engines pad rows
+
+    def save() -> None:  # after each stage: a run cut off later keeps what it measured
+        atomic_write_json(args.out, report)
+        if args.cost_table:
+            cost.meta = {k: v for k, v in report.items() if k not in ("rows", "draft_len_ms", "draft_ms")}
+            cost.meta["source"] = "python -m dspark.bench.engine_sps (running max)"
+            cost.save(args.cost_table)
+
+    save()
+    if args.drafter_dir:
+        drafter = load_served_drafter(target, args.drafter_dir)
+        rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths + [drafter.gamma + 1])
+        lengths = draft_step_times(target, drafter, rows_all, ctx, cap, compile=args.compile, **timing)
+        report.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
+        full = lengths[drafter.gamma]  # the whole block
+        cost = CostModel(cost.verify_ms, draft_ms=full, draft_len_ms=lengths, context_len=ctx, padded=True)
+        save()
+        if args.overhead:
+            report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
+            cost.overhead_ms = report["round_overhead"]["overhead_ms"]
+            save()
+        if args.draft_parts:
+            parts = [int(r) for r in args.draft_parts.split(",")]
+            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
     nan = float("nan")
     publish(
         args.out,
@@ -106,10 +116,7 @@ def main(argv=None) -> dict:
             for r in results
         ],
     )  # fmt: skip
-    if args.cost_table:
-        cost.meta = {k: v for k, v in report.items() if k not in ("rows", "draft_len_ms", "draft_ms")}
-        cost.meta["source"] = "python -m dspark.bench.engine_sps (running max)"
-        cost.save(args.cost_table)
+    save()
     return report
 
 

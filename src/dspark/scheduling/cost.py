@@ -109,6 +109,9 @@ class CostModel:
             are interpolated, a length beyond them costs the longest one's time.
         overhead_ms: host time of a drafting round that the step timings miss (its policy and
             bookkeeping when they are not hidden behind the device's work), per round.
+        padded: the engine verifies rows padded to the widest (ours do), so a step over R rows of
+            at most ℓ drafts costs ``T_verify(R · (1 + ℓ))``, not ``T_verify(R + Σℓ)`` (a ragged
+            kernel's); Algorithm 1 then prices its path by the deepest admitted position.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class CostModel:
         monotone_tol: float = 0.05,
         draft_len_ms: Mapping[int, Mapping[int, float]] | None = None,
         overhead_ms: float = 0.0,
+        padded: bool = False,
     ) -> None:
         if not 0.0 <= monotone_tol < 1.0:
             raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
@@ -140,6 +144,7 @@ class CostModel:
                 for m, table in sorted(zip(lengths, draft_len_ms.values()))
             }
         self.overhead_ms = float(overhead_ms)
+        self.padded = bool(padded)
         self.context_len = None if context_len is None else int(context_len)
         self.meta = dict(meta or {})
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``)
@@ -277,6 +282,7 @@ class CostModel:
             if self._dl is None
             else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.draft_len_ms.items()},
             "overhead_ms": self.overhead_ms,
+            "padded": self.padded,
             "context_len": self.context_len,
             "monotone_tol": self.monotone_tol,
             "meta": self.meta,
@@ -297,6 +303,7 @@ class CostModel:
             monotone_tol=d.get("monotone_tol", 0.05),
             draft_len_ms=d.get("draft_len_ms"),
             overhead_ms=d.get("overhead_ms") or 0.0,
+            padded=bool(d.get("padded", False)),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -328,6 +335,7 @@ class CostModel:
             f"CostModel({len(b)} points, B={int(b[0])}..{int(b[-1])}, "
             f"draft={'yes' if self._d is not None else 'no'}, "
             f"draft lengths={sorted(self._dl) if self._dl else 'no'}, overhead={self.overhead_ms} ms, "
+            f"{'padded' if self.padded else 'ragged'}, "
             f"context_len={self.context_len})"
         )
 

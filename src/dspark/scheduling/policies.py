@@ -102,12 +102,18 @@ def admission_order(confidences: Tensor, keep_dead: bool = False) -> tuple[Tenso
     return order % R, order // R + 1, a_sorted
 
 
-def throughput_path(a_sorted: Tensor, R: int, cost: CostModel) -> Tensor:
+def throughput_path(a_sorted: Tensor, R: int, cost: CostModel, j: Tensor | None = None) -> Tensor:
     """Θ along the greedy path: entry ``n`` is the expected token throughput with the first ``n``
-    sorted candidates admitted, ``(R + sum a) * SPS(R + n)``; entry 0 is ``R * SPS(R)``. Priced
-    on ``a_sorted``'s device (``CostModel.verify_table``), the same arithmetic as ``cost.sps``."""
+    sorted candidates admitted, ``(R + sum a) * SPS(B_n)``; entry 0 is ``R * SPS(R)``. ``B_n = R +
+    n``, or with a ``padded`` cost model (an engine that pads rows to the widest) and the
+    candidates' positions ``j``, ``R · (1 + the deepest admitted j)``. Priced on ``a_sorted``'s
+    device (``CostModel.verify_table``), the same arithmetic as ``cost.sps``."""
     n = a_sorted.numel()
-    ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
+    if cost.padded and j is not None and n:
+        width = torch.cat([j.new_zeros(1), torch.cummax(j, 0).values])  # j <= n: a bound without a read-back
+        ms = cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
+    else:
+        ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
     if cost.draft_ms is not None:
         ms = ms + float(cost._draft_ms(R))
     if cost.overhead_ms:
@@ -154,14 +160,14 @@ def _search_budget(confidences: Tensor, cost: CostModel) -> Tensor:
     a 0-d tensor on the confidences' device."""
     if _empty(confidences) is not None:
         return torch.zeros((), dtype=torch.long, device=confidences.device)
-    _, _, a_sorted = admission_order(confidences, keep_dead=True)
-    return torch.argmax(_live_path(a_sorted, confidences.shape[0], cost))
+    _, j, a_sorted = admission_order(confidences, keep_dead=True)
+    return torch.argmax(_live_path(a_sorted, j, confidences.shape[0], cost))
 
 
-def _live_path(a_sorted: Tensor, R: int, cost: CostModel) -> Tensor:
+def _live_path(a_sorted: Tensor, j: Tensor, R: int, cost: CostModel) -> Tensor:
     """``throughput_path`` over an order that keeps dead candidates: admitting one is never an
     improvement (Alg. 1 line 4 drops them), so their Θ is -inf."""
-    theta = throughput_path(a_sorted, R, cost)
+    theta = throughput_path(a_sorted, R, cost, j)
     return torch.cat([theta[:1], torch.where(a_sorted > 0, theta[1:], -torch.inf)])
 
 
@@ -283,7 +289,7 @@ class HardwareAware(Policy):
             return e
         R = confidences.shape[0]
         rows, j, a_sorted = admission_order(confidences, keep_dead=True)
-        theta = _live_path(a_sorted, R, cost)
+        theta = _live_path(a_sorted, j, R, cost)
         # Θ_best is always the previous path entry until the break, so the number admitted is
         # the length of the leading run of strict improvements (a dead candidate never is one).
         improving = theta[1:] > theta[:-1]
@@ -309,7 +315,7 @@ class Retrospective(Policy):
             return e
         R = confidences.shape[0]
         rows, j, a_sorted = admission_order(confidences, keep_dead=True)
-        n = torch.argmax(_live_path(a_sorted, R, cost))  # first max: fewest tokens on ties
+        n = torch.argmax(_live_path(a_sorted, j, R, cost))  # first max: fewest tokens on ties
         return _lengths_from_prefix(rows, j, n, R, self.check)
 
 
