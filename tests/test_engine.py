@@ -613,6 +613,11 @@ def test_round_statistics():
         },
     ]
     assert conditional_acceptance(rows, 4) == [2 / 3, 1.0, 0.5, 1.0]
+    # A round that drafted fewer positions (draft_aware) or none carries no whole block: left out.
+    short = {"accepted": 1, "proposed": 2, "confidence_logits": [0.0] * 2, "confidence": [0.9, 0.9]}
+    plain = {"accepted": 0, "proposed": 0, "confidence_logits": None, "confidence": None}
+    assert calibration_arrays(rows + [short, plain])[0].shape == (3, 4)
+    assert threshold_sweep(rows + [short, plain], [0.5])[0]["rounds"] == 3
     z, y, valid = calibration_arrays(rows)
     assert y.tolist()[0] == [1, 1, 0, 0] and bool(valid.all())
     sweep = {r["threshold"]: r for r in threshold_sweep(rows, [0.0, 0.5])}

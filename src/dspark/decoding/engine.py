@@ -700,6 +700,14 @@ def _get(rec, key):
     return rec[key] if isinstance(rec, dict) else getattr(rec, key)
 
 
+def _whole_blocks(records: Iterable) -> list:
+    """The rounds that carry confidences for the whole block (a round that drafted fewer
+    positions, or none, says nothing about the rest)."""
+    recs = [r for r in records if _get(r, "confidence_logits") is not None]
+    gamma = max((len(_get(r, "confidence_logits")) for r in recs), default=0)
+    return [r for r in recs if len(_get(r, "confidence_logits")) == gamma]
+
+
 def tau(records: Iterable) -> float | None:
     """Mean accepted + 1 per round (None without rounds)."""
     recs = list(records)
@@ -723,12 +731,10 @@ def calibration_arrays(records: Iterable) -> tuple[Tensor, Tensor, Tensor]:
     """(confidence logits [N, γ], prefix-acceptance labels y_k = 1[n >= k], valid = k <= ℓ) from the
     rounds that carry confidence logits: the rollout input of ``calibration.sts.fit_sts``."""
     z, n, ell = [], [], []
-    for r in records:
-        logits = _get(r, "confidence_logits")
-        if logits is not None:
-            z.append(logits)
-            n.append(_get(r, "accepted"))
-            ell.append(_get(r, "proposed"))
+    for r in _whole_blocks(records):
+        z.append(_get(r, "confidence_logits"))
+        n.append(_get(r, "accepted"))
+        ell.append(_get(r, "proposed"))
     if not z:
         raise ValueError("no round carries confidence logits (the drafter has no confidence head)")
     logits = torch.tensor(z, dtype=torch.float32)
@@ -744,7 +750,7 @@ def threshold_sweep(records: Iterable, thresholds: Sequence[float], calibrated: 
     rejected draft tokens. Exact from recorded rounds because acceptance of position k does not
     depend on how many positions follow it; rounds are cut at their recorded ℓ (a fixed-γ run
     records the full block). ``calibrated`` uses σ(z/T) as recorded, else raw σ(z)."""
-    recs = [r for r in records if _get(r, "confidence_logits") is not None]
+    recs = _whole_blocks(records)
     if not recs:
         raise ValueError("no round carries confidences: the threshold sweep needs a confidence head")
     if calibrated:
