@@ -366,7 +366,7 @@ class Engine:
                 # request one token short of its budget surely ends in round t - 1: when all do,
                 # round t would be void and is not launched.
                 launched = None
-                if any(item.finish is None and not (pending and item.due()) for item in live):
+                if any(item.finish is None and not (pending is not None and item.due()) for item in live):
                     launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
                     step += 1
                 if pending is not None:

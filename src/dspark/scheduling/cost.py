@@ -178,12 +178,10 @@ class CostModel:
         if np.any(b <= 0):
             raise ValueError(f"batch size must be positive, got {B!r}")
         ms = _interp(self._vx, self._vy, b)
-        if self._d is not None:
-            if R is None:
-                raise ValueError("this cost model has a draft table; pass R (active requests)")
-            ms = ms + self._draft_ms(R)
-        if self.overhead_ms:
-            ms = ms + self.overhead_ms
+        if self._d is not None and R is None:
+            raise ValueError("this cost model has a draft table; pass R (active requests)")
+        if self._d is not None or self.overhead_ms:
+            ms = ms + self.fixed_ms(R)
         s = ms * 1e-3
         return float(s) if scalar else s
 
@@ -191,6 +189,11 @@ class CostModel:
         """Rounds (target steps) per second: ``1 / step_time(B, R)``."""
         t = self.step_time(B, R)
         return 1.0 / t
+
+    def fixed_ms(self, R):
+        """What a drafting round costs whatever it verifies: the whole block's draft step at ``R``
+        (when profiled) plus the overhead, in ms."""
+        return (0.0 if self._d is None else self._draft_ms(R)) + self.overhead_ms
 
     def _draft_ms(self, R, drafted: int | None = None):
         r = np.asarray(R, dtype=np.float64)

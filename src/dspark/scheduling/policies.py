@@ -114,10 +114,8 @@ def throughput_path(a_sorted: Tensor, R: int, cost: CostModel, j: Tensor | None 
         ms = cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
     else:
         ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
-    if cost.draft_ms is not None:
-        ms = ms + float(cost._draft_ms(R))
-    if cost.overhead_ms:
-        ms = ms + cost.overhead_ms
+    if cost.draft_ms is not None or cost.overhead_ms:
+        ms = ms + float(cost.fixed_ms(R))
     sps = 1.0 / (ms * 1e-3)
     tau = R + torch.cat([a_sorted.new_zeros(1), torch.cumsum(a_sorted, 0)])
     return tau * sps
