@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_engine import Cycling, make_drafter, prompts_for
 
+from dspark.core.types import Shared
 from dspark.decoding.engine import Engine, Request
 from dspark.decoding.fast_engine import FastEngine
 from dspark.decoding.graphs import bucket_for
@@ -225,8 +226,12 @@ def test_unsupported_architecture_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["fixed", "cycling", "draft_aware", "hardware_aware"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cuda_graphs_reproduce_eager(small_target, temperature):
+def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
+    """Under every kind of choice (the whole block, draft graphs per drafted length and plain
+    rounds, a width read back): graph replay == the eager static path (== the plain engine at T = 0),
+    and every round is timed on the device."""
     t = small_target.to("cuda")
     try:
         drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0].to("cuda")
@@ -234,10 +239,15 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         reqs = [
             Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [4, 31, 12, 22, 2, 17, 26, 9, 14])
         ]
-        kw = dict(temperature=temperature, concurrency=5, eos_token_ids=(), seed=7, compile=False)
-        gen = lambda **x: torch.Generator("cuda").manual_seed(7)  # noqa: E731
-        eager = FastEngine(t, drafter, graphs=False, generator=gen(), **kw).generate(reqs)
-        graphed_engine = FastEngine(t, drafter, graphs=True, generator=gen(), **kw)
+
+        def engine(cls, **kw):
+            pol = Cycling() if policy == "cycling" else build_policy(policy)
+            gen = torch.Generator("cuda").manual_seed(7)
+            common = dict(temperature=temperature, concurrency=5, eos_token_ids=(), cost=POLICY_COST)
+            return cls(t, drafter, pol, generator=gen, **common, **kw)
+
+        eager = engine(FastEngine, graphs=False, compile=False).generate(reqs)
+        graphed_engine = engine(FastEngine, graphs=True, compile=False)
         # Capture every graph first (target steps before draft steps): a draft step's outputs
         # must survive the target step replayed after it (they once shared a memory pool).
         graphed_engine.prepare(reqs)
@@ -245,8 +255,10 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         assert len(graphed_engine.bank) > 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
         assert [r.accepted for r in graphed.rounds] == [r.accepted for r in eager.rounds]
+        assert [s["drafted"] for s in graphed.steps] == [s["drafted"] for s in eager.steps]
+        assert all(s["gpu_ms"] > 0 and s["ms"] >= 0.99 * s["gpu_ms"] for s in graphed.steps)
         if temperature == 0:
-            plain = Engine(t, drafter, generator=gen(), **kw).generate(reqs)
+            plain = engine(Engine).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
     finally:
         small_target.to("cpu")
@@ -272,37 +284,6 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
         graphed = graphed_engine.generate(reqs)
         assert len(graphed_engine.bank) >= 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
-    finally:
-        small_target.to("cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["cycling", "draft_aware", "hardware_aware"])
-def test_cuda_graphs_reproduce_eager_under_policies(small_target, policy):
-    """Draft graphs per drafted length and plain rounds (no draft) replay as the eager path runs."""
-    t = small_target.to("cuda")
-    try:
-        drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0].to("cuda")
-        prompts = prompts_for(t, 9, seed=23)
-        reqs = [
-            Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [4, 31, 12, 22, 2, 17, 26, 9, 14])
-        ]
-        kw = dict(temperature=1.0, concurrency=5, eos_token_ids=(), seed=7, cost=POLICY_COST, compile=False)
-
-        def run(graphs: bool):
-            pol = Cycling() if policy == "cycling" else build_policy(policy)
-            eng = FastEngine(
-                t, drafter, pol, graphs=graphs, generator=torch.Generator("cuda").manual_seed(7), **kw
-            )
-            if graphs:
-                eng.prepare(reqs)
-            return eng.generate(reqs)
-
-        eager, graphed = run(False), run(True)
-        assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
-        assert [s["drafted"] for s in graphed.steps] == [s["drafted"] for s in eager.steps]
-        assert all(s["gpu_ms"] > 0 and s["ms"] >= s["gpu_ms"] * 0.99 for s in graphed.steps)
     finally:
         small_target.to("cpu")
 
@@ -349,19 +330,30 @@ def test_rounds_launch_without_a_host_sync(small_target, policy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_drafter_matches_eager(small_target):
-    """``compile_inference``: the draft step through torch.compile'd layers, inside the engine's
-    graphs, proposes what the eager layers propose (greedy tokens; probabilities to rounding)."""
+    """``compile_inference``: proposals through torch.compile'd layers equal the eager ones to
+    rounding, and the fast engine runs its captured rounds with target and drafter compiled."""
     t = small_target.to("cuda")
     try:
         drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0].to("cuda")
+        shared, g = Shared.of(t), torch.Generator("cuda").manual_seed(5)
+        cache = drafter.new_cache(3, "cuda")
+        taps = torch.randn(3, 10, t.tap_dim, device="cuda", generator=g)
+        nxt = torch.randint(4, 256, (3, 10), device="cuda", generator=g)
+        pos = torch.arange(10, device="cuda").expand(3, -1)
+        u = torch.rand(3, 4, device="cuda", generator=g)
+        with torch.inference_mode():
+            drafter.extend_context(
+                cache, taps, pos, torch.ones(3, 10, dtype=torch.bool, device="cuda"), nxt, shared
+            )
+            args = (cache, nxt[:, -1], torch.full((3,), 10, device="cuda"), shared, 1.0)
+            eager = drafter.propose(*args, uniforms=u)
+            drafter.compile_inference()
+            fused = drafter.propose(*args, uniforms=u)
+        torch.testing.assert_close(fused.probs, eager.probs, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fused.confidence_logits, eager.confidence_logits, atol=1e-4, rtol=1e-4)
         prompts = prompts_for(t, 4, seed=25)
-        kw = dict(temperature=0.0, concurrency=4, eos_token_ids=(), seed=3, max_new_tokens=16)
-        eager = FastEngine(t, drafter, compile=False, **kw).generate(prompts)
-        compiled_drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0].to("cuda")
-        fused = FastEngine(t, compiled_drafter, compile=True, **kw)
-        assert compiled_drafter._inference_layers is not None
-        fused = fused.generate(prompts)
-        assert [g.tokens for g in fused.generations] == [g.tokens for g in eager.generations]
-        assert [r.accepted for r in fused.rounds] == [r.accepted for r in eager.rounds]
+        kw = dict(temperature=0.0, concurrency=4, eos_token_ids=(), max_new_tokens=16)
+        res = FastEngine(t, drafter, compile=True, **kw).generate(prompts)
+        assert [len(g.tokens) for g in res.generations] == [16] * 4 and res.steps
     finally:
         small_target.to("cpu")
