@@ -12,7 +12,8 @@
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
 # Writes 8 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
 # cost_table.json, e2e.json, fig7_T0.png/.json, fig7_T1.png/.json. Each stage has its own time
-# limit and writes what it measured as it goes, so a slow stage never costs the next ones.
+# limit (90 + 130 + 250 + 2 x 20 s at most, ~6-7 min expected) and writes what it measured as it
+# goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -31,23 +32,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 [ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 
 stage "GPU tests of the engine"
-timeout 100 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
+timeout 90 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
   -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
 
 stage "cost table"
-timeout 140 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --repeats 20 \
+timeout 130 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
   --drafter-dir "$DRAFTER" --overhead --draft-parts 1,16,64,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -40
 
 stage "end to end"
-timeout 260 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
+timeout 250 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
   --concurrency 1,16,64,256 --max-new-tokens 128 --temperature 0,1 \
   --policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table "$OUT/cost_table.json" \
   --out "$OUT/e2e.json" 2>&1 | quiet | tail -60
 
 stage "measured frontier"
 for t in 0 1; do
-  timeout 30 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e.json" e2e_temperature=$t \
+  timeout 20 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e.json" e2e_temperature=$t \
     out_dir="$WORK/frontier_T$t" hydra.run.dir="$WORK/hydra" 2>&1 | quiet | tail -8 &&
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
     cp "$WORK/frontier_T$t/fig7_frontier.json" "$OUT/fig7_T$t.json"
