@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
             print(
                 f"T={temperature} R={c['concurrency']}: best per user {c['best_per_user']} "
                 f"{c['best_speedup_per_user']:.2f}x, best aggregate {c['best_throughput']} "
-                f"{c['best_speedup_throughput']:.2f}x (>= 0.98x: {c['floor_met']}), hardware_aware >= "
+                f"{c['best_speedup_throughput']:.2f}x, best on both {c['best_on_both']} "
+                f"{c['best_on_both_speedup']:.2f}x (>= 0.98x: {c['floor_met']}), hardware_aware >= "
                 f"every fixed: {c.get('hardware_aware_beats_fixed', 'n/a')}"
             )
     return report

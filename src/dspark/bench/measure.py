@@ -142,9 +142,10 @@ def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> l
 
 
 def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
-    """Per concurrency, from ``speedup_rows``: the best policy per user and in aggregate against
-    target-only (the issue's floor: >= ``floor`` x both), and whether ``hardware_aware`` matches or
-    beats every fixed-length policy (``fixed``, ``fixed_<g>``, ``mtp1``) in both."""
+    """Per concurrency, from ``speedup_rows``: the best policy per user, in aggregate, and on both
+    at once against target-only (the issue's floor: one policy >= ``floor`` x on both), and whether
+    ``hardware_aware`` matches or beats every fixed-length policy (``fixed``, ``fixed_<g>``,
+    ``mtp1``) in both."""
     out = []
     for R in sorted({r["concurrency"] for r in rows}):
         runs = {
@@ -152,16 +153,23 @@ def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
         }
         if not runs:
             continue
+
+        worse = {
+            n: min(r["speedup_per_user"], r["speedup_throughput"]) for n, r in runs.items()
+        }  # weaker axis
         user = max(runs, key=lambda n: runs[n]["speedup_per_user"])
         agg = max(runs, key=lambda n: runs[n]["speedup_throughput"])
+        both = max(worse, key=worse.get)
         check = {
             "concurrency": R,
             "best_per_user": user,
             "best_speedup_per_user": runs[user]["speedup_per_user"],
             "best_throughput": agg,
             "best_speedup_throughput": runs[agg]["speedup_throughput"],
+            "best_on_both": both,
+            "best_on_both_speedup": worse[both],
+            "floor_met": worse[both] >= floor,  # one policy at >= floor x per user and in aggregate
         }
-        check["floor_met"] = min(check["best_speedup_per_user"], check["best_speedup_throughput"]) >= floor
         fixed = [n for n in runs if n == "fixed" or n == "mtp1" or n.startswith("fixed_")]
         if "hardware_aware" in runs and fixed:
             ha = runs["hardware_aware"]
