@@ -16,7 +16,8 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "rnn")
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
-         "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "target=tiny"]
+         "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "--overhead",
+         "--draft-parts", "1,2", "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -33,28 +34,44 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     assert all(t <= 1.05 * later for i, t in enumerate(times) for later in times[i + 1 :]), times
     assert sorted(int(r) for r in saved["draft_ms"]) == [1, 2, 4, 8]  # every row count measured
     assert sorted(model.draft_ms) == [1, 2, 4, 8] and all(v > 0 for v in model.draft_ms.values())
+    # ... per drafted length too (γ = 4 in the saved drafter), the whole block being draft_ms.
+    assert sorted(model.draft_len_ms) == [1, 2, 3, 4] and model.draft_len_ms[4] == model.draft_ms
+    assert saved["compiled"] is False  # CPU: the fast path stays eager
+    over = saved["round_overhead"]
+    assert over["drafting_round_ms"] > 0 and over["plain_round_ms"] > 0
+    assert model.overhead_ms == over["overhead_ms"] >= 0
+    assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
+    for part in saved["draft_parts"]:
+        assert all(v > 0 for k, v in part.items() if k.endswith("_ms"))
 
 
 def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
     drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
     bench = _bench(tmp_path / "bench")
-    out = tmp_path / "e2e.json"
+    out, cost = tmp_path / "e2e.json", tmp_path / "cost.json"
+    # Drafting never pays on this table: draft_aware runs plain decoding rounds.
+    CostModel({1: 1.0, 2: 2.0, 3: 4.0, 16: 64.0}, draft_ms={1: 5.0}).save(cost)
     e2e.main(
         ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2",
-         "--concurrency", "1,2", "--max-new-tokens", "4", "--policies", "fixed,mtp1",
-         "--out", str(out), "target=tiny"]
+         "--concurrency", "1,2", "--max-new-tokens", "4", "--policies", "fixed,mtp1,draft_aware",
+         "--temperature", "0,1", "--cost-table", str(cost), "--out", str(out), "target=tiny"]
     )  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["run"], r["concurrency"]) for r in rows] == [
-        ("target_only", 1), ("dspark/fixed", 1), ("dspark/mtp1", 1),
-        ("target_only", 2), ("dspark/fixed", 2), ("dspark/mtp1", 2),
-    ]  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    runs = ["target_only", "dspark/fixed", "dspark/mtp1", "dspark/draft_aware"]
+    assert [(r["temperature"], r["run"], r["concurrency"]) for r in rows] == [
+        (t, run, R) for t in (0.0, 1.0) for R in (1, 2) for run in runs
+    ]
     for r in rows:
-        assert r["throughput"] > 0 and r["tau"] >= 1
+        assert r["throughput"] > 0 and r["tau"] >= 1 and r["rounds"] > 0 and r["ms_per_round"] > 0
         if r["run"] == "target_only":
             assert r["tau"] == 1
         else:
             assert r["speedup_per_user"] > 0
+        want = {"target_only": 0, "dspark/fixed": 4, "dspark/mtp1": 1, "dspark/draft_aware": 0}[r["run"]]
+        assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
+    assert report["cost_table"] == CostModel.load(cost).to_dict()
+    assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
 
 
 # Qwen3's template in miniature: the thinking switch changes the prompt the target sees.

@@ -61,18 +61,24 @@ def _cfg(name, head):
     return d, h
 
 
-@pytest.mark.parametrize("name,head", CASES)
-def test_propose_takes_uniforms_in_place_of_the_generator(tiny_target, name, head):
-    """One signature for all: explicit uniforms reproduce the generator's draws exactly."""
-    drafter = make(tiny_target, name, head).eval()
-    shared, r, ctx = Shared.of(tiny_target), 3, 6
-    g = torch.Generator().manual_seed(1)
-    taps = torch.randn(r, ctx, tiny_target.tap_dim, generator=g)
+def _with_context(target, name, head, seed, r=3, ctx=6):
+    """A drafter whose cache holds ``ctx`` random context positions of ``r`` requests, and the
+    anchors and positions to propose from."""
+    drafter = make(target, name, head).eval()
+    shared, g = Shared.of(target), torch.Generator().manual_seed(seed)
+    taps = torch.randn(r, ctx, target.tap_dim, generator=g)
     nxt = torch.randint(100, 5000, (r, ctx), generator=g)
     cache = drafter.new_cache(r, "cpu")
     pos = torch.arange(ctx).expand(r, -1)
     drafter.extend_context(cache, taps, pos, torch.ones(r, ctx, dtype=torch.bool), nxt, shared)
-    anchors, apos, hot = nxt[:, -1], torch.full((r,), ctx), 50.0  # hot: flat enough that u matters
+    return drafter, shared, cache, nxt[:, -1], torch.full((r,), ctx)
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_propose_takes_uniforms_in_place_of_the_generator(tiny_target, name, head):
+    """One signature for all: explicit uniforms reproduce the generator's draws exactly."""
+    drafter, shared, cache, anchors, apos = _with_context(tiny_target, name, head, seed=1)
+    r, hot = anchors.shape[0], 50.0  # hot: flat enough that u matters
     drawn = drafter.propose(cache, anchors, apos, shared, hot, torch.Generator().manual_seed(7))
     u = torch.rand(r, drafter.gamma, generator=torch.Generator().manual_seed(7))
     given = drafter.propose(cache, anchors, apos, shared, hot, uniforms=u)
@@ -105,3 +111,23 @@ def test_static_cache_hook_equals_the_growing_cache(tiny_target, name, head):
     b = drafter.propose(view, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(a.probs, b.probs)
+
+
+@pytest.mark.parametrize("name,head", CASES)
+def test_draft_len_samples_the_first_positions_only(tiny_target, name, head):
+    """``draft_len`` cuts a proposal to its first positions, drawn exactly as in the whole block
+    (same uniforms): what an engine verifies of a shorter draft is what the drafter would have
+    proposed there anyway."""
+    drafter, shared, cache, anchors, apos = _with_context(tiny_target, name, head, seed=4)
+    r = anchors.shape[0]
+    u = torch.rand(r, drafter.gamma, generator=torch.Generator().manual_seed(5))
+    full = drafter.propose(cache, anchors, apos, shared, 50.0, uniforms=u)
+    for n in range(1, drafter.gamma + 1):
+        cut = drafter.propose(cache, anchors, apos, shared, 50.0, uniforms=u, draft_len=n)
+        assert cut.tokens.shape == (r, n) and cut.probs.shape[:2] == (r, n)
+        assert torch.equal(cut.tokens, full.tokens[:, :n])
+        torch.testing.assert_close(cut.probs, full.probs[:, :n])
+        if full.confidence_logits is not None:
+            torch.testing.assert_close(cut.confidence_logits, full.confidence_logits[:, :n])
+    with pytest.raises(ValueError, match="draft_len"):
+        drafter.propose(cache, anchors, apos, shared, 1.0, uniforms=u, draft_len=drafter.gamma + 1)

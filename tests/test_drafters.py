@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import load_group
 
+from dspark.core.sampling import sample_from
 from dspark.core.types import Shared, TargetDims
 from dspark.drafters import build_drafter
 from dspark.drafters.dflash import block_targets, packed_block_mask, packed_block_sparsity, sample_anchors
@@ -154,6 +155,9 @@ def test_sampling_probabilities_are_exact(tiny_target, head):
     torch.testing.assert_close(prop.probs, torch.softmax(logits.float(), -1), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(prop.confidence_logits, conf, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(3, drafter.gamma), rtol=0, atol=1e-4)
+    # The fused sampler draws by the shared convention (inverse CDF of the returned probs).
+    u = torch.rand(3, drafter.gamma, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(prop.tokens, sample_from(prop.probs, u))
 
 
 def test_rnn_state_carries(tiny_target):

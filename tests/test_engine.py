@@ -39,7 +39,7 @@ from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
 from dspark.drafters import Drafter, build_drafter
 from dspark.scheduling.cost import CostModel
-from dspark.scheduling.policies import Fixed, Threshold, build_policy
+from dspark.scheduling.policies import DraftAware, Fixed, Threshold, build_policy
 
 try:
     from scipy.stats import chi2 as _chi2
@@ -99,12 +99,22 @@ class Oracle(Drafter):
         cache.extra["hist"][rows, cache.length[rows] + cols] = next_tokens[rows, cols]
         cache.length = cache.length + valid.sum(1)
 
-    def propose(self, cache, anchor_tokens, anchor_pos, shared, temperature, generator=None, uniforms=None):
-        r, g = anchor_tokens.shape[0], self.gamma
+    def propose(
+        self,
+        cache,
+        anchor_tokens,
+        anchor_pos,
+        shared,
+        temperature,
+        generator=None,
+        uniforms=None,
+        draft_len=None,
+    ):
+        r, g = anchor_tokens.shape[0], draft_len or self.gamma
         assert torch.equal(cache.length, anchor_pos)
-        u = torch.rand(r, g, generator=generator) if uniforms is None else uniforms
-        flip = torch.rand(r, g, generator=generator)
-        rnd = torch.randint(0, self.target.vocab_size, (r, g), generator=generator)
+        u = torch.rand(r, self.gamma, generator=generator) if uniforms is None else uniforms
+        flip = torch.rand(r, self.gamma, generator=generator)
+        rnd = torch.randint(0, self.target.vocab_size, (r, self.gamma), generator=generator)
         lens, rows = cache.length, torch.arange(r)
         assert torch.equal(cache.extra["hist"][rows, lens - 1], anchor_tokens)
         bos = torch.full((r, 1), BOS, dtype=torch.long)
@@ -124,6 +134,26 @@ class Oracle(Drafter):
             toks.append(t)
             probs.append(p)
         return Proposal(tokens=torch.stack(toks, 1), probs=torch.stack(probs, 1), confidence_logits=None)
+
+
+class Cycling(Fixed):
+    """A test policy whose draft length changes every round with the outcomes seen so far (never
+    with the round's own draft): 0 (a plain decoding round), then 1..γ positions."""
+
+    name = "cycling"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.seen = 0
+
+    def draft_length(self, rows, gamma, cost=None):
+        return self.seen % (gamma + 1)
+
+    def observe_round(self, lengths, accepted):
+        self.seen += 1 + int(accepted.sum()) % 2
+
+    def reset(self):
+        self.seen = 0
 
 
 def prompts_for(target, n, seed=0, lo=3, hi=9):
@@ -280,18 +310,22 @@ def stat_prompt(small_target):
     return [BOS, 57, 3, 201, 90]
 
 
-def _first_three(target, drafter, prompt, seed, gamma=4):
+def _first_three(target, drafter, prompt, seed, policy=None, concurrency=N_SAMPLES, cost=None):
     eng = Engine(
         target,
         drafter,
-        Fixed(None) if drafter is not None else None,
+        policy or (Fixed(None) if drafter is not None else None),
         temperature=1.0,
-        concurrency=N_SAMPLES,
+        concurrency=concurrency,
         max_new_tokens=3,
         eos_token_ids=(),
         seed=seed,
+        cost=cost,
     )
     res = eng.generate([prompt] * N_SAMPLES)
+    if policy is not None:
+        eng.drafted = [s["drafted"] for s in res.steps]
+        _first_three.last = eng
     accepted = sum(r.accepted for r in res.rounds)
     return [tuple(g.tokens) for g in res.generations], accepted / max(len(res.rounds), 1)
 
@@ -320,6 +354,35 @@ def test_speculative_sampling_is_lossless(small_target, stat_prompt, exact, kind
     assert_matches(samples, exact, N_SAMPLES, kind)
     if kind == "oracle":
         assert mean_acc > 0.5, "the oracle drafter should be accepted often (else the test is weak)"
+
+
+# 500 rows: verifying is flat up to 3 tokens per row and steep past it, so DraftAware drafts 2 of 4
+# positions while it knows nothing, then what the observed acceptance makes pay (0: plain rounds).
+DRAFT_AWARE_COST = CostModel({500: 10.0, 1500: 10.0, 2000: 100.0}, draft_ms={500: 1.0})
+
+
+@pytest.mark.parametrize("kind", ["oracle", "dspark-markov"])
+@pytest.mark.parametrize("policy", ["cycling", "draft_aware"])
+def test_draft_length_chosen_before_drafting_is_lossless(small_target, stat_prompt, exact, kind, policy):
+    """The draft-aware choices: how many positions to draft (fewer than γ: the drafter samples only
+    those), or none (a plain decoding round), decided each round from earlier rounds' outcomes.
+    500 rows at a time, so eight waves of rounds meet different choices."""
+    if kind == "oracle":
+        drafter = Oracle(small_target, gamma=4)
+    else:
+        drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
+    pol = Cycling() if policy == "cycling" else DraftAware()
+    samples, _ = _first_three(
+        small_target, drafter, stat_prompt, seed=4, policy=pol, concurrency=500, cost=DRAFT_AWARE_COST
+    )
+    drafted = set(_first_three.last.drafted)
+    assert_matches(samples, exact, N_SAMPLES, f"{kind} / {policy} (drafted {sorted(drafted)})")
+    # The choices met: plain rounds and most lengths (cycling); DraftAware's uninformed 2, then 0
+    # (plain rounds) once it has seen the untrained drafter rejected.
+    if policy == "cycling":
+        assert 0 in drafted and len(drafted) >= 4, drafted
+    else:
+        assert 2 in drafted and (kind == "oracle" or 0 in drafted), drafted
 
 
 def test_broken_verification_is_caught(small_target, stat_prompt, exact, monkeypatch):
@@ -550,6 +613,11 @@ def test_round_statistics():
         },
     ]
     assert conditional_acceptance(rows, 4) == [2 / 3, 1.0, 0.5, 1.0]
+    # A round that drafted fewer positions (draft_aware) or none carries no whole block: left out.
+    short = {"accepted": 1, "proposed": 2, "confidence_logits": [0.0] * 2, "confidence": [0.9, 0.9]}
+    plain = {"accepted": 0, "proposed": 0, "confidence_logits": None, "confidence": None}
+    assert calibration_arrays(rows + [short, plain])[0].shape == (3, 4)
+    assert threshold_sweep(rows + [short, plain], [0.5])[0]["rounds"] == 3
     z, y, valid = calibration_arrays(rows)
     assert y.tolist()[0] == [1, 1, 0, 0] and bool(valid.all())
     sweep = {r["threshold"]: r for r in threshold_sweep(rows, [0.0, 0.5])}

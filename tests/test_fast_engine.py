@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import make_drafter, prompts_for
+from test_engine import Cycling, make_drafter, prompts_for
 
+from dspark.core.types import Shared
 from dspark.decoding.engine import Engine, Request
 from dspark.decoding.fast_engine import FastEngine
 from dspark.decoding.graphs import bucket_for
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.static_target import StaticTarget, UnsupportedTarget
+from dspark.scheduling.cost import CostModel
+from dspark.scheduling.policies import DraftAware, build_policy
 
 
 def test_static_forward_matches_hugging_face(small_target):
@@ -88,6 +91,7 @@ def test_compiled_layers_match_eager(small_target, device):
 
 def _engines(t, drafter, temperature, **kw):
     common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, **kw)
+    common.setdefault("refill", 1)
     return Engine(t, drafter, **common), FastEngine(t, drafter, buckets=(1, 2, 4), **common)
 
 
@@ -118,6 +122,57 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     # A second generate on the same engine reuses its caches from a clean state.
     again = fast.generate(reqs[:2])
     assert [g.tokens for g in again.generations] == [g.tokens for g in plain.generate(reqs[:2]).generations]
+
+
+# Three rows, γ = 4: verify flat up to 9 tokens, then steep; drafting a position costs 0.5 ms.
+POLICY_COST = CostModel(
+    {1: 4.0, 9: 4.0, 15: 12.0}, draft_len_ms={m: {1: 0.5 * m, 3: 0.5 * m} for m in range(1, 5)}
+)
+
+
+@pytest.mark.parametrize(
+    "policy", ["cycling", "draft_aware", "hardware_aware", "threshold", "async_topk", "mtp1"]
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_engine_reproduces_plain_engine_under_every_policy(small_target, policy, temperature):
+    """Every policy's choices (drafted lengths incl. plain rounds, widths read back or known in
+    advance, lengths on the device) give the same rounds in both engines, with rows leaving
+    two at a time (idle rows) and requests riding along one round after they end."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
+    prompts = prompts_for(t, 7, seed=21)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+
+    def make():
+        return Cycling() if policy == "cycling" else build_policy(policy)
+
+    plain, fast = _engines(t, drafter, temperature, cost=POLICY_COST, refill=2)
+    plain.set_policy(make())
+    fast.set_policy(make())
+    a, b = plain.generate(reqs), fast.generate(reqs)
+    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
+    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
+        (r.request, r.accepted, r.proposed) for r in a.rounds
+    ]
+    assert [s["drafted"] for s in b.steps] == [s["drafted"] for s in a.steps]
+    if policy in ("cycling", "draft_aware"):
+        assert len({s["drafted"] for s in a.steps}) > 1  # the draft length did change
+
+
+def test_draft_aware_declines_to_draft_when_it_cannot_pay(small_target):
+    """A verify step that doubles with every extra token: DraftAware runs plain decoding rounds
+    (no draft step), which give target-only decoding's tokens; the steps report their timing."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0]
+    cost = CostModel({1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0}, draft_ms={1: 1.0})
+    prompts = prompts_for(t, 3, seed=22)
+    kw = dict(temperature=0.0, concurrency=1, eos_token_ids=(), max_new_tokens=9)
+    base = FastEngine(t, None, buckets=(1,), **kw).generate(prompts)
+    res = FastEngine(t, drafter, DraftAware(), cost=cost, buckets=(1,), **kw).generate(prompts)
+    assert [g.tokens for g in res.generations] == [g.tokens for g in base.generations]
+    assert {s["drafted"] for s in res.steps} == {0} and all(r.proposed == 0 for r in res.rounds)
+    for s in res.steps:
+        assert s["ms"] > 0 and s["host_ms"] > 0 and s["gpu_ms"] is None  # no device clock on the CPU
 
 
 def test_fast_engine_filtered_sampling_with_refill_matches_plain(small_target):
@@ -171,8 +226,12 @@ def test_unsupported_architecture_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["fixed", "cycling", "draft_aware", "hardware_aware"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cuda_graphs_reproduce_eager(small_target, temperature):
+def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
+    """Under every kind of choice (the whole block, draft graphs per drafted length and plain
+    rounds, a width read back): graph replay == the eager static path (== the plain engine at T = 0),
+    and every round is timed on the device."""
     t = small_target.to("cuda")
     try:
         drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0].to("cuda")
@@ -180,10 +239,15 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         reqs = [
             Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [4, 31, 12, 22, 2, 17, 26, 9, 14])
         ]
-        kw = dict(temperature=temperature, concurrency=5, eos_token_ids=(), seed=7)
-        gen = lambda **x: torch.Generator("cuda").manual_seed(7)  # noqa: E731
-        eager = FastEngine(t, drafter, graphs=False, generator=gen(), **kw).generate(reqs)
-        graphed_engine = FastEngine(t, drafter, graphs=True, generator=gen(), **kw)
+
+        def engine(cls, **kw):
+            pol = Cycling() if policy == "cycling" else build_policy(policy)
+            gen = torch.Generator("cuda").manual_seed(7)
+            common = dict(temperature=temperature, concurrency=5, eos_token_ids=(), cost=POLICY_COST)
+            return cls(t, drafter, pol, generator=gen, **common, **kw)
+
+        eager = engine(FastEngine, graphs=False, compile=False).generate(reqs)
+        graphed_engine = engine(FastEngine, graphs=True, compile=False)
         # Capture every graph first (target steps before draft steps): a draft step's outputs
         # must survive the target step replayed after it (they once shared a memory pool).
         graphed_engine.prepare(reqs)
@@ -191,8 +255,10 @@ def test_cuda_graphs_reproduce_eager(small_target, temperature):
         assert len(graphed_engine.bank) > 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
         assert [r.accepted for r in graphed.rounds] == [r.accepted for r in eager.rounds]
+        assert [s["drafted"] for s in graphed.steps] == [s["drafted"] for s in eager.steps]
+        assert all(s["gpu_ms"] > 0 and s["ms"] >= 0.99 * s["gpu_ms"] for s in graphed.steps)
         if temperature == 0:
-            plain = Engine(t, drafter, generator=gen(), **kw).generate(reqs)
+            plain = engine(Engine).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
     finally:
         small_target.to("cpu")
@@ -210,7 +276,7 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
         reqs = [Request(prompt=p, max_new_tokens=4 + (5 * i) % 23) for i, p in enumerate(prompts)]
         kw = dict(
             temperature=0.8, top_k=top_k, top_p=top_p, concurrency=16, eos_token_ids=(), refill=4,
-            record_rounds=False, buckets=(1, 2, 4, 8, 16),
+            record_rounds=False, buckets=(1, 2, 4, 8, 16), compile=False,
         )  # fmt: skip
         gen = lambda: torch.Generator("cuda").manual_seed(9)  # noqa: E731
         eager = FastEngine(t, None, graphs=False, generator=gen(), **kw).generate(reqs)
@@ -218,5 +284,76 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
         graphed = graphed_engine.generate(reqs)
         assert len(graphed_engine.bank) >= 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
+    finally:
+        small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["target_only", "fixed", "draft_aware", "cycling"])
+def test_rounds_launch_without_a_host_sync(small_target, policy):
+    """A round goes onto the device without the host waiting for it (CUDA's sync debug mode
+    raises on any synchronising call inside ``_launch``); its outcome is read a round later."""
+    t = small_target.to("cuda")
+    try:
+        drafter = (
+            None if policy == "target_only" else make_drafter(t, "dspark", "markov", gamma=4)[0].to("cuda")
+        )
+        pol = None if drafter is None else (Cycling() if policy == "cycling" else build_policy(policy))
+        eng = FastEngine(
+            t, drafter, pol, cost=POLICY_COST, temperature=1.0, concurrency=4, eos_token_ids=(), seed=3,
+            refill=2, compile=False,
+        )  # fmt: skip
+        reqs = [
+            Request(prompt=p, max_new_tokens=b)
+            for p, b in zip(prompts_for(t, 6, seed=24), [3, 20, 9, 14, 6, 11])
+        ]
+        eng.prepare(reqs)
+        launch = eng._launch
+
+        def strict(*args, **kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        eng._launch = strict
+        res = eng.generate(reqs)
+        assert [len(g.tokens) for g in res.generations] == [3, 20, 9, 14, 6, 11]
+        assert all(s["gpu_ms"] > 0 for s in res.steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_drafter_matches_eager(small_target):
+    """``compile_inference``: proposals through torch.compile'd layers equal the eager ones to
+    rounding, and the fast engine runs its captured rounds with target and drafter compiled."""
+    t = small_target.to("cuda")
+    try:
+        drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0].to("cuda")
+        shared, g = Shared.of(t), torch.Generator("cuda").manual_seed(5)
+        cache = drafter.new_cache(3, "cuda")
+        taps = torch.randn(3, 10, t.tap_dim, device="cuda", generator=g)
+        nxt = torch.randint(4, 256, (3, 10), device="cuda", generator=g)
+        pos = torch.arange(10, device="cuda").expand(3, -1)
+        u = torch.rand(3, 4, device="cuda", generator=g)
+        with torch.inference_mode():
+            drafter.extend_context(
+                cache, taps, pos, torch.ones(3, 10, dtype=torch.bool, device="cuda"), nxt, shared
+            )
+            args = (cache, nxt[:, -1], torch.full((3,), 10, device="cuda"), shared, 1.0)
+            eager = drafter.propose(*args, uniforms=u)
+            drafter.compile_inference()
+            fused = drafter.propose(*args, uniforms=u)
+        torch.testing.assert_close(fused.probs, eager.probs, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fused.confidence_logits, eager.confidence_logits, atol=1e-4, rtol=1e-4)
+        prompts = prompts_for(t, 4, seed=25)
+        kw = dict(temperature=0.0, concurrency=4, eos_token_ids=(), max_new_tokens=16)
+        res = FastEngine(t, drafter, compile=True, **kw).generate(prompts)
+        assert [len(g.tokens) for g in res.generations] == [16] * 4 and res.steps
     finally:
         small_target.to("cpu")

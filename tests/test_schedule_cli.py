@@ -387,3 +387,43 @@ def test_settle_profile_retimes_spikes_then_smooths():
     )
     assert table == {1: 5.0, 2: 8.0, 4: 8.0, 8: 20.0} and notes["raw_ms"]["2"] == 9.0
     CostModel(table)  # a valid table
+
+
+def test_e2e_mode_draws_the_measured_frontier(tmp_path):
+    """mode=e2e: the rows of python -m dspark.bench.e2e at one temperature become the measured
+    frontier (one curve per run, target-only included), with the dominance check of hardware_aware
+    against the fixed lengths only, priced with the cost table the benchmark ran with."""
+    from dspark.schedule import run
+
+    cost = CostModel({1: 4.0, 64: 5.0}, draft_ms={1: 1.0})
+
+    def row(run_, R, t, thr, user):
+        return {"run": run_, "concurrency": R, "temperature": t, "throughput": thr, "tps_per_user": user,
+                "budget": 1.0, "tau": 2.0}  # fmt: skip
+
+    rows = []
+    for t in (0.0, 1.0):
+        for R in (1, 16):
+            rows += [
+                row("target_only", R, t, 100.0 * R, 100.0),
+                row("dspark/fixed", R, t, 150.0 * R, 150.0),
+                row("dspark/mtp1", R, t, 120.0 * R, 120.0),
+                row("dspark/hardware_aware", R, t, 160.0 * R, 160.0 - R),  # R = 16 misses fixed per user
+                row("dspark/draft_aware", R, t, 170.0 * R, 170.0),
+            ]
+    report = tmp_path / "e2e.json"
+    report.write_text(json.dumps({"rows": rows, "cost_table": cost.to_dict(), "goals": {"1": [{"x": 1}]}}))
+    out = tmp_path / "front"
+    with pytest.raises(ConfigError, match="e2e_temperature"):
+        run(_cfg(["mode=e2e", f"e2e={report}", f"out_dir={out}"]))
+    with pytest.raises(ConfigError, match="give the json"):
+        run(_cfg(["mode=e2e", f"e2e={tmp_path / 'missing.json'}", f"out_dir={out}"]))
+    res = run(_cfg(["mode=e2e", f"e2e={report}", "e2e_temperature=1", f"out_dir={out}"]))
+    assert res["mode"] == "e2e" and CostModel.from_dict(res["cost_table"]) == cost
+    assert list(res["policies"]) == ["target_only", "fixed", "mtp1", "hardware_aware", "draft_aware"]
+    assert [p["concurrency"] for p in res["policies"]["draft_aware"]] == [1, 16]
+    fig7 = json.loads((out / "fig7_frontier.json").read_text())
+    assert fig7["dominance"]["against"] == ["fixed", "mtp1"] and not fig7["dominance"]["dominates"]
+    assert fig7["temperature"] == 1.0 and fig7["goals"] == [{"x": 1}]
+    for f in FILES:
+        assert (out / f).stat().st_size > 0, f

@@ -17,6 +17,7 @@ from dspark.scheduling.cost import CostModel, CostTableError, profile
 from dspark.scheduling.policies import (
     POLICIES,
     AsyncTopK,
+    DraftAware,
     Fixed,
     HardwareAware,
     Mtp1,
@@ -70,7 +71,7 @@ def algorithm1_reference(conf: torch.Tensor, cost: CostModel) -> list[int]:
     best, chosen = R * cost.sps(R, R), [0] * R
     for r, j in E:
         ell[r] = j + 1
-        B += 1
+        B = R * (1 + max(ell)) if cost.padded else B + 1  # padded: every row as wide as the widest
         tau += a[r][j]
         theta = tau * cost.sps(B, R)
         if theta > best:
@@ -290,6 +291,35 @@ def test_hardware_aware_matches_literal_algorithm1():
         assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
 
 
+def test_hardware_aware_on_a_padded_engine():
+    """With ``padded`` (rows verified at the widest row's width, as our engines do) Alg. 1 prices
+    its path by the deepest admitted position: the literal transcription agrees, the early stop
+    keeps it lossless, and a saturated step makes it verify nothing where the ragged price would
+    admit a confident row's whole block."""
+    rng = np.random.default_rng(12)
+    ha = HardwareAware()
+    for it in range(150):
+        R, G = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        conf = torch.tensor(
+            rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=(R, G)) if it % 2 else rng.uniform(size=(R, G))
+        )
+        cost = random_cost(rng, jagged=it % 3 == 0)
+        cost.padded = True
+        assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
+    for it in range(30):
+        inst, cost = random_instance(rng, R=2), random_cost(rng, jagged=it % 2 == 1)
+        cost.padded = True
+        laws = exact_output_law(lambda c, cost=cost: ha(c, cost), inst)
+        for r in range(2):
+            np.testing.assert_allclose(laws[r], target_law(inst, r), atol=1e-12)
+    # 8 rows, one confident: a ragged price admits its 4 drafts (4 extra tokens of 12), a padded
+    # one would pay 32 tokens for them.
+    conf = torch.tensor([[0.99] * 4] + [[0.05] * 4] * 7)
+    steep = {8: 4.0, 12: 4.4, 16: 8.0, 40: 30.0}
+    assert ha(conf, CostModel(steep)).tolist() == [4] + [0] * 7
+    assert ha(conf, CostModel(steep, padded=True)).tolist() == [0] * 8
+
+
 def test_hardware_aware_equals_brute_force_when_unimodal():
     rng = np.random.default_rng(3)
     ha, retro = HardwareAware(), Retrospective()
@@ -418,7 +448,9 @@ def test_fixed_mtp1_threshold():
 
 
 def test_build_policy_registry():
-    assert set(POLICIES) == {"fixed", "mtp1", "threshold", "hardware_aware", "async_topk", "retrospective"}
+    assert set(POLICIES) == {
+        "fixed", "mtp1", "threshold", "hardware_aware", "async_topk", "draft_aware", "retrospective"
+    }  # fmt: skip
     assert isinstance(build_policy("Hardware-Aware"), HardwareAware)
     # A policy config takes the YAML keys users type (conf/policy/threshold.yaml: `threshold:`).
     p = build_policy(OmegaConf.create({"name": "threshold", "threshold": 0.3}))
@@ -449,6 +481,7 @@ def test_policies_declare_what_they_need():
         "threshold": (True, False),
         "hardware_aware": (True, True),
         "async_topk": (True, True),
+        "draft_aware": (False, True),
         "retrospective": (True, True),
     }
     assert [n for n in POLICIES if not build_policy(n).lossless] == ["retrospective"]
@@ -517,8 +550,133 @@ def test_async_topk_delay_zero_is_retrospective():
 
 
 # ---------------------------------------------------------------------------------------------
+# draft-aware scheduling: how many positions to draft, decided before drafting
+# ---------------------------------------------------------------------------------------------
+
+
+def test_draft_aware_estimates_acceptance_from_completed_rounds():
+    pol = DraftAware(decay=0.5)
+    assert pol.acceptance(3).tolist() == [1.0, 1.0, 1.0]  # optimistic before any round
+    # Four rows verified 3 drafts: accepted 0, 1, 3, 3. Position 1 reached by 4, accepted by 3;
+    # position 2 reached by 3, accepted by 2; position 3 reached by 2, accepted by 2.
+    pol.observe_round(np.array([3, 3, 3, 3]), np.array([0, 1, 3, 3]))
+    np.testing.assert_allclose(pol.acceptance(4), [(3 + 1) / (4 + 1), (2 + 1) / (3 + 1), 1.0, 1.0])
+    # Older rounds weigh less (decay), a plain round (nothing verified) only fades the evidence.
+    pol.observe_round(np.array([1, 1]), np.array([0, 0]))
+    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    pol.observe_round(np.array([0, 0]), np.array([0, 0]))
+    np.testing.assert_allclose(pol.acceptance(1), [(0.75 + 1) / (2 + 1)])
+    pol.reset()
+    assert pol.acceptance(2).tolist() == [1.0, 1.0]
+
+
+def _rates_by_hand(c: list[float], R: int, cost: CostModel) -> list[float]:
+    a = np.cumprod(c)
+    return [R * (1 + a[:m].sum()) / cost.round_time(R, m) for m in range(len(c) + 1)]
+
+
+def test_draft_aware_drafts_what_pays_at_this_load():
+    """Θ(γ_d) = R(1 + Σ_{j<=γ_d} a_j) / (T_draft(R, γ_d) + T_verify(R(γ_d+1)) + overhead), a plain
+    round costing T_verify(R) alone: a cheap step at low load drafts the whole block, a saturated
+    target or a costly draft step declines to draft, and in between a shorter draft wins."""
+    # Memory-bound to B = 64 (4 ms), then 0.1 ms per token; drafting costs 1 ms + 0.1 ms per position.
+    verify = {1: 4.0, 64: 4.0, 4096: 4.0 + 0.1 * (4096 - 64)}
+    draft = {m: {1: 1.0 + 0.1 * m, 256: 1.0 + 0.1 * m} for m in range(1, 6)}
+    cost = CostModel(verify, draft_len_ms=draft)
+    pol = DraftAware()
+    for _ in range(20):  # every position accepted 70% of the time it is reached
+        pol.observe_round(np.full(1000, 5), np.random.default_rng(0).geometric(0.3, 1000).clip(max=6) - 1)
+    c = pol.acceptance(5)
+    assert np.all(np.abs(c - 0.7) < 0.05)
+    plans = {R: pol.draft_length(R, 5, cost) for R in (1, 8, 16, 32, 256)}
+    assert plans[1] == 5 and plans[256] == 0 and 0 < plans[16] < 5, plans
+    for R, m in plans.items():
+        rates = _rates_by_hand(list(c), R, cost)
+        assert m == int(np.argmax(rates)) and pol.expected_rates(R, 5, cost) == pytest.approx(rates)
+    # The per-round overhead is charged to drafting rounds only: enough of it stops drafting.
+    heavy = CostModel(verify, draft_len_ms=draft, overhead_ms=20.0)
+    assert pol.draft_length(1, 5, heavy) == 0
+    # Every row verifies the whole draft; the width is known before the confidences exist.
+    assert pol.lengths(torch.rand(3, 2), cost).tolist() == [2, 2, 2] and pol.width(2) == 2
+    with pytest.raises(ValueError, match="CostModel"):
+        pol.draft_length(4, 5, None)
+
+
+def test_policies_plan_their_draft_and_width():
+    """Before drafting: a fixed length drafts only what it verifies; confidence-driven policies
+    draft the block and know their width only after seeing the confidences."""
+    assert (Fixed(2).draft_length(8, 5), Fixed(2).width(5), Fixed(2).width(1)) == (2, 2, 1)
+    assert (Fixed().draft_length(8, 5), Fixed().width(3)) == (5, 3)
+    assert (Mtp1().draft_length(8, 5), Mtp1().width(5)) == (1, 1)
+    for pol in (Threshold(0.5), HardwareAware(), AsyncTopK()):
+        assert pol.draft_length(8, 5) == 5 and pol.width(5) is None
+    cut = build_policy("draft_aware", gamma=3, block=5)
+    cost = CostModel({1: 1.0, 64: 1.0}, draft_ms={1: 0.01})
+    assert isinstance(cut, Truncated) and cut.draft_length(1, 5, cost) == 3 and cut.width(3) == 3
+    cut.observe_round(np.array([3]), np.array([0]))
+    assert cut.base.acceptance(1)[0] == pytest.approx(0.5)
+
+
+def test_draft_aware_choice_is_lossless_and_anticipation_is_not():
+    """Exact enumeration (2 requests, γ = 2, token-dependent c2): a draft length fixed before the
+    draft — any value, e.g. the one DraftAware plans from earlier rounds — reproduces the target
+    law; choosing after looking at the draft (verify x1 only when c2, a function of x1, looks
+    good) does not."""
+    rng = np.random.default_rng(11)
+    caught = 0
+    for _ in range(40):
+        inst = random_instance(rng, R=2)
+        for m in (0, 1, 2):
+            laws = exact_output_law(lambda c, m=m: DraftAware().lengths(c[:, :m], None), inst)
+            for r in range(2):
+                np.testing.assert_allclose(laws[r], target_law(inst, r), atol=1e-12)
+
+        def peeking(c):  # whether x1 is verified depends on x1
+            return torch.where(c[:, 1] > 0.5, 2, 0)
+
+        laws = exact_output_law(peeking, inst)
+        caught += any(not np.allclose(laws[r], target_law(inst, r), atol=1e-9) for r in range(2))
+    assert caught > 0
+
+
+# ---------------------------------------------------------------------------------------------
 # cost model
 # ---------------------------------------------------------------------------------------------
+
+
+def test_cost_draft_lengths_overhead_and_round_time(tmp_path):
+    cm = CostModel(
+        {1: 4.0, 8: 4.0, 64: 8.0},
+        draft_ms={1: 2.0, 16: 4.0},
+        draft_len_ms={2: {1: 1.0, 16: 2.0}, 4: {1: 1.5, 16: 3.0}},
+        overhead_ms=0.5,
+    )
+    assert cm.round_time(1, 0) == pytest.approx(0.004)  # plain decoding: the verify step alone
+    assert cm.round_time(1, 2) == pytest.approx((4.0 + 1.0 + 0.5) * 1e-3)  # B = 3
+    assert cm.round_time(16, 4) == pytest.approx(
+        (8.0 + 16 * 4 / 56 + 3.0 + 0.5) * 1e-3
+    )  # B = 80: extrapolated
+    assert cm.round_time(1, 3) == pytest.approx((4.0 + 1.25 + 0.5) * 1e-3)  # between profiled lengths
+    assert cm.round_time(1, 1) == pytest.approx((4.0 + 1.0 + 0.5) * 1e-3)  # below: the shortest
+    assert cm.round_time(1, 6) == pytest.approx((4.0 + 1.5 + 0.5) * 1e-3)  # beyond: the longest
+    assert cm.round_time(2, 2, B=8) == pytest.approx((4.0 + 1.0 + 1 / 15 + 0.5) * 1e-3)
+    assert cm.step_time(8, 1) == pytest.approx((4.0 + 2.0 + 0.5) * 1e-3)  # Alg. 1: whole block drafted
+    back = CostModel.from_json(cm.to_json())
+    assert back == cm and back.draft_len_ms == {2: {1: 1.0, 16: 2.0}, 4: {1: 1.5, 16: 3.0}}
+    assert back.overhead_ms == 0.5 and not back.padded
+    assert CostModel.from_json(CostModel({1: 1.0}, padded=True).to_json()).padded
+    old = cm.to_dict()
+    del old["draft_len_ms"], old["overhead_ms"], old["padded"]  # a table written before they existed
+    assert CostModel.from_dict(old).round_time(1, 2) == pytest.approx((4.0 + 2.0) * 1e-3)
+    with pytest.raises(CostTableError, match=r"draft_len_ms\[2\]"):
+        CostModel({1: 1.0}, draft_len_ms={2: {1: 5.0, 8: 1.0}})
+    with pytest.raises(CostTableError, match="overhead_ms"):
+        CostModel({1: 1.0}, overhead_ms=-1.0)
+    # The device table prices B exactly as the host lookup does.
+    table = cm.verify_table(100, "cpu")
+    assert table.dtype == torch.float64 and table.numel() > 100
+    plain = CostModel({1: 4.0, 8: 4.0, 64: 8.0})
+    np.testing.assert_allclose(table[1:101].numpy(), 1e3 * plain.step_time(np.arange(1, 101)), rtol=1e-14)
 
 
 def test_cost_rejects_bad_tables():

@@ -1,5 +1,6 @@
 """python -m dspark.schedule mode=analytical rounds=<evaluation folder | rounds.jsonl> cost_table=<json>|null
 python -m dspark.schedule mode=measured drafter_dir=<checkpoint> target=<target> [cost_table=<json>]
+python -m dspark.schedule mode=e2e e2e=<json of python -m dspark.bench.e2e> [e2e_temperature=<T>]
 
 Sweeps concurrency R for each verification-length policy (dspark.frontier) and writes into out_dir
 (dspark.artifacts.FrontierFolder): frontier.json ({"mode", "cost_table", "policies": {name:
@@ -11,7 +12,8 @@ cost_table.json.
 Analytical mode replays recorded rounds; with cost_table=null it prices them on a SYNTHETIC roofline
 (``analytical_cost``), which shows the shape of the trade-off but no real hardware. Measured mode
 runs the engine; without a cost table it first profiles the target's verification step over token
-batch sizes at ``context_len`` (and the drafter per R), which the load-aware policies then use.
+batch sizes at ``context_len`` (and the drafter per R), which the load-aware policies then use. E2e
+mode draws the frontier an end-to-end benchmark measured (target-only and each policy per R).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ log = logging.getLogger(__name__)
 def run(cfg: DictConfig) -> dict:
     from .artifacts import FrontierFolder
     from .config import check_schedule
-    from .frontier import run_analytical, run_measured, write_outputs
+    from .frontier import run_analytical, run_e2e, run_measured, write_outputs
 
     check_schedule(cfg)
     started = time.time()
     with FrontierFolder(str(cfg.out_dir)).claimed("out_dir") as folder:
         if cfg.mode == "analytical":
             frontier, policies, cost, info = run_analytical(cfg)
+        elif cfg.mode == "e2e":
+            frontier, policies, cost, info = run_e2e(cfg)
         else:
             frontier, policies, cost, info = run_measured(cfg, folder)
         result = write_outputs(cfg, folder, frontier, policies, cost, info, started)

@@ -2,13 +2,18 @@
 
     python -m dspark.bench.e2e --drafter-dir <checkpoint> target=smollm2_135m target.device=cuda \\
         [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
-        [--concurrency 1,64,256] [--max-new-tokens 128] [--temperature 0] \\
-        [--policies fixed,hardware_aware --cost-table cost_table.json] [--out e2e.json]
+        [--concurrency 1,64,256] [--max-new-tokens 128] [--temperature 0[,1]] \\
+        [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
+        [--no-compile] [--out e2e.json]
 
-For each concurrency R the same prompts (repeated to fill R slots) run target-only and with the
-drafter under each policy. Reported per run, from the engine's own round timings (prefill excluded,
-as in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ;
-and the drafter's speed-up over target-only at the same R.
+For each temperature and concurrency R the same prompts (repeated to fill R slots) run target-only
+and with the drafter under each policy. Reported per run, from the engine's own round timings
+(prefill excluded, as in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
+tokens/s per user, τ, the mean round's device time, host time and drafted positions; the drafter's
+speed-up over target-only at the same R; and per R the best policy against target-only and whether
+hardware_aware beats every fixed length (``goals``). The fast engine compiles the target and the
+drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
+draws the measured frontier from it.
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ def _parse(argv):
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", default="0", help="one or more, comma-separated")
     ap.add_argument("--policies", default="fixed")
     ap.add_argument("--cost-table", default=None, help="needed by hardware_aware / async_topk")
     ap.add_argument("--drafter-dtype", default="target", choices=["target", "float32"])
-    ap.add_argument("--compile", action="store_true", help="torch.compile the fast engine's target layers")
+    ap.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the fast engine's target and drafter layers (default: on CUDA)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="e2e.json")
     return ap.parse_known_args(argv)
@@ -42,19 +50,22 @@ def main(argv=None) -> dict:
 
     from ..artifacts import DrafterFolder
     from ..checkpoints import load_drafter
+    from ..core.io import atomic_write_json
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
     from ..scheduling.cost import CostModel
-    from ..scheduling.policies import Fixed, build_policy
     from ..target import load_target
     from .common import compose_target, publish
-    from .measure import measure, speedup_rows
+    from .measure import check_policies, compare
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
     target_cfg = compose_target(overrides)
+    temperatures = _temperatures(args.temperature)
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
+    names = [p for p in args.policies.split(",") if p]
+    check_policies(names, cost)
     target = load_target(target_cfg)
     drafter, _ = load_drafter(args.drafter_dir, target, device=target.device)
     if args.drafter_dtype == "target":  # serve the drafter in the target's precision
@@ -62,18 +73,7 @@ def main(argv=None) -> dict:
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
     prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
-    policies = {p: build_policy(p, gamma=gamma, defaults={"check": False}) for p in args.policies.split(",")}
     conc = [int(r) for r in args.concurrency.split(",")]
-    common = dict(
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        engine_kind=args.engine,
-        engine_kw={"compile": True} if args.compile else None,
-    )
-    base = measure(target, None, {"target_only": Fixed(None)}, conc, prompts, **common)["target_only"]
-    spec = measure(target, drafter, policies, conc, prompts, cost=cost, calibration=calibration, **common)
-    rows = speedup_rows(base, spec, drafter.kind)
     report = {
         **provenance("dspark.bench.e2e", argv, target.device),
         "target": target.name,
@@ -81,26 +81,62 @@ def main(argv=None) -> dict:
         "drafter": str(args.drafter_dir),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "engine": args.engine,
-        "compiled": args.compile,
+        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "benchmark": args.benchmark,
         "prompts": len(prompts),
-        "temperature": args.temperature,
+        "temperature": temperatures[0] if len(temperatures) == 1 else temperatures,
         "max_new_tokens": args.max_new_tokens,
         "gamma": gamma,
-        "rows": rows,
+        "cost_table": None if cost is None else cost.to_dict(),
+        "rows": [],
+        "goals": {},
     }
+    for temperature in temperatures:  # the report is rewritten after each: a cut-off run keeps its part
+        rows, goals = compare(
+            target, drafter, names, conc, prompts, [temperature], cost=cost, calibration=calibration,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, engine_kind=args.engine,
+            engine_kw={"compile": args.compile} if args.engine == "fast" else None,
+        )  # fmt: skip
+        report["rows"] += rows
+        report["goals"].update(goals)
+        atomic_write_json(args.out, report)
+    rows, goals = report["rows"], report["goals"]
+    nan = float("nan")
     publish(
         args.out,
         report,
-        ["run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate"],
+        ["T", "run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate",
+         "drafted", "round ms", "host ms"],
         [
-            [row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}", f"{row['throughput']:.0f}",
-             f"{row['tau']:.2f}", f"{row.get('speedup_per_user', 1.0):.2f}x",
-             f"{row.get('speedup_throughput', 1.0):.2f}x"]
+            [f"{row['temperature']:g}", row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}",
+             f"{row['throughput']:.0f}", f"{row['tau']:.2f}", f"{row.get('speedup_per_user', 1.0):.2f}x",
+             f"{row.get('speedup_throughput', 1.0):.2f}x", f"{row.get('drafted_per_round') or 0:.2f}",
+             f"{row.get('ms_per_round') or nan:.2f}", f"{row.get('host_ms_per_round') or nan:.2f}"]
             for row in rows
         ],
     )  # fmt: skip
+    for temperature, checks in goals.items():
+        for c in checks:
+            print(
+                f"T={temperature} R={c['concurrency']}: best per user {c['best_per_user']} "
+                f"{c['best_speedup_per_user']:.2f}x, best aggregate {c['best_throughput']} "
+                f"{c['best_speedup_throughput']:.2f}x, best on both {c['best_on_both']} "
+                f"{c['best_on_both_speedup']:.2f}x (>= 0.98x: {c['floor_met']}), hardware_aware >= "
+                f"every fixed: {c.get('hardware_aware_beats_fixed', 'n/a')}"
+            )
     return report
+
+
+def _temperatures(text: str) -> list[float]:
+    from ..core.errors import ConfigError
+
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--temperature {text}: not a comma-separated list of numbers") from None
+    if not values or any(t < 0 for t in values):
+        raise ConfigError(f"--temperature {text}: give one or more temperatures >= 0, e.g. 0,1")
+    return values
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
     python -m dspark.bench.engine_sps target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
-        [--cost-table cost_table.json] [--drafter-dir <checkpoint>]
+        [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
+        [--draft-parts 1,16,64,256]] [--no-compile]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
-token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R. Prints a
-table; writes JSON (and, with --cost-table, the verify curve, plus the draft curve when timed, as a
-scheduler cost table for ``python -m dspark.schedule cost_table=...``).
+token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
+length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps, with
+``--draft-parts`` the draft step's parts. The fast path is compiled on CUDA unless
+``--no-compile``. Prints tables; writes JSON (and, with --cost-table, the verify curve, plus the
+draft curves and the round overhead when timed, as a scheduler cost table for
+``python -m dspark.schedule cost_table=...``, ``python -m dspark.bench.e2e --cost-table ...``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,15 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true", help="skip the (slow) Hugging Face column")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the fast path's layer functions")
+    ap.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the fast path's layer functions (default: on CUDA)",
+    )  # fmt: skip
     ap.add_argument("--drafter-dir", default=None, help="also time this drafter's draft step per row count")
+    ap.add_argument(
+        "--overhead", action="store_true", help="time a whole round's cost beyond its steps (R = 1)"
+    )
+    ap.add_argument("--draft-parts", default="", help="row counts to time the draft step's parts at")
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
     return ap.parse_known_args(argv)
@@ -34,11 +45,21 @@ def _parse(argv):
 def main(argv=None) -> dict:
     import sys
 
+    from ..core.io import atomic_write_json
     from ..core.provenance import provenance
     from ..scheduling.cost import CostModel
     from ..target import load_target
     from .common import compose_target, publish
-    from .sps import capacity, cost_curve, draft_step_times, row_counts, verify_step_times
+    from .sps import (
+        capacity,
+        cost_curve,
+        draft_parts,
+        draft_step_times,
+        load_served_drafter,
+        round_overhead_ms,
+        row_counts,
+        verify_step_times,
+    )
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -49,20 +70,40 @@ def main(argv=None) -> dict:
     results = verify_step_times(
         target, widths, sizes, ctx, max_rows=args.max_rows, hf=not args.no_hf, compile=args.compile, **timing
     )
-    draft_ms = None
-    if args.drafter_dir:
-        rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths)
-        draft_ms = draft_step_times(target, args.drafter_dir, rows_all, ctx, cap, **timing)
     report = {
         **provenance("dspark.bench.engine_sps", argv, target.device),
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "context": ctx,
-        "compiled": args.compile,
+        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "drafter": args.drafter_dir,
-        "draft_ms": draft_ms,
         "rows": results,
     }
+    cost = CostModel(cost_curve(results, widths), context_len=ctx, padded=True)  # our engines pad rows
+
+    def save() -> None:  # after each stage: a run cut off later keeps what it measured
+        atomic_write_json(args.out, report)
+        if args.cost_table:
+            cost.meta = {k: v for k, v in report.items() if k not in ("rows", "draft_len_ms", "draft_ms")}
+            cost.meta["source"] = "python -m dspark.bench.engine_sps (running max)"
+            cost.save(args.cost_table)
+
+    save()
+    if args.drafter_dir:
+        drafter = load_served_drafter(target, args.drafter_dir)
+        rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths + [drafter.gamma + 1])
+        lengths = draft_step_times(target, drafter, rows_all, ctx, cap, compile=args.compile, **timing)
+        report.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
+        full = lengths[drafter.gamma]  # the whole block
+        cost = CostModel(cost.verify_ms, draft_ms=full, draft_len_ms=lengths, context_len=ctx, padded=True)
+        save()
+        if args.overhead:
+            report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
+            cost.overhead_ms = report["round_overhead"]["overhead_ms"]
+            save()
+        if args.draft_parts:
+            parts = [int(r) for r in args.draft_parts.split(",")]
+            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
     nan = float("nan")
     publish(
         args.out,
@@ -75,11 +116,7 @@ def main(argv=None) -> dict:
             for r in results
         ],
     )  # fmt: skip
-    if args.cost_table:
-        meta = {k: v for k, v in report.items() if k != "rows"}
-        meta["source"] = "python -m dspark.bench.engine_sps (running max)"
-        cost = CostModel(cost_curve(results, widths), draft_ms=draft_ms, context_len=ctx, meta=meta)
-        cost.save(args.cost_table)
+    save()
     return report
 
 

@@ -9,15 +9,16 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..core.errors import ConfigError
 from ..core.progress import progress_bar
 from ..decoding.engine import Request
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
-from ..scheduling.policies import Policy
+from ..scheduling.policies import Fixed, Policy, build_policy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["measure", "speedup_rows"]
+__all__ = ["check_policies", "compare", "goal_checks", "measure", "speedup_rows"]
 
 
 def measure(
@@ -95,6 +96,7 @@ def measure(
                     "tps_per_user": float(np.mean(users)) if users else float("nan"),
                     "budget": sum(r.proposed for r in res.rounds) / rounds,
                     "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
+                    **_round_means(res.steps),
                 }
             )
             log.info("%s R=%d: %s", name, R, out[name][-1])
@@ -103,6 +105,21 @@ def measure(
     if bar is not None:
         bar.close()
     return out
+
+
+def _round_means(steps: list[dict]) -> dict:
+    """Per engine round: its time on the device's timeline (``ms``), the host's work (``host_ms``,
+    hidden behind the device when it is shorter), the device's (``gpu_ms``, CUDA only) and the
+    positions drafted (``drafted``: 0 in a plain decoding round)."""
+
+    def mean(key):
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return float(np.mean(values)) if values else None
+
+    return {
+        "rounds": len(steps),
+        **{f"{k}_per_round": mean(k) for k in ("ms", "host_ms", "gpu_ms", "drafted")},
+    }
 
 
 def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> list[dict]:
@@ -122,3 +139,76 @@ def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> l
                 }
             )
     return rows
+
+
+def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
+    """Per concurrency, from ``speedup_rows``: the best policy per user, in aggregate, and on both
+    at once against target-only (the issue's floor: one policy >= ``floor`` x on both), and whether
+    ``hardware_aware`` matches or beats every fixed-length policy (``fixed``, ``fixed_<g>``,
+    ``mtp1``) in both."""
+    out = []
+    for R in sorted({r["concurrency"] for r in rows}):
+        runs = {
+            r["run"].split("/")[-1]: r for r in rows if r["concurrency"] == R and r["run"] != "target_only"
+        }
+        if not runs:
+            continue
+
+        worse = {
+            n: min(r["speedup_per_user"], r["speedup_throughput"]) for n, r in runs.items()
+        }  # weaker axis
+        user = max(runs, key=lambda n: runs[n]["speedup_per_user"])
+        agg = max(runs, key=lambda n: runs[n]["speedup_throughput"])
+        both = max(worse, key=worse.get)
+        check = {
+            "concurrency": R,
+            "best_per_user": user,
+            "best_speedup_per_user": runs[user]["speedup_per_user"],
+            "best_throughput": agg,
+            "best_speedup_throughput": runs[agg]["speedup_throughput"],
+            "best_on_both": both,
+            "best_on_both_speedup": worse[both],
+            "floor_met": worse[both] >= floor,  # one policy at >= floor x per user and in aggregate
+        }
+        fixed = [n for n in runs if n == "fixed" or n == "mtp1" or n.startswith("fixed_")]
+        if "hardware_aware" in runs and fixed:
+            ha = runs["hardware_aware"]
+            check["hardware_aware_beats_fixed"] = all(
+                ha["tps_per_user"] >= runs[n]["tps_per_user"] and ha["throughput"] >= runs[n]["throughput"]
+                for n in fixed
+            )
+        out.append(check)
+    return out
+
+
+def check_policies(names: Sequence[str], cost: CostModel | None) -> None:
+    """The policy names of a comparison, before any model loads."""
+    if not names:
+        raise ConfigError("--policies is empty: e.g. fixed,mtp1,threshold,hardware_aware,draft_aware")
+    needy = [n for n in names if build_policy(n).needs_cost and cost is None]
+    if needy:
+        raise ConfigError(
+            f"policies {needy} need a cost table: pass --cost-table <the json written by "
+            "python -m dspark.bench.engine_sps --drafter-dir ... --cost-table ...>"
+        )
+
+
+def compare(
+    target, drafter, names: Sequence[str], concurrency: Sequence[int], prompts, temperatures: Sequence[float],
+    *, cost: CostModel | None, calibration=None, **common,
+) -> tuple[list[dict], dict[str, list[dict]]]:  # fmt: skip
+    """Target-only against the drafter under each named policy, per temperature and concurrency:
+    the rows of ``speedup_rows`` (each with its ``temperature``) and ``goal_checks`` per
+    temperature. Policies are built afresh per temperature, so stateful ones start clean."""
+    rows, goals = [], {}
+    gamma = int(drafter.gamma)
+    for temperature in temperatures:
+        policies = {n: build_policy(n, gamma=gamma, defaults={"check": False}) for n in names}
+        base = measure(target, None, {"target_only": Fixed(None)}, concurrency, prompts,
+                       temperature=temperature, **common)["target_only"]  # fmt: skip
+        spec = measure(target, drafter, policies, concurrency, prompts, cost=cost, calibration=calibration,
+                       temperature=temperature, **common)  # fmt: skip
+        these = [{"temperature": temperature, **row} for row in speedup_rows(base, spec, drafter.kind)]
+        rows += these
+        goals[f"{temperature:g}"] = goal_checks(these)
+    return rows, goals

@@ -4,12 +4,15 @@ probabilities over the vocabulary, exactly what a verification round asks of the
   * ``hf_eager``: the plain engine's step (Hugging Face forward over ``RaggedKV``);
   * ``static_eager``: the fast engine's step without graphs (static caches only);
   * ``graph``: the fast engine's captured step (CUDA);
-and the drafter's step per row count (backbone + sequential head + confidence + sampling, the fast
-engine's graph). ``python -m dspark.bench.engine_sps`` prints and publishes them."""
+the drafter's step per row count and drafted length (backbone + sequential head + confidence +
+sampling, the fast engine's graph), the parts of that step timed one by one, and the host work of a
+whole round that none of the steps shows (the cost model's ``overhead_ms``).
+``python -m dspark.bench.engine_sps`` prints and publishes them."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 
@@ -19,7 +22,14 @@ from ..decoding.fast_engine import FastEngine
 from ..decoding.kv import RaggedKV
 from .common import median_ms
 
-__all__ = ["cost_curve", "draft_step_times", "row_counts", "verify_step_times"]
+__all__ = [
+    "cost_curve",
+    "draft_parts",
+    "draft_step_times",
+    "round_overhead_ms",
+    "row_counts",
+    "verify_step_times",
+]
 
 
 def row_counts(widths: list[int], sizes: list[int], max_rows: int) -> list[int]:
@@ -33,7 +43,7 @@ def capacity(ctx: int, widths: list[int]) -> int:
 
 def verify_step_times(
     target, widths: list[int], sizes: list[int], ctx: int, *, max_rows: int, warmup: int, repeats: int,
-    hf: bool = True, compile: bool = False,
+    hf: bool = True, compile: bool | None = None,
 ) -> list[dict]:  # fmt: skip
     """One row per shape (B tokens as R x W): its step times in ms, SPS and the gain over HF eager."""
     rows_all = row_counts(widths, sizes, max_rows)
@@ -77,26 +87,141 @@ def cost_curve(results: list[dict], widths: list[int]) -> dict[int, float]:
     return curve
 
 
-def draft_step_times(
-    target, drafter_dir: str, rows_all: list[int], ctx: int, cap: int, warmup: int, repeats: int
-) -> dict[int, float]:
-    """Draft-step time (ms) per row count R: the fast engine's captured step where CUDA is used."""
-    device = target.device
-    drafter = load_drafter(drafter_dir, target, device=device)[0].to(target.dtype)
-    eng = FastEngine(target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap)
+def _draft_engine(
+    target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None
+) -> FastEngine:
+    """A fast engine whose static drafter cache holds ``ctx`` random context positions per row."""
+    eng = FastEngine(
+        target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap, compile=compile
+    )
     eng._allocate(cap)
-    out = {}
     with torch.inference_mode():
         for buf in eng.dcache.k + eng.dcache.v:
-            buf.normal_()
+            buf.normal_()  # not zeros: power (and clocks) depend on the data
         eng.dcache.length.fill_(ctx)
+    return eng
+
+
+def load_served_drafter(target, drafter_dir: str):
+    """The drafter as the engines serve it: in the target's precision."""
+    return load_drafter(drafter_dir, target, device=target.device)[0].to(target.dtype)
+
+
+def draft_step_times(
+    target, drafter, rows_all: list[int], ctx: int, cap: int, warmup: int, repeats: int,
+    compile: bool | None = None, lengths: list[int] | None = None,
+) -> dict[int, dict[int, float]]:  # fmt: skip
+    """Draft-step time (ms) per drafted length and row count R, ``{γ_d: {R: ms}}``: the fast
+    engine's captured step where CUDA is used (its layers compiled when ``compile``), ascending R
+    lifted to the running maximum like ``cost_curve``."""
+    device = target.device
+    eng = _draft_engine(target, drafter, rows_all, ctx, cap, compile)
+    out: dict[int, dict[int, float]] = {}
+    with torch.inference_mode():
+        for m in lengths or range(1, drafter.gamma + 1):
+            out[m] = {}
+            for r in rows_all:
+                anchors = torch.randint(0, target.vocab_size, (r,), device=device)
+                pos = torch.full((r,), ctx, device=device)
+                u = torch.rand(r, drafter.gamma, device=device)
+                step = lambda a=anchors, p=pos, x=u, m=m: eng._draft_step(a, p, x, m)  # noqa: E731
+                # A step cannot get cheaper with more rows: noise dips are lifted to the running max.
+                out[m][r] = max([median_ms(step, device, warmup, repeats), *out[m].values()])
+            times = "  ".join(f"R={r}: {t:.3f} ms" for r, t in out[m].items())
+            print(f"draft γ_d={m}: {times}", flush=True)
+    return out
+
+
+def draft_parts(
+    target, drafter, rows_all: list[int], ctx: int, warmup: int, repeats: int, temperature: float = 1.0
+) -> list[dict]:
+    """The draft step's parts, each timed alone and eagerly (launch overheads included, which the
+    captured step does not pay) per row count R: the backbone over the γ-block, the LM head over
+    R × γ positions, the heads and sampling for all γ positions and for one, and the sampling
+    alone, fused kernel against its PyTorch reference. A block drafter only (``sample_block``)."""
+    if not hasattr(drafter, "sample_block"):
+        print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
+        return []
+    cap = 128 * math.ceil((ctx + drafter.gamma + 16) / 128)
+    eng = _draft_engine(target, drafter, [max(rows_all)], ctx, cap, compile=False)
+    out = []
+    with torch.inference_mode():
         for r in rows_all:
-            anchors = torch.randint(0, target.vocab_size, (r,), device=device)
-            pos = torch.full((r,), ctx, device=device)
-            u = torch.rand(r, drafter.gamma, device=device)
-            step = lambda a=anchors, p=pos, x=u: eng._draft_step(a, p, x)  # noqa: E731
-            out[r] = median_ms(step, device, warmup, repeats)
-            print(f"draft R={r:4d}: {out[r]:8.3f} ms", flush=True)
+            out.append(_parts_at(eng, r, ctx, temperature, warmup, repeats))
+            print("draft parts " + "  ".join(f"{k}={v:.3f}" for k, v in out[-1].items()), flush=True)
+    return out
+
+
+def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int, repeats: int) -> dict:
+    from ..kernels.sample_step import sample_step
+
+    drafter, shared, device = eng.drafter, eng.shared, eng.device
+    gamma = drafter.gamma
+    cache = eng._draft_cache(r)
+    anchors = torch.randint(0, drafter.dims.vocab_size, (r,), device=device)
+    pos = torch.full((r,), ctx, device=device)
+    u = torch.rand(r, gamma, device=device)
+    block = pos[:, None] + torch.arange(gamma, device=device)
+    sees = torch.arange(cache.k[0].shape[2], device=device)[None, :] < cache.length[:, None]
+    mask = torch.cat([sees, torch.ones(r, gamma, dtype=torch.bool, device=device)], 1)[:, None].expand(
+        r, gamma, -1
+    )
+    kv = list(zip(cache.k, cache.v))
+    hidden = drafter.backbone(drafter.block_inputs(anchors, shared), block, kv, mask)
+    logits = hidden @ shared.lm_weight.t().to(hidden.dtype)
+
+    def sampling(impl: str) -> None:
+        for k in range(gamma):
+            sample_step(logits[:, k], None, temperature, u[:, k], impl=impl)
+
+    parts = {
+        "propose_ms": lambda: drafter.propose(cache, anchors, pos, shared, temperature, uniforms=u),
+        "backbone_ms": lambda: drafter.backbone(drafter.block_inputs(anchors, shared), block, kv, mask),
+        "lm_head_ms": lambda: hidden @ shared.lm_weight.t().to(hidden.dtype),
+        "heads_and_sampling_ms": lambda: drafter.sample_block(hidden, anchors, shared, temperature, u),
+        "first_position_ms": lambda: drafter.sample_block(
+            hidden[:, :1], anchors, shared, temperature, u[:, :1]
+        ),
+        "sampling_fused_ms": lambda: sampling("auto"),
+        "sampling_reference_ms": lambda: sampling("torch"),
+    }
+    return {"rows": r, **{name: median_ms(fn, device, warmup, repeats) for name, fn in parts.items()}}
+
+
+def round_overhead_ms(
+    target, drafter, cost, ctx: int, compile: bool | None = None, tokens: int = 48
+) -> dict[str, float]:
+    """What a whole round costs beyond its profiled steps, at R = 1: the fast engine decodes a
+    random prompt of ``ctx`` tokens with the whole block drafted, then with plain rounds (no draft
+    step), and each round's median time (the device's timeline, ``EngineResult.steps``) is
+    compared with ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what
+    a plain round adds (host work the device waited for, the eager kernels between the graphs)."""
+    from ..decoding.engine import Request
+    from ..scheduling.policies import Fixed
+
+    eng = FastEngine(
+        target, drafter, Fixed(None), temperature=0.0, concurrency=1, max_new_tokens=tokens, buckets=(1,),
+        compile=compile, eos_token_ids=(),
+    )  # fmt: skip
+    prompt = torch.randint(0, target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    reqs = [Request(prompt=prompt)]
+    eng.prepare(reqs)
+    measured = {}
+    for drafted, policy in ((drafter.gamma, Fixed(None)), (0, Fixed(0))):
+        eng.set_policy(policy)
+        eng.generate(reqs)  # warm: every graph of this policy captured, allocator grown
+        steps = eng.generate(reqs).steps[1:]
+        measured[drafted] = statistics.median(s["ms"] for s in steps)
+    spec = measured[drafter.gamma] - 1e3 * cost.round_time(1, drafter.gamma)
+    plain = measured[0] - 1e3 * cost.round_time(1, 0)
+    out = {
+        "drafting_round_ms": measured[drafter.gamma],
+        "plain_round_ms": measured[0],
+        "drafting_extra_ms": spec,
+        "plain_extra_ms": plain,
+        "overhead_ms": max(0.0, spec - plain),
+    }
+    print("round overhead " + "  ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
     return out
 
 

@@ -48,6 +48,7 @@ class EvaluateConfig:
     thresholds: list[Unit]
     progress: bool
     out_dir: str
+    engine_compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Measured:
     temperature: NonNegative = 1.0
     warmup: bool = True
     engine: ENGINE = "plain"
+    compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Profile:
 @dataclass
 class ScheduleConfig:
     target: TargetConfig
-    mode: Literal["analytical", "measured"]
+    mode: Literal["analytical", "measured", "e2e"]
     rounds: str | list[str] | None
     calibration: str | None
     drafter_dir: str | None
@@ -107,6 +109,8 @@ class ScheduleConfig:
     measured: Measured
     profile: Profile
     out_dir: str
+    e2e: str | None = None  # mode=e2e: the JSON python -m dspark.bench.e2e wrote
+    e2e_temperature: NonNegative | None = None  # mode=e2e: which of its temperatures
 
 
 @dataclass

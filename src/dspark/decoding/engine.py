@@ -1,15 +1,21 @@
 """The batched speculative-decoding engine (plain PyTorch; the CPU reference).
 
 One round for the R running requests:
+  0. plan     before drafting, the policy says how many positions γ_d <= γ to draft
+              (``Policy.draft_length``, from completed rounds only; 0 = a plain decoding round);
   1. draft    ``drafter.propose`` from each anchor (the last token the target produced, not yet in
-              its cache) -> γ tokens, their exact sampling distributions, confidence logits;
-  2. lengths  the policy picks ℓ_r <= γ from calibrated confidences c_k = σ(z_k / T_k);
+              its cache) -> γ_d tokens, their exact sampling distributions, confidence logits;
+  2. lengths  the policy picks ℓ_r <= γ_d from calibrated confidences c_k = σ(z_k / T_k);
   3. verify   one target forward over [anchor, d_1..d_ℓ] per row (ragged rows padded to max ℓ + 1),
               then lossless rejection sampling (``verify``) -> n_r accepted + one new token;
   4. commit   the target cache keeps positions a..a+n, the drafter context gets their features,
               and the new token becomes the next anchor at a+n+1.
-Requests stop at EOS or max_new_tokens; waiting prompts join as others finish (continuous
-batching: finished rows are dropped from both caches, new rows are prefilled and appended).
+Steps 0-4 are launched without reading anything back (``_launch``); the host reads a round's
+outcome (tokens, EOS, budgets, records, the policy's feedback: ``_complete``) after launching the
+next one, so on CUDA the host's work hides behind the device's. The price: a request that ended in
+round t rides along in round t + 1 (its tokens there are void) before its row is freed. Requests
+stop at EOS or max_new_tokens; waiting prompts join as others finish (continuous batching:
+finished rows are dropped from both caches, new rows are prefilled and appended).
 Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
 which is the baseline and the reference of the losslessness tests. p_t is softmax(logits / T),
 filtered by top-k / top-p when asked (``decoding.sampling``), for sampling and verification alike.
@@ -22,13 +28,16 @@ is handed over the moment it finishes).
 
 ``FastEngine`` (fast_engine.py) runs the same rounds over static caches with CUDA graphs: it
 overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commit``,
-``_keep_rows``, ``_propose``, ``_verify`` ...). The round's host syncs are ``int(lengths.max())``
-(the verify width) and the Python bookkeeping after verification.
+``_keep_rows``, ``_propose``, ``_verify`` ...). A round reads back only ``max ℓ`` (the verify
+width) and only under a policy whose width depends on the confidences (``Policy.width``); joining
+requests (the prefill) wait for the device. ``EngineResult.steps`` times each round: ``ms`` (its
+span on the device's timeline, or the host's clock on the CPU), ``host_ms``, ``gpu_ms``.
 
 Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
-drafter's uniforms, then verify's ``u_accept [R, G]`` and ``u_sample [R]``; prefill draws one
-uniform per joining request. Uniforms are drawn on the generator's device and moved, so a CUDA
-path can keep the same streams.
+drafter's uniforms [R, γ] (only when it drafts), then verify's ``u_accept [R, γ_d]`` (cut to the
+verified width) and ``u_sample [R]``; prefill draws one uniform per joining request. Uniforms are
+drawn on the generator's device and moved (pinned and asynchronous from the CPU to CUDA), so a
+CUDA path can keep the same streams.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -92,7 +102,7 @@ class RoundRecord:
     step: int  # engine-wide round index
     batch: int  # requests in this round
     anchor_pos: int
-    drafted: int  # γ
+    drafted: int  # γ, the drafter's block (``EngineResult.steps`` says how many were drafted)
     proposed: int  # ℓ chosen by the policy
     accepted: int  # n <= ℓ
     emitted: int
@@ -132,6 +142,66 @@ class _Live:
     rounds: int = 0
     accepted: int = 0
     finish: str | None = None
+
+    def due(self) -> bool:
+        """The next round's token exhausts the budget."""
+        return len(self.tokens) + 1 >= self.budget
+
+
+@dataclass
+class _Round:
+    """A round on the device whose outcome the host reads later (``Engine._complete``)."""
+
+    step: int
+    items: list[_Live]  # the request of each row when the round was launched
+    drafted: int  # γ_d: positions drafted this round (0: plain decoding)
+    out: dict[str, Tensor]  # host copies of its outcome (in flight on CUDA until ``stamp`` ends)
+    stamp: tuple | None  # its CUDA events (``_Clock``)
+    host_s: float  # host time spent launching it
+
+
+class _Clock:
+    """Per-round timing. On CUDA, from events read one round late: ``ms`` spans the device's
+    timeline from the end of its previous work (round or prefill) to the end of this round, idle
+    gaps included, and ``gpu_ms`` from the round's first operation to its last. On the CPU the work
+    is synchronous and the host's clock is the round's time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._last = self._start = None
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        """Device work that is no round ended here (a prefill)."""
+        if self.cuda:
+            self._last = self._event()
+
+    def launch(self) -> None:
+        if self.cuda:
+            self._start = self._event()
+            if self._last is None:
+                self._last = self._start
+
+    def end(self) -> tuple | None:
+        if not self.cuda:
+            return None
+        end = self._event()
+        stamp, self._last = (self._last, self._start, end), end
+        return stamp
+
+    @staticmethod
+    def read(stamp: tuple | None) -> dict:
+        """``{"ms", "gpu_ms"}`` of a round (waits for its end); empty on the CPU."""
+        if stamp is None:
+            return {}
+        last, start, end = stamp
+        end.synchronize()
+        return {"ms": last.elapsed_time(end), "gpu_ms": start.elapsed_time(end)}
 
 
 class Engine:
@@ -204,6 +274,8 @@ class Engine:
         self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
+        self._temps_dev: Tensor | None = None
+        self._clock = _Clock(self.device)
 
     def set_policy(self, policy: Policy | None = None) -> None:
         """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
@@ -254,7 +326,7 @@ class Engine:
         steps: list[dict] = []
         live: list[_Live] = []
         self._reset_state()
-        anchors = anchor_pos = None  # [R] long each
+        anchors = anchor_pos = None  # [R] long each, on the device
         start = time.perf_counter()
         bar = progress_bar(len(reqs), self.desc, self.progress, unit="req")
 
@@ -275,9 +347,10 @@ class Engine:
                     on_result(item.index, gen)
 
         step = 0
+        pending: _Round | None = None  # launched, its outcome not read yet
         with torch.inference_mode():  # an on_result that raises leaves state the next run resets
-            while queue or live:
-                if queue and len(live) < self.concurrency:
+            while queue or live or pending is not None:
+                if pending is None and queue and len(live) < self.concurrency:
                     take = [queue.popleft() for _ in range(min(self.concurrency - len(live), len(queue)))]
                     new_live, first, pos = self._prefill([reqs[i] for i in take], take, len(live))
                     live += new_live
@@ -285,24 +358,31 @@ class Engine:
                     anchor_pos = pos if anchor_pos is None else torch.cat([anchor_pos, pos])
                     finished([item for item in new_live if item.finish is not None])
                     anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
+                    self._clock.mark()
                     continue
-                t0 = time.perf_counter()
-                recs, anchors, anchor_pos, verified, ended, batch = self._round(
-                    live, anchors, anchor_pos, step
-                )
-                _sync(self.device)
-                steps.append(
-                    {
-                        "step": step,
-                        "batch": batch,
-                        "verified": verified,
-                        "ms": 1e3 * (time.perf_counter() - t0),
-                    }
-                )
-                rounds += recs
-                step += 1
-                finished(ended)
+                # Launch round t, then read round t - 1 while the device runs t: the host never
+                # waits for the round it has just launched (a request that ended in round t - 1
+                # rides along in round t, its tokens discarded). Every round emits a token, so a
+                # request one token short of its budget surely ends in round t - 1: when all do,
+                # round t would be void and is not launched.
+                launched = None
+                if any(item.finish is None and not (pending is not None and item.due()) for item in live):
+                    launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
+                    step += 1
+                if pending is not None:
+                    recs, ended, info = self._complete(pending)
+                    steps.append(info)
+                    rounds += recs
+                    finished(ended)
+                pending = launched
                 anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
+                if pending is not None and queue and len(live) < self.concurrency:
+                    recs, ended, info = self._complete(pending)  # joiners need the rows settled
+                    steps.append(info)
+                    rounds += recs
+                    finished(ended)
+                    pending = None
+                    anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                 if bar is not None and rounds:
                     bar.set_postfix(
                         tau=f"{sum(r.accepted + 1 for r in rounds) / len(rounds):.2f}", refresh=False
@@ -364,16 +444,22 @@ class Engine:
         if self._dcache is not None:
             self._dcache = select_draft_cache(self._dcache, index)
 
-    def _propose(self, anchors: Tensor, anchor_pos: Tensor):
+    def _propose(self, anchors: Tensor, anchor_pos: Tensor, drafted: int):
         return self.drafter.propose(
-            self._dcache, anchors, anchor_pos, self.shared, self.temperature, self.generator
+            self._dcache, anchors, anchor_pos, self.shared, self.temperature, self.generator,
+            draft_len=drafted,
+        )  # fmt: skip
+
+    def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
+        return verify(
+            target_probs, draft_probs, drafts, lengths, uniforms=self._verify_uniforms(drafts, drafted)
         )
 
-    def _verify(self, target_probs, draft_probs, drafts, lengths):
+    def _verify_uniforms(self, drafts: Tensor, drafted: int) -> tuple[Tensor, Tensor]:
+        """``u_accept`` is drawn for every drafted position and cut to the verified width, so the
+        stream does not depend on how the width was found; then ``u_sample``."""
         r, g = drafts.shape
-        return verify(
-            target_probs, draft_probs, drafts, lengths, uniforms=(self._uniform(r, g), self._uniform(r))
-        )
+        return self._uniform(r, drafted)[:, :g], self._uniform(r)
 
     def _target_probs(self, logits: Tensor) -> Tensor:
         return target_probs(logits, self.temperature, self.top_k, self.top_p, static=self._static_sampling)
@@ -384,7 +470,24 @@ class Engine:
         return getattr(self.drafter, "gamma", 0) if self.drafter is not None else 0
 
     def _uniform(self, *shape: int) -> Tensor:
+        if self.generator.device.type == "cpu" and self.device.type == "cuda":
+            # Pinned and asynchronous: a pageable copy would wait for the device to drain.
+            u = torch.rand(*shape, generator=self.generator, pin_memory=True)
+            return u.to(self.device, non_blocking=True)
         return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.device)
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """A host tensor on the engine's device without waiting for the device (pinned copy)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        """Start copying a device tensor to the host; it is read once the round's clock ends."""
+        if t.device.type != "cuda":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
 
     def _prefill(self, reqs: list[Request], order: list[int], row0: int):
         """Run the new prompts together (right-padded), sample their first token from the target,
@@ -408,11 +511,12 @@ class Engine:
             nxt[rows, lens - 1] = first
             self._extend_new_rows(taps, positions, positions < lens[:, None], nxt, row0)
         live = []
+        first_l = first.tolist()
         for i, (r, idx) in enumerate(zip(reqs, order)):
             budget = self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
             item = _Live(index=idx, req=r, budget=budget, tokens=[])
             if budget > 0:
-                self._emit(item, [int(first[i])])
+                self._emit(item, [first_l[i]])
             else:
                 item.finish = "length"
             live.append(item)
@@ -423,24 +527,35 @@ class Engine:
         self.drafter.extend_context(dcache, taps, positions, valid, next_tokens, self.shared)
         self._dcache = concat_draft_caches(self._dcache, dcache)
 
-    def _round(self, live: list[_Live], anchors: Tensor, anchor_pos: Tensor, step: int):
+    def _launch(self, live: list[_Live], anchors: Tensor, anchor_pos: Tensor, step: int):
+        """Put one round on the device: draft, lengths, target step, verification, commit. Reads
+        nothing back (except ``max ℓ`` for a policy whose width depends on the confidences);
+        returns the round (its outcome copied to the host asynchronously) and the next anchors
+        and their positions, on the device."""
+        t0 = time.perf_counter()
+        self._clock.launch()
         r = len(live)
         device = self.device
-        conf_logits = conf = None
+        idle = [i for i, item in enumerate(live) if item.finish is not None]
+        drafted = 0
         if self.drafter is not None:
-            prop = self._propose(anchors, anchor_pos)
-            gamma = prop.tokens.shape[1]
+            drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
+        conf_logits = conf = None
+        if drafted:
+            prop = self._propose(anchors, anchor_pos, drafted)
             if prop.confidence_logits is not None:
                 conf_logits = prop.confidence_logits.float()
                 conf = self._calibrated(conf_logits)
-            scores = conf if conf is not None else torch.ones(r, gamma, device=device)
+            scores = conf if conf is not None else torch.ones(r, drafted, device=device)
             lengths = (
-                self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, gamma)
+                self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, drafted)
             )
-            g = int(lengths.max())
+            g = self.policy.width(drafted)
+            if g is None:
+                g = int(lengths.max())  # the one read-back of a confidence-dependent width
             drafts, draft_probs = prop.tokens[:, :g], prop.probs[:, :g]
         else:
-            gamma = g = 0
+            g = 0
             lengths = torch.zeros(r, dtype=torch.long, device=device)
             drafts = torch.zeros(r, 0, dtype=torch.long, device=device)
             draft_probs = None
@@ -449,67 +564,90 @@ class Engine:
         target_probs, taps = self._target_step(ids, positions)
         if draft_probs is None:
             draft_probs = target_probs.new_zeros(r, 0, target_probs.shape[-1])
-        res = self._verify(target_probs, draft_probs, drafts, lengths)
+        res = self._verify(target_probs, draft_probs, drafts, lengths, drafted)
         n = res.accepted
         # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
         nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
         nxt[torch.arange(r, device=device), n] = res.next_token
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
         # stay in place, re-verifying the same position until they leave.
-        idle = [i for i, item in enumerate(live) if item.finish is not None]
         kept, next_anchors = n + 1, res.next_token
         if idle:
-            index = torch.tensor(idle, device=device)
-            kept = kept.index_fill(0, index, 0)
-            next_anchors = next_anchors.index_copy(0, index, anchors[index])
+            mask = self._to_device(torch.tensor([i in idle for i in range(r)]))
+            kept = torch.where(mask, 0, kept)
+            next_anchors = torch.where(mask, anchors, next_anchors)
         self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
+        out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
+        if self.record_rounds and conf_logits is not None:
+            out.update(conf_logits=conf_logits, conf=conf)
+        next_pos = anchor_pos + kept
+        copies = {k: self._to_host(v) for k, v in out.items()}
+        stamp = self._clock.end()  # after the copies: reading them waits for this event
+        rnd = _Round(step, list(live), drafted, copies, stamp, time.perf_counter() - t0)
+        return rnd, next_anchors, next_pos
 
-        # Python bookkeeping (host copies once per round, after verification).
-        n_l, next_l = n.tolist(), res.next_token.tolist()
-        draft_l = drafts.tolist() if g else None
-        record = self.record_rounds
-        if record:
-            len_l, pos_l, flags_l = lengths.tolist(), anchor_pos.tolist(), res.accept_flags.tolist()
-            zl = conf_logits.tolist() if conf_logits is not None else None
-            cl = conf.tolist() if conf is not None else None
-        recs, ended = [], []
-        batch = r - len(idle)
-        for i, item in enumerate(live):
-            if item.finish is not None:
+    def _complete(self, rnd: _Round) -> tuple[list[RoundRecord], list[_Live], dict]:
+        """The host side of a launched round, once its outcome is on the host: emit tokens, end
+        requests at EOS or budget, record the round, tell the policy."""
+        t0 = time.perf_counter()
+        timing = self._clock.read(rnd.stamp)  # waits for the round's copies
+        host = {k: v.tolist() for k, v in rnd.out.items()}
+        n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
+        zl, cl = host.get("conf_logits"), host.get("conf")
+        recs, ended, rows = [], [], []
+        batch = sum(item.finish is None for item in rnd.items)
+        for i, item in enumerate(rnd.items):
+            if item.finish is not None:  # ended in an earlier round: this round's tokens are void
                 continue
-            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]] if g else [next_l[i]])
+            rows.append(i)
+            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
             if item.finish is not None:
                 ended.append(item)
-            if record:
+            if self.record_rounds:
                 recs.append(
                     RoundRecord(
                         request=item.req.id,
                         round=item.rounds,
-                        step=step,
+                        step=rnd.step,
                         batch=batch,
-                        anchor_pos=pos_l[i],
-                        drafted=gamma,
+                        anchor_pos=host["pos"][i],
+                        drafted=self._gamma,
                         proposed=len_l[i],
                         accepted=n_l[i],
                         emitted=emitted,
-                        accept_flags=flags_l[i][: len_l[i]],
+                        accept_flags=[k < n_l[i] for k in range(len_l[i])],
                         confidence_logits=None if zl is None else zl[i],
                         confidence=None if cl is None else cl[i],
                     )
                 )
             item.rounds += 1
             item.accepted += n_l[i]
-        return recs, next_anchors, anchor_pos + kept, r + int(lengths.sum()), ended, batch
+        if self.drafter is not None:
+            self.policy.observe_round(np.array([len_l[i] for i in rows]), np.array([n_l[i] for i in rows]))
+        host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t0)
+        info = {
+            "step": rnd.step,
+            "batch": batch,
+            "drafted": rnd.drafted,
+            "verified": len(rnd.items) + sum(len_l),
+            "ms": timing.get("ms", host_ms),
+            "host_ms": host_ms,
+            "gpu_ms": timing.get("gpu_ms"),
+        }
+        return recs, ended, info
 
     def _calibrated(self, z: Tensor) -> Tensor:
+        """σ(z_k / T_k) of the drafted positions (the first ``z.shape[1]`` of the block)."""
         if self.temperatures is None:
             return torch.sigmoid(z)
-        t = self.temperatures.to(z)
-        if t.numel() != z.shape[1]:
+        if self._temps_dev is None:
+            self._temps_dev = self._to_device(self.temperatures)
+        if self.temperatures.numel() < z.shape[1]:
             raise ValueError(
-                f"calibration has {t.numel()} temperatures, the drafter proposes {z.shape[1]} tokens"
+                f"calibration has {self.temperatures.numel()} temperatures, the drafter proposes "
+                f"{z.shape[1]} tokens"
             )
-        return torch.sigmoid(z / t)
+        return torch.sigmoid(z / self._temps_dev[: z.shape[1]].to(z.dtype))
 
     def _emit(self, item: _Live, new: list[int]) -> int:
         """Append tokens until EOS or the budget; returns how many were kept."""
@@ -533,7 +671,7 @@ class Engine:
         if idle == 0 or (idle < self.refill and keep):
             return anchors, anchor_pos
         live[:] = [live[i] for i in keep]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = self._to_device(torch.tensor(keep, dtype=torch.long))
         self._keep_rows(index)
         return anchors[index], anchor_pos[index]
 
@@ -554,17 +692,20 @@ def _temperatures(calibration, gamma: int | None) -> Tensor | None:
     return t
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------------------------
 # Statistics over round records (RoundRecord objects or the dicts of rounds.jsonl)
 
 
 def _get(rec, key):
     return rec[key] if isinstance(rec, dict) else getattr(rec, key)
+
+
+def _whole_blocks(records: Iterable) -> list:
+    """The rounds that carry confidences for the whole block (a round that drafted fewer
+    positions, or none, says nothing about the rest)."""
+    recs = [r for r in records if _get(r, "confidence_logits") is not None]
+    gamma = max((len(_get(r, "confidence_logits")) for r in recs), default=0)
+    return [r for r in recs if len(_get(r, "confidence_logits")) == gamma]
 
 
 def tau(records: Iterable) -> float | None:
@@ -590,12 +731,10 @@ def calibration_arrays(records: Iterable) -> tuple[Tensor, Tensor, Tensor]:
     """(confidence logits [N, γ], prefix-acceptance labels y_k = 1[n >= k], valid = k <= ℓ) from the
     rounds that carry confidence logits: the rollout input of ``calibration.sts.fit_sts``."""
     z, n, ell = [], [], []
-    for r in records:
-        logits = _get(r, "confidence_logits")
-        if logits is not None:
-            z.append(logits)
-            n.append(_get(r, "accepted"))
-            ell.append(_get(r, "proposed"))
+    for r in _whole_blocks(records):
+        z.append(_get(r, "confidence_logits"))
+        n.append(_get(r, "accepted"))
+        ell.append(_get(r, "proposed"))
     if not z:
         raise ValueError("no round carries confidence logits (the drafter has no confidence head)")
     logits = torch.tensor(z, dtype=torch.float32)
@@ -611,7 +750,7 @@ def threshold_sweep(records: Iterable, thresholds: Sequence[float], calibrated: 
     rejected draft tokens. Exact from recorded rounds because acceptance of position k does not
     depend on how many positions follow it; rounds are cut at their recorded ℓ (a fixed-γ run
     records the full block). ``calibrated`` uses σ(z/T) as recorded, else raw σ(z)."""
-    recs = [r for r in records if _get(r, "confidence_logits") is not None]
+    recs = _whole_blocks(records)
     if not recs:
         raise ValueError("no round carries confidences: the threshold sweep needs a confidence head")
     if calibrated:

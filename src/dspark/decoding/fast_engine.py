@@ -14,10 +14,14 @@ What changes against the plain engine (``engine.py``), and nothing else:
   * top-k / top-p filtering of p_t runs inside the target step's graph in its static form (one
     topk or one full-vocabulary sort per row: ``decoding.sampling``);
   * without a drafter the prefill pads each chunk of prompts to its own longest prompt and keeps
-    no tap features (the drafter's context is their only reader).
+    no tap features (the drafter's context is their only reader);
+  * on CUDA the target's layer functions and the drafter's layers are ``torch.compile``d by
+    default (``compile``), inside the captured graphs.
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
-fast engine reproduces the plain one token for token (tested); per round the host waits twice:
-for the verify width and for the bookkeeping.
+fast engine reproduces the plain one token for token (tested). A round reads nothing back (the
+engine's ``_launch`` / ``_complete``), except the verify width under a policy whose width depends
+on the confidences; its graphs are keyed by rows bucket and verify width (target) or drafted
+length (draft).
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class FastEngine(Engine):
         max_width: the widest verification step (default γ + 1; the SPS benchmark asks for more).
         verify_impl: rejection-sampling backend: ``auto`` (the Triton kernel on CUDA, its
             reference elsewhere) or ``torch`` (the reference everywhere).
-        compile: ``torch.compile`` the target's layer functions (fused norms / RoPE / SiLU; the
-            first steps of each new shape pay the compilation).
+        compile: ``torch.compile`` the target's layer functions (fused norms / RoPE / SiLU) and the
+            drafter's layers; the first steps of each new shape pay the compilation. None (the
+            default): on CUDA.
     """
 
     _static_sampling = True
@@ -69,7 +74,7 @@ class FastEngine(Engine):
         prefill_chunk: int = 32,
         max_width: int | None = None,
         verify_impl: str = "auto",
-        compile: bool = False,
+        compile: bool | None = None,
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
@@ -93,19 +98,24 @@ class FastEngine(Engine):
         self.prefill_chunk = int(prefill_chunk)
         self.max_width = int(max_width or self._gamma + 1)
         self.verify_impl = verify_impl
-        self.compile = bool(compile)
+        self.compile = (self.device.type == "cuda") if compile is None else bool(compile)
+        if self.compile and drafter is not None:
+            drafter.compile_inference()
         self.static: StaticTarget | None = None
         self.bank = GraphBank(self.device) if self.use_graphs else None
 
     # ---- static state ---------------------------------------------------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
         budget = max(self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens) for r in reqs)
-        need = max(len(r.prompt) for r in reqs) + budget + self._gamma + 2
+        # Its last round may write γ + 1 positions past the budget, and the round it rides along
+        # in before its row is freed γ + 1 more.
+        need = max(len(r.prompt) for r in reqs) + budget + 2 * (self._gamma + 1)
         if self.fixed_capacity is not None:
             if need > self.fixed_capacity:
                 raise ValueError(
-                    f"a request needs {need} cache positions (prompt + max_new_tokens + gamma + 2) but the "
-                    f"fast engine's capacity is {self.fixed_capacity}: raise engine capacity or shorten it"
+                    f"a request needs {need} cache positions (prompt + max_new_tokens + 2·(gamma + 1)) "
+                    f"but the fast engine's capacity is {self.fixed_capacity}: raise engine capacity or "
+                    f"shorten it"
                 )
             need = self.fixed_capacity
         else:
@@ -115,7 +125,8 @@ class FastEngine(Engine):
 
     def prepare(self, requests) -> None:
         """Size the caches for ``requests`` and capture every graph a run at this concurrency can
-        meet (rows buckets up to it x verify widths 1..γ+1), so no capture lands in a timed round."""
+        meet (rows buckets up to it x verify widths 1..γ+1, and drafted lengths 1..γ), so no
+        capture lands in a timed round."""
         reqs = [r if isinstance(r, Request) else Request(prompt=list(r)) for r in requests]
         self._check_requests(reqs)
         if self.bank is None:
@@ -125,11 +136,12 @@ class FastEngine(Engine):
             for rows in (b for b in self.buckets if b <= top):
                 for w in range(1, self._gamma + 2):
                     self._target_step(self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone())
-                if self.drafter is not None:
+                for drafted in range(1, self._gamma + 1):
                     self._draft_step(
                         self.in_anchor[:rows].clone(),
                         self.in_anchor_pos[:rows].clone(),
                         self.in_u[:rows].clone(),
+                        drafted,
                     )
         self._reset_state()
 
@@ -207,10 +219,12 @@ class FastEngine(Engine):
             return step(r), None
         return self.bank.run(("target", rows, w), lambda: step(rows))[:r], None
 
-    def _propose(self, anchors: Tensor, anchor_pos: Tensor) -> Proposal:
-        return self._draft_step(anchors, anchor_pos, self._uniform(anchors.shape[0], self._gamma))
+    def _propose(self, anchors: Tensor, anchor_pos: Tensor, drafted: int) -> Proposal:
+        return self._draft_step(anchors, anchor_pos, self._uniform(anchors.shape[0], self._gamma), drafted)
 
-    def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor) -> Proposal:
+    def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor, drafted: int) -> Proposal:
+        """The first ``drafted`` positions of each row's block (one graph per rows bucket and
+        drafted length)."""
         r = anchors.shape[0]
 
         def step(rows: int) -> Proposal:
@@ -221,6 +235,7 @@ class FastEngine(Engine):
                 self.shared,
                 self.temperature,
                 uniforms=self.in_u[:rows],
+                draft_len=drafted,
             )
 
         rows = bucket_for(r, self.buckets) if self.use_graphs else r
@@ -228,18 +243,18 @@ class FastEngine(Engine):
         self.in_anchor_pos[:r].copy_(anchor_pos)
         self.in_anchor_pos[r:rows].zero_()
         self.in_u[:r].copy_(u)
-        out = step(r) if self.bank is None else self.bank.run(("draft", rows), lambda: step(rows))
+        key = ("draft", rows, drafted)
+        out = step(r) if self.bank is None else self.bank.run(key, lambda: step(rows))
         conf = out.confidence_logits
         return Proposal(out.tokens[:r], out.probs[:r], None if conf is None else conf[:r])
 
-    def _verify(self, target_probs, draft_probs, drafts, lengths):
-        r, g = drafts.shape
+    def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
         return rejection_verify(
             target_probs,
             draft_probs,
             drafts,
             lengths,
-            uniforms=(self._uniform(r, g), self._uniform(r)),
+            uniforms=self._verify_uniforms(drafts, drafted),
             impl=self.verify_impl,
         )
 

@@ -138,10 +138,18 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         temperature: float,
         generator: torch.Generator | None = None,
         uniforms: Tensor | None = None,
+        draft_len: int | None = None,
     ) -> Proposal:
         """γ draft tokens from each anchor with the exact distributions they were sampled from.
         ``uniforms`` [R, γ] replaces the draws from ``generator`` (the CUDA-graph engine feeds
-        them through a static buffer)."""
+        them through a static buffer). ``draft_len`` (<= γ; None = γ): only the first
+        ``draft_len`` positions are sampled (no LM head or sampling for positions that will not
+        be verified), the proposal is [R, draft_len]; the uniforms are still [R, γ], of which
+        the first ``draft_len`` columns are used."""
+
+    def compile_inference(self) -> None:
+        """``torch.compile`` what ``propose`` runs (the fast engine asks when it compiles the
+        target); default: nothing to compile."""
 
     def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:
         """Static-cache hook (``supports_static_cache``): the context keys/values of taps
@@ -188,6 +196,14 @@ def output_logits(x: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+def draft_length(gamma: int, draft_len: int | None) -> int:
+    """The positions a proposal samples: ``draft_len`` checked against the block (None = γ)."""
+    n = gamma if draft_len is None else int(draft_len)
+    if not 0 < n <= gamma:
+        raise ValueError(f"draft_len must be in 1..{gamma}, got {draft_len}")
+    return n
 
 
 def empty_cache(layers: nn.ModuleList, r: int, ref: Tensor, capacity: int = 0) -> DraftCache:

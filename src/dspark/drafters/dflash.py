@@ -22,9 +22,18 @@ import torch
 from torch import Tensor, nn
 
 from ..core.errors import ConfigError
-from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .base import Drafter, DrafterConfig, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
+from ..kernels.sample_step import sample_step
+from .base import (
+    Drafter,
+    DrafterConfig,
+    append_kv,
+    draft_length,
+    draft_uniforms,
+    empty_cache,
+    layer_shape,
+    output_logits,
+)
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
 
@@ -203,6 +212,7 @@ class BlockDrafter(Drafter):
         # and CPU runs stay eager either way.
         self.compile_training = cfg.get("compile", "auto")
         self._compiled_layers = None
+        self._inference_layers = None  # compile_inference
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
@@ -237,6 +247,10 @@ class BlockDrafter(Drafter):
             self._compiled_layers = [torch.compile(layer) for layer in self.layers]  # a list: not registered
         return self._compiled_layers
 
+    def compile_inference(self) -> None:
+        if self._inference_layers is None:  # a list: not registered, the parameters are shared
+            self._inference_layers = [torch.compile(layer, dynamic=True) for layer in self.layers]
+
     def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
         """[anchor, mask, …, mask] (block_size slots) embedded, for anchors of any shape."""
         ids = anchor_tokens[..., None].expand(*anchor_tokens.shape, self.block_size).clone()
@@ -257,9 +271,11 @@ class BlockDrafter(Drafter):
         return None
 
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
+        """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences."""
+        r, n, _ = hidden.shape
         logits = output_logits(hidden, shared.lm_weight, shared.softcap)
-        probs = probs_from_logits(logits, temperature)
-        return sample_from(probs, u), probs, None
+        step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())  # one fused pass
+        return step.tokens.view(r, n), step.probs.view(r, n, -1), None
 
     # ---- training ----------------------------------------------------------------------------
     def train_forward(
@@ -322,9 +338,12 @@ class BlockDrafter(Drafter):
         temperature: float,
         generator: torch.Generator | None = None,
         uniforms: Tensor | None = None,
+        draft_len: int | None = None,
     ) -> Proposal:
-        """γ tokens from each anchor (see ``Drafter.propose``)."""
+        """γ tokens from each anchor (see ``Drafter.propose``); the backbone always runs the whole
+        block (its positions attend to each other), the heads only the first ``draft_len``."""
         r = anchor_tokens.shape[0]
+        n = draft_length(self.gamma, draft_len)
         device = anchor_tokens.device
         width = self.block_size
         x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
@@ -333,9 +352,10 @@ class BlockDrafter(Drafter):
         sees_ctx = torch.arange(c, device=device)[None, :] < cache.length[:, None]
         mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(r, width, -1)
-        hidden = self.drafting_slots(self.backbone(x, pos, list(zip(cache.k, cache.v)), mask))  # [R, γ, d]
+        backbone = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask, self._inference_layers)
+        hidden = self.drafting_slots(backbone)  # [R, γ, d]
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
-        tokens, probs, conf = self.sample_block(hidden, anchor_tokens, shared, temperature, u)
+        tokens, probs, conf = self.sample_block(hidden[:, :n], anchor_tokens, shared, temperature, u[:, :n])
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
 
     @torch.no_grad()

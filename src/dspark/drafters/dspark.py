@@ -7,9 +7,8 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError
-from ..core.sampling import probs_from_logits, sample_from
 from ..core.types import TargetDims
-from .base import output_logits
+from ..kernels.sample_step import sample_step
 from .dflash import BlockDrafter, check_slots
 from .heads import HEADS, ConfidenceHead
 from .registry import register
@@ -62,25 +61,29 @@ class DSparkDrafter(BlockDrafter):
         return None if self.head is None else self.head.W2.weight
 
     def sample_block(self, hidden, anchor, shared, temperature, u):
-        """Left to right: each position's exact distribution is conditioned on the token actually
-        sampled before it, so verification against these probabilities stays lossless."""
-        base = output_logits(hidden, shared.lm_weight, None)  # [R, γ, V]
+        """Left to right over the positions of ``hidden`` [R, n, d]: each position's exact
+        distribution is conditioned on the token actually sampled before it, so verification
+        against these probabilities stays lossless. One LM-head product for the n positions, then
+        per position the head's bias and the fused softmax + inverse-CDF draw
+        (``kernels.sample_step``; its PyTorch reference off CUDA)."""
+        base = hidden @ shared.lm_weight.t().to(hidden.dtype)  # [R, n, V]; upcast in the sampler
         prev = anchor
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
         tokens, probs, confs = [], [], []
-        for k in range(self.gamma):
+        for k in range(hidden.shape[1]):
             h = hidden[:, k]
-            logits = base[:, k]
+            logits, bias = base[:, k], None
             if self.head is not None:
                 b, state = self.head.step(h, prev, state)
-                logits = logits + self.head.bias_logits(b).float()
-            if shared.softcap:
-                logits = torch.tanh(logits / shared.softcap) * shared.softcap
+                bias = self.head.bias_logits(b)
+            if shared.softcap:  # the cap applies to the sum: add first
+                logits = logits.float() + (0.0 if bias is None else bias.float())
+                logits, bias = torch.tanh(logits / shared.softcap) * shared.softcap, None
             conf = self._confidence(h, prev)
-            p = probs_from_logits(logits, temperature)
-            prev = sample_from(p, u[:, k])
+            step = sample_step(logits, bias, temperature, u[:, k])
+            prev = step.tokens
             tokens.append(prev)
-            probs.append(p)
+            probs.append(step.probs)
             if conf is not None:
                 confs.append(conf)
         return (

@@ -17,7 +17,16 @@ from torch import Tensor, nn
 from ..core.sampling import probs_from_logits, sample_from
 from ..core.schema import Count
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
-from .base import Drafter, DrafterConfig, append_kv, draft_uniforms, empty_cache, layer_shape, output_logits
+from .base import (
+    Drafter,
+    DrafterConfig,
+    append_kv,
+    draft_length,
+    draft_uniforms,
+    empty_cache,
+    layer_shape,
+    output_logits,
+)
 from .dflash import _init_linear, block_targets
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
@@ -138,9 +147,11 @@ class Eagle3Drafter(Drafter):
 
     @torch.no_grad()
     def propose(
-        self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None, uniforms=None
-    ) -> Proposal:
+        self, cache, anchor_tokens, anchor_pos, shared: Shared, temperature, generator=None, uniforms=None,
+        draft_len=None,
+    ) -> Proposal:  # fmt: skip
         r = anchor_tokens.shape[0]
+        n = draft_length(self.gamma, draft_len)
         device = anchor_tokens.device
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
         g = cache.extra["last"]
@@ -149,12 +160,12 @@ class Eagle3Drafter(Drafter):
         chain_k = [[] for _ in self.layers]
         chain_v = [[] for _ in self.layers]
         tokens, probs = [], []
-        for j in range(self.gamma):
+        for j in range(n):
             p = probs_from_logits(output_logits(self.norm(g), shared.lm_weight, shared.softcap), temperature)
             tok = sample_from(p, u[:, j])
             tokens.append(tok)
             probs.append(p)
-            if j == self.gamma - 1:
+            if j == n - 1:
                 break
             x = self._inputs(tok[:, None], g[:, None], shared)
             ctx = [

@@ -84,8 +84,10 @@ class Evaluator:
     def engine(self, policy: Policy, calibration, name: str) -> Engine:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode()))
+        kind = str(cfg.get("engine", "plain"))
+        fast = {"compile": cfg.get("engine_compile")} if kind == "fast" else {}  # null: on CUDA
         return build_engine(
-            str(cfg.get("engine", "plain")),
+            kind,
             self.target,
             self.drafter,
             policy,
@@ -97,6 +99,7 @@ class Evaluator:
             generator=gen,
             progress=bool(cfg.progress),
             desc=name,
+            **fast,
         )
 
     def calibrate(self, prompts: list[tuple[str, str]]) -> CalibrationFit:

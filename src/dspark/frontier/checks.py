@@ -21,8 +21,12 @@ log = logging.getLogger(__name__)
 
 
 def check_config(cfg: DictConfig) -> None:
-    if cfg.mode not in ("analytical", "measured"):
-        raise ConfigError(f"mode must be 'analytical' or 'measured', got '{cfg.mode}'")
+    if cfg.mode not in ("analytical", "measured", "e2e"):
+        raise ConfigError(f"mode must be 'analytical', 'measured' or 'e2e', got '{cfg.mode}'")
+    if cfg.mode == "e2e":
+        if cfg.get("e2e") is None or not Path(str(cfg.e2e)).expanduser().is_file():
+            raise ConfigError(f"e2e={cfg.get('e2e')}: give the json of python -m dspark.bench.e2e (mode=e2e)")
+        return
     conc = list(cfg.concurrency) if isinstance(cfg.concurrency, ListConfig) else [cfg.concurrency]
     if not conc or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in conc):
         raise ConfigError(f"concurrency must be a list of integers >= 1, got {cfg.concurrency}")

@@ -1,11 +1,14 @@
-"""The two ways to the frontier: replaying recorded rounds against a cost table (analytical,
-dspark.scheduling.replay) or running the engine at each concurrency (measured, dspark.bench.measure),
-profiling the target and the drafter into a cost table first when none is given."""
+"""The ways to the frontier: replaying recorded rounds against a cost table (analytical,
+dspark.scheduling.replay), running the engine at each concurrency (measured, dspark.bench.measure),
+profiling the target and the drafter into a cost table first when none is given, or reading the
+rows a ``python -m dspark.bench.e2e`` run measured (e2e)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -17,6 +20,7 @@ from ..checkpoints import load_drafter
 from ..core.errors import ConfigError, DataError
 from ..data.benchmarks import first_turns
 from ..scheduling.cost import CostModel
+from ..scheduling.policies import Fixed, build_policy
 from ..scheduling.replay import ReplayError, load_rounds, replay
 from ..target import load_target
 from .checks import load_cost, sweep_gamma, sweep_policies, synthetic_cost
@@ -95,6 +99,7 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
         warmup=bool(cfg.measured.warmup),
         progress=bool(cfg.progress),
         engine_kind=str(cfg.measured.get("engine", "plain")),
+        engine_kw={"compile": cfg.measured.get("compile")} if cfg.measured.get("engine") == "fast" else None,
     )
     info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
     return frontier, policies, cost, info
@@ -143,6 +148,39 @@ def profiled_cost(cfg: DictConfig, target, drafter, gamma: int) -> CostModel:
             "torch": torch.__version__,
         },
     )
+
+
+def run_e2e(cfg: DictConfig) -> tuple[dict, dict, CostModel, dict]:
+    """The frontier an e2e benchmark measured: its rows at one temperature (``e2e_temperature``;
+    null: its only one), one curve per run (target-only and each policy), priced with the cost
+    table it ran with (``cost_table`` overrides)."""
+    path = Path(str(cfg.e2e)).expanduser()
+    try:
+        report = json.loads(path.read_text())
+        rows = report["rows"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ConfigError(f"e2e={path}: not the json of python -m dspark.bench.e2e ({err})") from None
+    temps = sorted({float(r.get("temperature", report.get("temperature", 0.0))) for r in rows})
+    want = cfg.get("e2e_temperature")
+    if want is None and len(temps) > 1:
+        raise ConfigError(f"e2e={path} holds temperatures {temps}: pick one with e2e_temperature=<T>")
+    t = temps[0] if want is None else float(want)
+    if t not in temps:
+        raise ConfigError(f"e2e_temperature={want}: {path} holds temperatures {temps}")
+    frontier: dict[str, list[dict]] = {}
+    for r in rows:
+        if float(r.get("temperature", report.get("temperature", 0.0))) == t:
+            frontier.setdefault(r["run"].split("/")[-1], []).append(r)
+    policies = {n: Fixed(0) if n == "target_only" else build_policy(n) for n in frontier}
+    if cfg.cost_table is not None:
+        cost = load_cost(cfg)
+    elif report.get("cost_table"):
+        cost = CostModel.from_dict(report["cost_table"])
+    else:
+        raise ConfigError(f"e2e={path} ran without a cost table: pass cost_table=<json>")
+    info = {"e2e": str(path), "temperature": t, "goals": report.get("goals", {}).get(f"{t:g}")}
+    info.update({k: report.get(k) for k in ("target", "drafter", "engine", "compiled")})
+    return frontier, policies, cost, info
 
 
 def _powers_of_two(top: int) -> list[int]:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..artifacts import FrontierFolder
 from ..core.provenance import provenance
 from ..reporting.frontier_plots import budget_plot, frontier_plot
-from ..scheduling.policies import HardwareAware
+from ..scheduling.policies import Fixed, HardwareAware
 from ..scheduling.replay import dominance
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ def write_outputs(
     result = {"mode": str(cfg.mode), "cost_table": cost.to_dict(), "policies": points}
     folder.write_frontier(result)
 
-    fixed = [n for n, p in policies.items() if not p.needs_confidence]  # fixed lengths: fixed_<g>, mtp1
+    # Fixed lengths γ >= 1: fixed, fixed_<g>, mtp1 (γ = 0 is target-only decoding).
+    fixed = [n for n, p in policies.items() if isinstance(p.base, Fixed) and p.base.gamma != 0]
     ha = next((n for n, p in policies.items() if isinstance(p.base, HardwareAware)), None)
     check = None
     if ha is not None and fixed:

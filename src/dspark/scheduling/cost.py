@@ -1,10 +1,12 @@
 """Step-time cost model for load-aware verification scheduling (paper §2.1, §3.2.2).
 
-One decoding round costs ``T_draft(R) + T_verify(B)``: the drafter runs once per round for the
-``R`` active requests, and the target verifies ``B = R + sum(l_r)`` tokens (anchors + admitted
-drafts). Both curves are measured once on the engine and stored as small tables; the scheduler
-reads ``SPS(B) = 1 / step_time`` from them by interpolation, which is an O(1) lookup per
-candidate on Algorithm 1's admission path.
+One decoding round costs ``T_draft(R, γ_d) + T_verify(B) + overhead``: the drafter runs once per
+round for the ``R`` active requests and drafts ``γ_d`` positions, the target verifies
+``B = R + sum(l_r)`` tokens (anchors + admitted drafts), and ``overhead`` is the host work of a
+speculative round that the step timings do not see. A round that drafts nothing is plain decoding
+and costs ``T_verify(R)`` alone. The curves are measured once on the engine and stored as small
+tables; the scheduler reads ``SPS(B) = 1 / step_time`` from them by interpolation, an O(1) lookup
+per candidate on Algorithm 1's admission path (on the device: ``verify_table``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..core.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CostModel", "CostTableError", "profile"]
 
@@ -31,11 +36,9 @@ class CostTableError(DataError):
     """A measured or saved table that cannot be a step-time curve."""
 
 
-def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple[np.ndarray, np.ndarray]:
-    if not table:
-        raise CostTableError(f"{name}: empty table; profile at least one batch size")
-    keys: list[int] = []
-    for k in table:
+def _positive_ints(name: str, keys: Iterable[Any]) -> list[int]:
+    out: list[int] = []
+    for k in keys:
         # JSON turns int keys into strings, so accept "64" but never 64.5 or True.
         if isinstance(k, bool):
             raise CostTableError(f"{name}: batch size {k!r} is not an integer")
@@ -47,7 +50,14 @@ def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple
             raise CostTableError(f"{name}: batch size {k!r} is not an integer")
         if ik <= 0:
             raise CostTableError(f"{name}: batch size must be positive, got {k!r}")
-        keys.append(ik)
+        out.append(ik)
+    return out
+
+
+def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple[np.ndarray, np.ndarray]:
+    if not table:
+        raise CostTableError(f"{name}: empty table; profile at least one batch size")
+    keys = _positive_ints(name, table)
     if len(set(keys)) != len(keys):
         raise CostTableError(f"{name}: duplicate batch sizes {sorted(keys)}")
     pairs = sorted((ik, float(v)) for ik, v in zip(keys, table.values()))
@@ -87,15 +97,23 @@ def _interp(xs: np.ndarray, ys: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 class CostModel:
-    """Measured round time: ``T_draft(R) + T_verify(B)``.
+    """Measured round time: ``T_draft(R, γ_d) + T_verify(B) + overhead``.
 
     Args:
         verify_ms: target verification step time (ms) by token batch size ``B``.
-        draft_ms: drafter step time (ms) by concurrency ``R``; ``None`` = drafting is free
-            (or folded into ``verify_ms``).
+        draft_ms: drafter step time (ms) by concurrency ``R``, the whole block drafted; ``None`` =
+            drafting is free (or folded into ``verify_ms``).
         context_len: context length the table was profiled at (attention cost grows with it).
         meta: free-form provenance (device, dtype, commit, ...); must be JSON-serialisable.
         monotone_tol: relative dip in step time with growing ``B`` tolerated as noise.
+        draft_len_ms: the draft step by drafted length, ``{γ_d: {R: ms}}`` (a drafter that drafts
+            fewer positions skips their LM head and sampling); lengths between the profiled ones
+            are interpolated, a length beyond them costs the longest one's time.
+        overhead_ms: host time of a drafting round that the step timings miss (its policy and
+            bookkeeping when they are not hidden behind the device's work), per round.
+        padded: the engine verifies rows padded to the widest (ours do), so a step over R rows of
+            at most ℓ drafts costs ``T_verify(R · (1 + ℓ))``, not ``T_verify(R + Σℓ)`` (a ragged
+            kernel's); Algorithm 1 then prices its path by the deepest admitted position.
     """
 
     def __init__(
@@ -105,16 +123,33 @@ class CostModel:
         context_len: int | None = None,
         meta: dict | None = None,
         monotone_tol: float = 0.05,
+        draft_len_ms: Mapping[int, Mapping[int, float]] | None = None,
+        overhead_ms: float = 0.0,
+        padded: bool = False,
     ) -> None:
         if not 0.0 <= monotone_tol < 1.0:
             raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
         if context_len is not None and int(context_len) <= 0:
             raise CostTableError(f"context_len must be positive, got {context_len}")
+        if not (math.isfinite(float(overhead_ms)) and float(overhead_ms) >= 0):
+            raise CostTableError(f"overhead_ms must be finite and >= 0, got {overhead_ms}")
         self.monotone_tol = float(monotone_tol)
         self._vx, self._vy = _as_table("verify_ms", verify_ms, monotone_tol)
         self._d = None if draft_ms is None else _as_table("draft_ms", draft_ms, monotone_tol)
+        self._dl = None
+        if draft_len_ms is not None:
+            if not draft_len_ms:
+                raise CostTableError("draft_len_ms: empty table; profile at least one drafted length")
+            lengths = _positive_ints("draft_len_ms", draft_len_ms)
+            self._dl = {
+                m: _as_table(f"draft_len_ms[{m}]", table, monotone_tol)
+                for m, table in sorted(zip(lengths, draft_len_ms.values()))
+            }
+        self.overhead_ms = float(overhead_ms)
+        self.padded = bool(padded)
         self.context_len = None if context_len is None else int(context_len)
         self.meta = dict(meta or {})
+        self._tables: dict = {}  # device copies of the verify curve (``verify_table``)
 
     # ---- tables -------------------------------------------------------------------------
     @property
@@ -126,6 +161,12 @@ class CostModel:
         if self._d is None:
             return None
         return {int(r): float(t) for r, t in zip(*self._d)}
+
+    @property
+    def draft_len_ms(self) -> dict[int, dict[int, float]] | None:
+        if self._dl is None:
+            return None
+        return {m: {int(r): float(t) for r, t in zip(*xy)} for m, xy in self._dl.items()}
 
     # ---- lookups ------------------------------------------------------------------------
     def step_time(self, B, R=None):
@@ -139,13 +180,10 @@ class CostModel:
         if np.any(b <= 0):
             raise ValueError(f"batch size must be positive, got {B!r}")
         ms = _interp(self._vx, self._vy, b)
-        if self._d is not None:
-            if R is None:
-                raise ValueError("this cost model has a draft table; pass R (active requests)")
-            r = np.asarray(R, dtype=np.float64)
-            if np.any(r <= 0):
-                raise ValueError(f"concurrency R must be positive, got {R!r}")
-            ms = ms + _interp(*self._d, r)
+        if self._d is not None and R is None:
+            raise ValueError("this cost model has a draft table; pass R (active requests)")
+        if self._d is not None or self.overhead_ms:
+            ms = ms + self.fixed_ms(R)
         s = ms * 1e-3
         return float(s) if scalar else s
 
@@ -153,6 +191,55 @@ class CostModel:
         """Rounds (target steps) per second: ``1 / step_time(B, R)``."""
         t = self.step_time(B, R)
         return 1.0 / t
+
+    def fixed_ms(self, R):
+        """What a drafting round costs whatever it verifies: the whole block's draft step at ``R``
+        (when profiled) plus the overhead, in ms."""
+        return (0.0 if self._d is None else self._draft_ms(R)) + self.overhead_ms
+
+    def _draft_ms(self, R, drafted: int | None = None):
+        r = np.asarray(R, dtype=np.float64)
+        if np.any(r <= 0):
+            raise ValueError(f"concurrency R must be positive, got {R!r}")
+        if drafted is None or self._dl is None:
+            return 0.0 if self._d is None else _interp(*self._d, r)
+        lengths = sorted(self._dl)
+        lo = max([m for m in lengths if m <= drafted], default=lengths[0])
+        hi = min([m for m in lengths if m >= drafted], default=lengths[-1])
+        t_lo, t_hi = _interp(*self._dl[lo], r), _interp(*self._dl[hi], r)
+        if hi == lo:  # profiled, or outside the table: the nearest length's time
+            return t_lo
+        return t_lo + (t_hi - t_lo) * (drafted - lo) / (hi - lo)
+
+    def round_time(self, R: int, drafted: int, B: int | None = None) -> float:
+        """Seconds of one round of ``R`` requests that drafts ``drafted`` positions (0: plain
+        decoding, no draft step and no overhead) and verifies ``B`` tokens (default ``R·(drafted
+        + 1)``: every row verifies its whole draft, as the engines' padded steps cost)."""
+        if R <= 0 or drafted < 0:
+            raise ValueError(f"need R > 0 and drafted >= 0, got R={R}, drafted={drafted}")
+        b = R * (drafted + 1) if B is None else B
+        ms = float(_interp(self._vx, self._vy, np.float64(b)))
+        if drafted:
+            ms += float(self._draft_ms(R, drafted)) + self.overhead_ms
+        return ms * 1e-3
+
+    def verify_table(self, max_B: int, device) -> torch.Tensor:
+        """``T_verify(B)`` in ms for ``B = 0..max_B`` as a float64 tensor on ``device`` (entry 0
+        repeats entry 1), so a policy prices its admission path without leaving the device. Built
+        once per device and grown when a larger batch is asked for."""
+        import torch
+
+        key = str(device)
+        table = self._tables.get(key)
+        if table is None or table.numel() <= max_B:
+            size = max(int(max_B) + 1, 2 * (table.numel() if table is not None else 0), 64)
+            b = np.maximum(np.arange(size, dtype=np.float64), 1.0)
+            host = torch.from_numpy(_interp(self._vx, self._vy, b))
+            if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+                host = host.pin_memory()
+            table = host.to(device, non_blocking=True)
+            self._tables[key] = table
+        return table
 
     # ---- synthetic tables -----------------------------------------------------------------
     @classmethod
@@ -196,6 +283,11 @@ class CostModel:
             "format": _FORMAT,
             "verify_ms": {str(b): t for b, t in self.verify_ms.items()},
             "draft_ms": None if self._d is None else {str(r): t for r, t in self.draft_ms.items()},
+            "draft_len_ms": None
+            if self._dl is None
+            else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.draft_len_ms.items()},
+            "overhead_ms": self.overhead_ms,
+            "padded": self.padded,
             "context_len": self.context_len,
             "monotone_tol": self.monotone_tol,
             "meta": self.meta,
@@ -214,6 +306,9 @@ class CostModel:
             context_len=d.get("context_len"),
             meta=d.get("meta"),
             monotone_tol=d.get("monotone_tol", 0.05),
+            draft_len_ms=d.get("draft_len_ms"),
+            overhead_ms=d.get("overhead_ms") or 0.0,
+            padded=bool(d.get("padded", False)),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -250,7 +345,10 @@ class CostModel:
         b = self._vx
         return (
             f"CostModel({len(b)} points, B={int(b[0])}..{int(b[-1])}, "
-            f"draft={'yes' if self._d is not None else 'no'}, context_len={self.context_len})"
+            f"draft={'yes' if self._d is not None else 'no'}, "
+            f"draft lengths={sorted(self._dl) if self._dl else 'no'}, overhead={self.overhead_ms} ms, "
+            f"{'padded' if self.padded else 'ragged'}, "
+            f"context_len={self.context_len})"
         )
 
 

@@ -12,10 +12,22 @@ from ``x_{r,k}`` (Markov feature), a policy must not let ``a[r, j > k]`` influen
   path so far only, so ``a[r, j > k]`` never matters.
 - ``AsyncTopK`` (§5.2): the budget ``K`` is fixed from stale confidences; the current top-K by
   rank admits ``(r, k)`` iff fewer than ``K`` candidates outrank it, and ``(r, j > k)`` never do.
+- ``DraftAware``: decides *before drafting* how many positions to draft this round, none at all
+  (plain decoding) when speculation cannot pay at this load, from the outcomes of rounds already
+  completed and the cost of drafting; it then verifies every drafted position. A choice made
+  before the draft exists cannot depend on it: lossless.
 - ``Retrospective``: the unconstrained argmax over the whole path on *current* confidences. It
   looks past ``(r, k)`` and is NOT lossless; it exists only as the negative control for tests
   and as a throughput upper bound in diagnostics.
 
+One round asks a policy three things, in this order:
+  1. ``draft_length(R, γ, cost)`` before drafting: how many positions to draft (0..γ; default γ);
+  2. ``lengths(confidences [R, γ_d], cost)`` after drafting: ``l [R]``, computed where the
+     confidences live (no host synchronisation: the engines keep it on the device);
+     ``width(γ_d)`` says ``max l`` in advance when it does not depend on the confidences, so the
+     engine need not read it back;
+  3. ``observe_round(lengths, accepted)`` once the round's outcome reaches the host (the engines
+     report a round while the next one runs, so round ``t`` is planned from rounds ``<= t - 2``).
 A policy says what it needs (``needs_confidence``, ``needs_cost``) and whether it is ``lossless``;
 callers ask it, never its name. ``build_policy`` is the one way to make one from configuration.
 """
@@ -39,6 +51,7 @@ from .cost import CostModel
 __all__ = [
     "POLICIES",
     "AsyncTopK",
+    "DraftAware",
     "Fixed",
     "HardwareAware",
     "Mtp1",
@@ -59,46 +72,61 @@ __all__ = [
 def prefix_survival(confidences: Tensor) -> Tensor:
     """``a[r, j] = prod_{i <= j} c[r, i]`` in float64 (the Θ comparisons are exact-tie sensitive).
 
-    Validates shape and range; for c in [0, 1] a float product never grows, so ``a`` is
-    non-increasing along each row, which every policy below relies on.
+    Validates shape, and the range of host tensors (a device tensor comes from the engine, and
+    checking it would stall the round on a read-back); for c in [0, 1] a float product never
+    grows, so ``a`` is non-increasing along each row, which every policy below relies on.
     """
     if confidences.dim() != 2:
         raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
     c = confidences.detach().to(torch.float64)
-    if c.numel() and bool(((c < 0) | (c > 1) | torch.isnan(c)).any()):
+    if c.device.type == "cpu" and c.numel() and bool(((c < 0) | (c > 1) | torch.isnan(c)).any()):
         raise ValueError("confidences must be calibrated probabilities in [0, 1] (no NaN)")
     return torch.cumprod(c, dim=1)
 
 
-def admission_order(confidences: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def admission_order(confidences: Tensor, keep_dead: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Candidates ``(r, j)`` with ``a[r, j] > 0`` sorted by ``a`` descending, ties to smaller ``j``
     then smaller ``r``. Returns ``(rows, j, a_sorted)``; ``j`` is 1-based (the length that
-    admitting the candidate sets ``l_r`` to)."""
+    admitting the candidate sets ``l_r`` to). ``keep_dead`` keeps the dead candidates (``a = 0``,
+    sorted last) instead of dropping them, which needs no read-back: the policies then mask them."""
     a = prefix_survival(confidences)
     R, G = a.shape
     # Flatten position-major (index = j * R + r) so a stable sort breaks ties by j, then r.
     flat = a.t().reshape(-1)
     a_sorted, order = torch.sort(flat, descending=True, stable=True)
-    # Algorithm 1 line 4: a dead prefix is never a candidate. Zeros sort last, so slicing
-    # drops them (boolean-mask indexing is ~1000x slower than a slice on CPU here).
-    alive = int((a_sorted > 0).sum())
-    order, a_sorted = order[:alive], a_sorted[:alive]
+    if not keep_dead:
+        # Algorithm 1 line 4: a dead prefix is never a candidate. Zeros sort last, so slicing
+        # drops them (boolean-mask indexing is ~1000x slower than a slice on CPU here).
+        alive = int((a_sorted > 0).sum())
+        order, a_sorted = order[:alive], a_sorted[:alive]
     return order % R, order // R + 1, a_sorted
 
 
-def throughput_path(a_sorted: Tensor, R: int, cost: CostModel) -> Tensor:
+def throughput_path(a_sorted: Tensor, R: int, cost: CostModel, j: Tensor | None = None) -> Tensor:
     """Θ along the greedy path: entry ``n`` is the expected token throughput with the first ``n``
-    sorted candidates admitted, ``(R + sum a) * SPS(R + n)``; entry 0 is ``R * SPS(R)``."""
+    sorted candidates admitted, ``(R + sum a) * SPS(B_n)``; entry 0 is ``R * SPS(R)``. ``B_n = R +
+    n``, or with a ``padded`` cost model (an engine that pads rows to the widest) and the
+    candidates' positions ``j``, ``R · (1 + the deepest admitted j)``. Priced on ``a_sorted``'s
+    device (``CostModel.verify_table``), the same arithmetic as ``cost.sps``."""
     n = a_sorted.numel()
-    sps = cost.sps(np.arange(R, R + n + 1, dtype=np.float64), R)
-    sps = torch.as_tensor(np.asarray(sps, dtype=np.float64), device=a_sorted.device)
+    if cost.padded and j is not None and n:
+        width = torch.cat([j.new_zeros(1), torch.cummax(j, 0).values])  # j <= n: a bound without a read-back
+        ms = cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
+    else:
+        ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
+    if cost.draft_ms is not None or cost.overhead_ms:
+        ms = ms + float(cost.fixed_ms(R))
+    sps = 1.0 / (ms * 1e-3)
     tau = R + torch.cat([a_sorted.new_zeros(1), torch.cumsum(a_sorted, 0)])
     return tau * sps
 
 
-def _lengths_from_prefix(rows: Tensor, j: Tensor, n, R: int, check: bool = True) -> Tensor:
-    """Lengths after admitting the first ``n`` sorted candidates (``n`` may be a 0-d tensor)."""
+def _lengths_from_prefix(rows: Tensor, j: Tensor, n, R: int, check: bool = True, alive=None) -> Tensor:
+    """Lengths after admitting the first ``n`` sorted candidates (``n`` may be a 0-d tensor);
+    ``alive`` masks out dead candidates kept in the order."""
     admitted = torch.arange(rows.numel(), device=rows.device) < n
+    if alive is not None:
+        admitted &= alive
     lengths = torch.zeros(R, dtype=torch.long, device=rows.device)
     lengths.scatter_add_(0, rows, admitted.long())
     if check:
@@ -125,12 +153,20 @@ def _need_cost(policy: Policy, cost: CostModel | None) -> CostModel:
     return cost
 
 
-def _search_budget(confidences: Tensor, cost: CostModel) -> int:
-    """Unconstrained search: the number of sorted candidates maximising Θ (first max on ties)."""
+def _search_budget(confidences: Tensor, cost: CostModel) -> Tensor:
+    """Unconstrained search: the number of sorted candidates maximising Θ (first max on ties),
+    a 0-d tensor on the confidences' device."""
     if _empty(confidences) is not None:
-        return 0
-    _, _, a_sorted = admission_order(confidences)
-    return int(torch.argmax(throughput_path(a_sorted, confidences.shape[0], cost)))
+        return torch.zeros((), dtype=torch.long, device=confidences.device)
+    _, j, a_sorted = admission_order(confidences, keep_dead=True)
+    return torch.argmax(_live_path(a_sorted, j, confidences.shape[0], cost))
+
+
+def _live_path(a_sorted: Tensor, j: Tensor, R: int, cost: CostModel) -> Tensor:
+    """``throughput_path`` over an order that keeps dead candidates: admitting one is never an
+    improvement (Alg. 1 line 4 drops them), so their Θ is -inf."""
+    theta = throughput_path(a_sorted, R, cost, j)
+    return torch.cat([theta[:1], torch.where(a_sorted > 0, theta[1:], -torch.inf)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +185,19 @@ class Policy:
 
     def __call__(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         return self.lengths(confidences, cost)
+
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        """Positions to draft this round (0 = plain decoding), decided before drafting from
+        completed rounds only; the default drafts the whole block."""
+        return gamma
+
+    def width(self, drafted: int) -> int | None:
+        """``max(lengths)`` for a round that drafted ``drafted`` positions when it is known
+        before the confidences are looked at (None: it depends on them)."""
+        return None
+
+    def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        """A completed round's verified lengths and accepted counts (live rows only)."""
 
     def reset(self) -> None:
         """Forget cross-round state (stateless policies have none)."""
@@ -182,6 +231,12 @@ class Fixed(Policy):
         if g > G:
             raise ValueError(f"Fixed(gamma={g}) but the drafter proposed only {G} tokens per request")
         return torch.full((R,), g, dtype=torch.long, device=confidences.device)
+
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        return gamma if self.gamma is None else min(self.gamma, gamma)  # nothing it will not verify
+
+    def width(self, drafted: int) -> int | None:
+        return drafted if self.gamma is None else min(self.gamma, drafted)
 
 
 class Mtp1(Fixed):
@@ -231,10 +286,10 @@ class HardwareAware(Policy):
         if (e := _empty(confidences)) is not None:
             return e
         R = confidences.shape[0]
-        rows, j, a_sorted = admission_order(confidences)
-        theta = throughput_path(a_sorted, R, cost)
+        rows, j, a_sorted = admission_order(confidences, keep_dead=True)
+        theta = _live_path(a_sorted, j, R, cost)
         # Θ_best is always the previous path entry until the break, so the number admitted is
-        # the length of the leading run of strict improvements.
+        # the length of the leading run of strict improvements (a dead candidate never is one).
         improving = theta[1:] > theta[:-1]
         n = torch.cumprod(improving.long(), 0).sum()
         return _lengths_from_prefix(rows, j, n, R, self.check)
@@ -257,8 +312,8 @@ class Retrospective(Policy):
         if (e := _empty(confidences)) is not None:
             return e
         R = confidences.shape[0]
-        rows, j, a_sorted = admission_order(confidences)
-        n = torch.argmax(throughput_path(a_sorted, R, cost))  # first max: fewest tokens on ties
+        rows, j, a_sorted = admission_order(confidences, keep_dead=True)
+        n = torch.argmax(_live_path(a_sorted, j, R, cost))  # first max: fewest tokens on ties
         return _lengths_from_prefix(rows, j, n, R, self.check)
 
 
@@ -291,7 +346,7 @@ class AsyncTopK(Policy):
         self.delay = int(delay)
         self.fallback = fallback
         self.check = check
-        self._pending: deque[int] = deque()
+        self._pending: deque[Tensor] = deque()  # 0-d budgets where they were searched (no read-back)
 
     def reset(self) -> None:
         self._pending.clear()
@@ -303,18 +358,18 @@ class AsyncTopK(Policy):
     @property
     def pending(self) -> tuple[int, ...]:
         """Budgets already computed for the coming rounds, oldest first."""
-        return tuple(self._pending)
+        return tuple(int(k) for k in self._pending)
 
-    def observe(self, confidences: Tensor, cost: CostModel) -> int:
+    def observe(self, confidences: Tensor, cost: CostModel) -> Tensor:
         """Queue the budget searched on ``confidences`` for use ``delay`` rounds later."""
         k = _search_budget(confidences, cost)
         self._pending.append(k)
         return k
 
-    def budget(self, confidences: Tensor) -> int:
+    def budget(self, confidences: Tensor) -> Tensor | int:
         """Budget for the current round (consumes the queued one when it is due)."""
         if len(self._pending) > self.delay:
-            return self._pending.popleft()
+            return self._pending.popleft().to(confidences.device)
         R, G = confidences.shape
         return R * G if self.fallback is None else self.fallback
 
@@ -327,8 +382,85 @@ class AsyncTopK(Policy):
         k = self.budget(confidences)
         if (e := _empty(confidences)) is not None:
             return e
-        rows, j, _ = admission_order(confidences)
-        return _lengths_from_prefix(rows, j, k, confidences.shape[0], self.check)
+        rows, j, a_sorted = admission_order(confidences, keep_dead=True)
+        return _lengths_from_prefix(rows, j, k, confidences.shape[0], self.check, alive=a_sorted > 0)
+
+
+class DraftAware(Policy):
+    """Draft-aware scheduling (issue 18, after §3.2.2 and §5.2): before each round choose how many
+    positions ``γ_d`` to draft, ``0`` (plain decoding: no draft step at all) when speculation
+    cannot pay at this load, to maximise the round's expected token rate
+
+        Θ(γ_d) = R · (1 + Σ_{j<=γ_d} â_j) / T(R, γ_d),
+        T(R, γ_d) = T_draft(R, γ_d) + T_verify(R · (γ_d + 1)) + overhead,   T(R, 0) = T_verify(R),
+
+    a global search over ``γ + 1`` values (``CostModel.round_time``). ``â_j = Π_{i<=j} ĉ_i`` where
+    ``ĉ_i`` is the rate at which position ``i`` was accepted when reached, counted over completed
+    rounds with exponentially decaying weights (``decay`` per round) and one optimistic
+    pseudo-acceptance, so a position never measured (or not for a long time) looks worth drafting
+    and gets measured: the first rounds draft the whole block. These are the outcomes the
+    confidences predict, observed exactly, for any drafter. Every row then verifies its ``γ_d``
+    drafts: the engines verify rows padded to the longest, so a shorter row would save nothing.
+
+    Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
+    report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
+    and verifying a whole draft is ``Fixed``.
+    """
+
+    name = "draft_aware"
+    needs_confidence = False
+    needs_cost = True
+
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = float(decay)
+        self._hits = np.zeros(0)
+        self._tries = np.zeros(0)
+
+    def reset(self) -> None:
+        self._hits = np.zeros(0)
+        self._tries = np.zeros(0)
+
+    def acceptance(self, gamma: int) -> np.ndarray:
+        """``ĉ_j`` for positions ``1..gamma``."""
+        hits, tries = np.zeros(gamma), np.zeros(gamma)
+        n = min(gamma, self._hits.size)
+        hits[:n], tries[:n] = self._hits[:n], self._tries[:n]
+        return (hits + 1.0) / (tries + 1.0)
+
+    def expected_rates(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
+        """Θ(γ_d) for ``γ_d = 0..gamma`` (tokens per second)."""
+        tau = rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance(gamma)))]))
+        return np.array([tau[m] / cost.round_time(rows, m) for m in range(gamma + 1)])
+
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        cost = _need_cost(self, cost)
+        if rows <= 0 or gamma <= 0:
+            return 0
+        return int(np.argmax(self.expected_rates(rows, gamma, cost)))  # first max: fewest drafts
+
+    def width(self, drafted: int) -> int:
+        return drafted
+
+    def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
+        if confidences.dim() != 2:
+            raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+        R, G = confidences.shape
+        return torch.full((R,), G, dtype=torch.long, device=confidences.device)
+
+    def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        lengths, accepted = np.asarray(lengths), np.asarray(accepted)
+        longest = int(lengths.max(initial=0))
+        if longest > self._hits.size:
+            self._hits = np.concatenate([self._hits, np.zeros(longest - self._hits.size)])
+            self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
+        self._hits *= self.decay
+        self._tries *= self.decay
+        j = np.arange(1, self._hits.size + 1)[None, :]
+        reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)
+        self._tries += reached.sum(0)
+        self._hits += (reached & (accepted[:, None] >= j)).sum(0)
 
 
 class Truncated(Policy):
@@ -361,6 +493,15 @@ class Truncated(Policy):
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         return self.inner.lengths(confidences[:, : self.gamma], cost)
 
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        return self.inner.draft_length(rows, min(gamma, self.gamma), cost)
+
+    def width(self, drafted: int) -> int | None:
+        return self.inner.width(min(drafted, self.gamma))
+
+    def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        self.inner.observe_round(lengths, accepted)
+
     def reset(self) -> None:
         self.inner.reset()
 
@@ -374,6 +515,7 @@ POLICIES: dict[str, type[Policy]] = {
     "threshold": Threshold,
     "hardware_aware": HardwareAware,
     "async_topk": AsyncTopK,
+    "draft_aware": DraftAware,
     "retrospective": Retrospective,
 }
 # Sweep names that carry their argument: fixed_3, threshold_0.3.
@@ -395,7 +537,7 @@ def build_policy(
     ``spec``: a policy config (conf/policy/*.yaml, e.g. ``{name: threshold, threshold: 0.5}``; its
     keys are the policy's arguments) or a sweep name: ``fixed`` (the whole block), ``fixed_<g>``,
     ``mtp1``, ``threshold``, ``threshold_<t>``, ``hardware_aware``, ``async_topk``,
-    ``retrospective`` (not lossless: diagnostics only). Names are case- and dash-insensitive.
+    ``draft_aware``, ``retrospective`` (not lossless: diagnostics only). Names are case- and dash-insensitive.
     ``defaults``: arguments for the policies that take them when the spec leaves them out (the
     others ignore them), e.g. the schedule's ``threshold`` and ``delay``. ``gamma``: the longest
     draft any policy may verify (a longer fixed length is refused); when the drafter's ``block`` is
@@ -407,7 +549,7 @@ def build_policy(
     if cls is None:
         raise ConfigError(
             f"unknown policy {label!r}: use fixed, fixed_<g>, mtp1, threshold, threshold_<t>, "
-            "hardware_aware, async_topk (or retrospective, a non-lossless diagnostic)"
+            "hardware_aware, async_topk, draft_aware (or retrospective, a non-lossless diagnostic)"
         )
     takes = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(args) - set(takes) - _RUN_KEYS)
