@@ -6,6 +6,8 @@
 #     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
 #     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = 0 on the six benchmarks
+#   bash scripts/h200_drafter.sh pack                               # the data folder as ≤ 15 MiB pieces in $OUT
+#   bash scripts/h200_drafter.sh probe [SECONDS]                    # where a real step's time goes (see below)
 # Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).
 # Everything worth keeping is copied under $OUT/<NAME>/ (logs, summaries, results; no weights).
 set -euo pipefail
@@ -57,6 +59,43 @@ val = sorted({(int(r["step"]), float(r["val/tau_prob"])) for f in sys.argv[1:] f
               if r.get("val/tau_prob")})
 print("val tau_prob by step:", ", ".join(f"{s}:{t:.3f}" for s, t in val))
 EOF
+  ;;
+probe)
+  # Short real runs (SECONDS on the clock each, no validation) of the training-step variants in
+  # PROBES (';'-separated override sets), each with Lightning's simple profiler and dynamo's
+  # recompile log, plus the step bench at this data's shape (random target, fixed shapes): the
+  # gap between the two is what real batches add. The fastest variant's overrides (steady
+  # tokens/s) go to outputs/h200/probe_best.txt, for `train … $(cat outputs/h200/probe_best.txt)`.
+  secs=${1:-60}
+  IFS=';' read -r -a probes <<< "${PROBES:-;drafter.compile=false;drafter.attention=dense drafter.compile=false;data.batch_size=32}"
+  mkdir -p "$OUTDIR/probe"
+  python3 -m dspark.bench.train_step --variants default,dense+eager --hidden 576 --layers 30 --vocab 49152 \
+    --heads 9 --kv-heads 3 --head-dim 64 --intermediate 1536 --taps 1,8,14,20,27 --batch 8 --seq 320 \
+    --anchors 128 --features online --out "$OUTDIR/probe/train_step_smollm2.json" 2>&1 | grep -v Warning | tail -6
+  : > outputs/h200/probe.tsv
+  for i in "${!probes[@]}"; do
+    run=outputs/h200/probe_$i
+    rm -rf $run
+    # shellcheck disable=SC2086
+    TORCH_LOGS=recompiles python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
+      trainer.max_time=$(printf 00:00:%02d:%02d $((secs / 60)) $((secs % 60))) trainer.max_steps=10000000 trainer.limit_val_batches=0 \
+      trainer.num_sanity_val_steps=0 trainer.profiler=simple hydra.run.dir=$run drafter=dspark head=markov \
+      ${probes[$i]} > $run.log 2>&1 || { tr '\r' '\n' < $run.log | tail -20; continue; }
+    rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput']['steady']['tokens_per_s']))" $run/summary.json)
+    steps=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['global_step'])" $run/summary.json)
+    printf '%s\t%s\t%s\n' "$rate" "$steps" "${probes[$i]}" | tee -a outputs/h200/probe.tsv
+    echo "  recompiles: $(grep -c 'Recompiling function' $run.log || true)"
+    tr '\r' '\n' < $run.log | grep -a -A12 "|  Action" | cut -c1-160 | tr -s ' \t' ' ' || true
+    cp $run.log "$OUTDIR/probe/probe_$i.log"
+  done
+  sort -t$'\t' -k1,1nr outputs/h200/probe.tsv | head -1 | cut -f3 > outputs/h200/probe_best.txt
+  cp outputs/h200/probe.tsv "$OUTDIR/probe/"
+  echo "fastest: '$(cat outputs/h200/probe_best.txt)'"
+  ;;
+pack)
+  mkdir -p "$OUTDIR/pack"
+  tar -C outputs/h200/data -cf - "smollm2_${N}_bfloat16" | xz -T0 -3 | split -b 15M - "$OUTDIR/pack/data.tar.xz."
+  ls -la "$OUTDIR/pack"
   ;;
 eval)
   name=$1
