@@ -143,3 +143,26 @@ def test_train_step_runs_the_real_step_and_agrees_across_loss_paths(tmp_path):
     )  # the fused (row pass in torch) and materialised losses agree
     assert set(rows[0]["flops"]) == {"draft_layers", "attention", "loss_gemms", "target_forward"}
     assert all(v > 0 for v in rows[0]["flops"].values()) and rows[0]["ms_per_step"] > 0
+
+
+def test_train_step_on_prepared_batches(tmp_path, smoke_data):
+    """--data: the step timed on a prepared folder's training batches (their lengths vary, in
+    training order) with the configured target, its FLOPs averaged over those batches."""
+    from conftest import smoke_run
+    from hydra import compose, initialize_config_module
+
+    from dspark.bench import train_step
+    from dspark.data.dataset import ensure_dataset
+
+    overrides = [o for o in smoke_run(tmp_path / "unused", smoke_data) if not o.startswith("out_dir=")]
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose("train", overrides)
+    ensure_dataset(cfg.data, cfg.target)
+    report = train_step.main(
+        ["--data", str(smoke_data), "--features", "online", "--device", "cpu", "--steps", "2", "--warmup", "1",
+         "--anchors", "4", "--variants", "default", "--out", str(tmp_path / "step.json"),
+         *[o for o in overrides if not o.startswith("data.dir=")]]
+    )  # fmt: skip
+    shape, row = report["shape"], report["rows"][0]
+    assert shape["target"] == "tiny" and shape["batch"] == 2 and len(shape["padded_lengths"]) == 3
+    assert row["target_ms"] > 0 and row["flops"]["target_forward"] > 0

@@ -30,6 +30,39 @@ def test_embeddings_tap(tiny_target):
     torch.testing.assert_close(target(ids).taps[..., d:], hs[2])
 
 
+def test_features_of_right_padded_rows_need_no_mask(tiny_target):
+    """Training passes right-padded rows without a mask: each row's real positions must get what
+    the masked forward gives them (and, up to float32 rounding of another batch shape, what the
+    row gets alone)."""
+    lengths = [9, 5, 7]
+    ids = torch.full((3, 9), 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rows = [torch.randint(2, 1000, (n,)) for n in lengths]
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    taps, last = tiny_target.features(ids)
+    masked = tiny_target(ids, attention_mask=mask, with_logits=False)
+    for i, row in enumerate(rows):
+        n = len(row)
+        torch.testing.assert_close(taps[i, :n], masked.taps[i, :n])
+        torch.testing.assert_close(last[i, :n], masked.last_hidden[i, :n])
+        alone = tiny_target(row[None], with_logits=False)
+        torch.testing.assert_close(taps[i, :n], alone.taps[0], rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_features_trace_whole_and_match_eager():
+    """`compile_features` traces the whole forward, tap hooks included, as one graph (fullgraph:
+    a graph break would bring back the per-layer Python it removes), for any length."""
+    target = load_target(load_group("target", "tiny"))
+    target.compile_features(backend="aot_eager", fullgraph=True)
+    for n in (9, 14):
+        ids = torch.randint(2, 1000, (2, n))
+        taps, last = target.features(ids)
+        ref_taps, ref_last = target._features(ids)
+        torch.testing.assert_close(taps, ref_taps)
+        torch.testing.assert_close(last, ref_last)
+
+
 def test_target_is_frozen_and_stays_in_eval(tiny_target):
     assert not any(p.requires_grad for p in tiny_target.parameters())
     tiny_target.train()

@@ -21,9 +21,8 @@ from .objectives import LossWeights, compute_loss
 
 
 def online_features(batch: dict, target) -> tuple[Tensor, Tensor]:
-    """Run the frozen target inside the training step."""
-    step = target(batch["input_ids"], attention_mask=batch.get("attention_mask"), with_logits=False)
-    return step.taps, step.last_hidden
+    """Run the frozen target inside the training step (rows are right-padded: no mask needed)."""
+    return target.features(batch["input_ids"])
 
 
 def offline_features(batch: dict, target) -> tuple[Tensor, Tensor]:
@@ -142,6 +141,11 @@ def run_progress(trainer, clock_start: float | None = None) -> float:
     return min(1.0, max(fractions))
 
 
+def _wanted(option: bool | str, device: torch.device) -> bool:
+    """A compile option: true, false, or "auto" (on CUDA only)."""
+    return option is True or option == "true" or (option == "auto" and device.type == "cuda")
+
+
 def _grad_scaler(trainer):
     """The fp16 loss scaler of the trainer's precision plugin, if any (bf16 and fp32 have none)."""
     return getattr(trainer.precision_plugin, "scaler", None)
@@ -157,6 +161,7 @@ class DraftingModule(L.LightningModule):
         features: str = "online",
         num_anchors=None,
         seed: int = 0,
+        compile_target: bool | str = "auto",
     ):
         super().__init__()
         object.__setattr__(self, "target", target)  # not a registered submodule, on purpose
@@ -168,6 +173,7 @@ class DraftingModule(L.LightningModule):
         self.seed = int(seed)
         self.val_records: list[dict] = []
         self.clock_start: float | None = None  # see run_progress
+        self.compile_target = compile_target  # true, false or "auto" (on CUDA): see on_fit_start
         gamma = int(getattr(drafter, "ttt_steps", None) or drafter.gamma)
         self.train_sums, self.val_sums = MetricSums(gamma), MetricSums(gamma)
 
@@ -188,6 +194,8 @@ class DraftingModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
+        if self.features is online_features and _wanted(self.compile_target, self.device):
+            self.target.compile_features()
 
     def on_validation_start(self) -> None:
         self.target.to(self.device)
@@ -212,8 +220,15 @@ class DraftingModule(L.LightningModule):
         return torch.Generator(device=self.device).manual_seed(seed % (2**63))
 
     def _step(self, batch: dict, generator: torch.Generator | None = None) -> dict:
-        with torch.no_grad():
-            taps, last_hidden = self.features(batch, self.target)
+        return self.draft_step(batch, *self.target_features(batch), generator)
+
+    @torch.no_grad()
+    def target_features(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """(taps, last_hidden) of the batch: the frozen target's forward, or the cache's."""
+        return self.features(batch, self.target)
+
+    def draft_step(self, batch: dict, taps: Tensor, last_hidden: Tensor, generator=None) -> dict:
+        """The drafter's forward and loss on given target features (the part with gradients)."""
         loss_mask = batch["loss_mask"]
         anchors = sample_anchors(loss_mask, self.num_anchors, generator)
         out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)

@@ -215,6 +215,7 @@ class Target(nn.Module):
         self.mask_token_id = int(mask_token_id)
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         self._captured: dict[int, Tensor] = {}
+        self._compiled_features = None  # compile_features
         base = model.base_model
         self._embedding = base.embed_tokens
         self._hooks = [self._embedding.register_forward_hook(self._capture(-1))]
@@ -263,6 +264,14 @@ class Target(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def _run(self, ids: Tensor, **kw) -> tuple[Any, Tensor]:
+        """The base model's output and the concatenated taps the hooks captured."""
+        self._captured.clear()
+        out = self.model.base_model(input_ids=ids, **kw)
+        taps = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return out, taps
+
     @torch.no_grad()
     def forward(
         self,
@@ -273,19 +282,33 @@ class Target(nn.Module):
         with_logits: bool = True,
         use_cache: bool = False,
     ) -> TargetStep:
-        self._captured.clear()
-        out = self.model.base_model(
-            input_ids=ids,
+        out, taps = self._run(
+            ids,
             position_ids=positions,
             past_key_values=cache,
             attention_mask=attention_mask,
             use_cache=use_cache or cache is not None,
         )
-        taps = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured.clear()
         last = out.last_hidden_state
         logits = self.lm_head(last) if with_logits else None
         return TargetStep(logits=logits, taps=taps, last_hidden=last, cache=out.past_key_values)
+
+    @torch.no_grad()
+    def features(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Taps [B, T, m·d] and final hidden states [B, T, d] of rows that are right-padded or not
+        padded at all (the training batch contract). Causal attention never lets a real position
+        see the padding after it, so no mask is passed and attention takes its causal fast path."""
+        return (self._compiled_features or self._features)(ids)
+
+    def _features(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        out, taps = self._run(ids, use_cache=False)
+        return taps, out.last_hidden_state
+
+    def compile_features(self, **options) -> None:
+        """``torch.compile`` what `features` runs, for any sequence length (one graph, the tap hooks
+        traced inside): a small target's eager forward is bound by the Python that launches its
+        hundreds of small kernels, not by the GPU."""
+        self._compiled_features = torch.compile(self._features, dynamic=True, **options)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
         """Token ids of ``messages`` through the chat template, with the target's own template

@@ -249,6 +249,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         # Anchors per sequence: the data config may cap the paper's 512 for small CPU runs.
         num_anchors=cfg.data.get("anchors_per_sequence") or cfg.drafter.get("num_anchors"),
         seed=int(cfg.seed),
+        compile_target=cfg.get("compile_target", "auto"),
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info(

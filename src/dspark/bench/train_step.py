@@ -9,7 +9,7 @@ tokens with cached (offline) target features, 512 anchors, block 7, 5 draft laye
 256, loss CE 0.1 / TV 0.9 / confidence 1.0. The step is the one Lightning runs under bf16-mixed:
 ``DraftingModule._step`` under autocast, backward, gradient clipping at 1.0, AdamW.
 
-Per variant: median ms of forward + loss, backward, optimizer, and the whole step over ``--steps``
+Per variant: median ms of the target's features (its forward online), the drafter's forward + loss, backward, optimizer, and the whole step over ``--steps``
 steps after ``--warmup`` (CUDA events), peak memory (everything resident, the target's weights
 included, and above what was resident before the step), the loss of the first step (the variants
 must agree), and the step's floor: its matmul FLOPs (draft layers forward and backward, attention
@@ -36,6 +36,7 @@ VARIANTS = {
     "flex": ["drafter.attention=flex"],
     "eager": ["drafter.compile=false"],
     "compiled": ["drafter.compile=true"],
+    "eager_target": ["compile_target=false"],
 }
 H200_BF16_TFLOPS = 989.4  # dense bf16 datasheet peak (one H200 SXM); measured ~790 on random data
 
@@ -61,6 +62,13 @@ def _parse(argv):
         choices=["offline", "online"],
         default="offline",
         help="cached target features, or the target's forward inside the step (as training runs it)",
+    )
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="a prepared data folder: time the step on its training batches (varying lengths, in "
+        "training order) with the configured target (target=… overrides) instead of a random "
+        "target and one fixed batch; the shape arguments are then unused",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
@@ -118,6 +126,17 @@ def random_batch(args, target, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def data_batches(args, target, device) -> list[dict]:
+    """The first warm-up + timed batches of ``--data``'s training split, as training draws them
+    (length-bucketed, right-padded, the configured batch size), on the device."""
+    from ..data.datamodule import DraftDataModule
+
+    cfg = _configs([f"data.dir={args.data}", *args.overrides])
+    module = DraftDataModule(cfg.data, features=args.features, pad_token_id=target.tokenizer.pad_token_id)
+    loader = iter(module.train_dataloader())
+    return [{k: v.to(device) for k, v in next(loader).items()} for _ in range(args.warmup + args.steps)]
+
+
 def step_flops(module, batch, anchors, online: bool = False) -> dict:
     """Matmul FLOPs of one step (forward + backward = 3× forward for trained weights; 2× for the
     frozen-weight logit GEMMs, which need no weight gradient)."""
@@ -160,7 +179,7 @@ def _ms(start, end) -> float:
     return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else 1e3 * (end - start)
 
 
-def run_variant(name, overrides, args, target, batch, device) -> dict:
+def run_variant(name, overrides, args, target, batches, device) -> dict:
     from ..core.types import TargetDims
     from ..drafters import build_drafter
     from ..drafters.dflash import sample_anchors
@@ -177,7 +196,9 @@ def run_variant(name, overrides, args, target, batch, device) -> dict:
         dict(cfg.optim),
         args.features,
         num_anchors=args.anchors,
+        compile_target=cfg.compile_target,
     ).to(device)
+    module.on_fit_start()  # what Lightning runs before the first step (the target's compilation)
     opt = module.configure_optimizers()["optimizer"]
     cuda = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
@@ -187,10 +208,13 @@ def run_variant(name, overrides, args, target, batch, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device) if cuda else 0
     for i in range(args.warmup + args.steps):
-        gen = torch.Generator(device=device).manual_seed(1234)  # the same anchors every step
+        batch = batches[i % len(batches)]
+        gen = torch.Generator(device=device).manual_seed(1234)  # the same anchors for the same batch
         marks = [_mark(cuda)]
         with autocast:
-            loss = module._step(batch, gen)["loss"]
+            features = module.target_features(batch)
+            marks.append(_mark(cuda))
+            loss = module.draft_step(batch, *features, gen)["loss"]
         marks.append(_mark(cuda))
         loss.backward()
         marks.append(_mark(cuda))
@@ -204,22 +228,27 @@ def run_variant(name, overrides, args, target, batch, device) -> dict:
             steps.append(marks)
     if cuda:
         torch.cuda.synchronize(device)
-    times = [[_ms(m[j], m[j + 1]) for j in range(3)] for m in steps]
+    times = [[_ms(m[j], m[j + 1]) for j in range(4)] for m in steps]
     med = [statistics.median(col) for col in zip(*times)]
     step = statistics.median([sum(t) for t in times])
-    anchors = sample_anchors(
-        batch["loss_mask"], module.num_anchors, torch.Generator(device=device).manual_seed(1234)
-    )
-    flops = step_flops(module, batch, anchors, args.features == "online")
+    # FLOPs of the timed batches, averaged (one fixed batch: that batch's).
+    timed = [batches[i % len(batches)] for i in range(args.warmup, args.warmup + args.steps)]
+    per_batch = []
+    for batch in timed:
+        gen = torch.Generator(device=device).manual_seed(1234)
+        anchors = sample_anchors(batch["loss_mask"], module.num_anchors, gen)
+        per_batch.append(step_flops(module, batch, anchors, args.features == "online"))
+    flops = {k: sum(f[k] for f in per_batch) / len(per_batch) for k in per_batch[0]}
     total = sum(flops.values())
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     row = {
         "variant": name,
         "overrides": overrides,
         "ms_per_step": step,
-        "fwd_loss_ms": med[0],
-        "backward_ms": med[1],
-        "optimizer_ms": med[2],
+        "target_ms": med[0],  # the target's forward (online features) or reading the cache
+        "fwd_loss_ms": med[1],
+        "backward_ms": med[2],
+        "optimizer_ms": med[3],
         "peak_gib": peak / 2**30,
         "peak_above_resident_gib": (peak - resident) / 2**30,
         "first_loss": first_loss,
@@ -238,8 +267,15 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = _parse(argv)
     device = torch.device(args.device)
-    target = random_target(args, device)
-    batch = random_batch(args, target, device)
+    args.overrides = extra
+    if args.data:
+        from ..target import load_target
+
+        target = load_target(_configs(extra).target)
+        batches = data_batches(args, target, device)
+    else:
+        target = random_target(args, device)
+        batches = [random_batch(args, target, device)]
     rows = []
     for name in args.variants.split(","):
         parts = name.split("+")  # "flex+compiled": both variants' overrides
@@ -249,7 +285,7 @@ def main(argv=None) -> dict:
                 f"unknown variant '{unknown[0]}': choose from {', '.join(VARIANTS)} (join with +)"
             )
         overrides = [o for p in parts for o in VARIANTS[p]]
-        rows.append(run_variant(name, [*extra, *overrides], args, target, batch, device))
+        rows.append(run_variant(name, [*extra, *overrides], args, target, batches, device))
         r = rows[-1]
         print(f"{name}: {r['ms_per_step']:.1f} ms/step, peak {r['peak_gib']:.2f} GiB", flush=True)
     ref = rows[0]["first_loss"]
@@ -257,6 +293,11 @@ def main(argv=None) -> dict:
         r["loss_rel_diff_vs_first"] = abs(r["first_loss"] - ref) / max(abs(ref), 1e-30)
     shape = {k: getattr(args, k) for k in ("seq", "batch", "hidden", "layers", "vocab", "heads", "kv_heads",
                                            "head_dim", "intermediate", "taps")}  # fmt: skip
+    if args.data:  # the real batches' shape
+        lengths = [int(b["attention_mask"].sum(1).float().mean()) for b in batches]
+        shape = {"data": args.data, "target": target.name, "batch": int(batches[0]["input_ids"].shape[0]),
+                 "mean_tokens_per_row": statistics.mean(lengths),
+                 "padded_lengths": [int(b["input_ids"].shape[1]) for b in batches]}  # fmt: skip
     report = {
         **provenance("dspark.bench.train_step", argv, device),
         "shape": shape,
@@ -274,6 +315,7 @@ def main(argv=None) -> dict:
         [
             "variant",
             "ms/step",
+            "target",
             "fwd+loss",
             "backward",
             "optimizer",
@@ -286,6 +328,7 @@ def main(argv=None) -> dict:
             [
                 r["variant"],
                 f"{r['ms_per_step']:.1f}",
+                f"{r['target_ms']:.1f}",
                 f"{r['fwd_loss_ms']:.1f}",
                 f"{r['backward_ms']:.1f}",
                 f"{r['optimizer_ms']:.1f}",

@@ -126,6 +126,7 @@ class TrainConfig:
     out_dir: str
     resume: bool
     features: Literal["online", "offline"]
+    compile_target: Literal["auto", True, False] = "auto"  # the target's forward in the training step
 
 
 @dataclass

@@ -7,8 +7,8 @@ Batch contract (dict):
   lengths      [B] long      real length of each row
   taps         [B, T, m*d]   offline mode only: cached tap features (bf16; zeros on padding)
   last_hidden  [B, T, d]     offline mode only: cached final hidden states (bf16; zeros on padding)
-In online mode the training step computes taps/last_hidden with `Target.forward(input_ids,
-attention_mask=attention_mask)`; right padding leaves the real positions' features unchanged.
+In online mode the training step computes taps/last_hidden with `Target.features(input_ids)`:
+under causal attention right padding leaves the real positions' features unchanged, so no mask.
 """
 
 from __future__ import annotations
