@@ -159,8 +159,8 @@ def test_train_step_on_prepared_batches(tmp_path, smoke_data):
         cfg = compose("train", overrides)
     ensure_dataset(cfg.data, cfg.target)
     report = train_step.main(
-        ["--data", str(smoke_data), "--features", "online", "--device", "cpu", "--steps", "2", "--warmup", "1",
-         "--anchors", "4", "--variants", "default", "--out", str(tmp_path / "step.json"),
+        ["--data", str(smoke_data), "--features", "online", "--device", "cpu", "--steps", "2",
+         "--warmup", "1", "--anchors", "4", "--variants", "default", "--out", str(tmp_path / "step.json"),
          *[o for o in overrides if not o.startswith("data.dir=")]]
     )  # fmt: skip
     shape, row = report["shape"], report["rows"][0]

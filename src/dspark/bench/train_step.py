@@ -9,11 +9,14 @@ tokens with cached (offline) target features, 512 anchors, block 7, 5 draft laye
 256, loss CE 0.1 / TV 0.9 / confidence 1.0. The step is the one Lightning runs under bf16-mixed:
 ``DraftingModule._step`` under autocast, backward, gradient clipping at 1.0, AdamW.
 
-Per variant: median ms of the target's features (its forward online), the drafter's forward + loss, backward, optimizer, and the whole step over ``--steps``
-steps after ``--warmup`` (CUDA events), peak memory (everything resident, the target's weights
-included, and above what was resident before the step), the loss of the first step (the variants
-must agree), and the step's floor: its matmul FLOPs (draft layers forward and backward, attention
-over the blocks each query may see, the loss's logit and gradient GEMMs) over the bf16 peak.
+Per variant: median ms of the target's features (its forward, online), the drafter's forward +
+loss, backward, optimizer, and the whole step over ``--steps`` steps after ``--warmup`` (CUDA
+events), peak memory (everything resident, the target's weights included, and above what was
+resident before the step), the loss of the first step (the variants must agree), and the step's
+floor: its matmul FLOPs (draft layers forward and backward, attention over the blocks each query
+may see, the loss's logit and gradient GEMMs, the target's forward online) over the bf16 peak.
+With ``--data DIR`` the batches are a prepared folder's, in training order, and the target is
+the configured one (``target=…`` overrides).
 """
 
 from __future__ import annotations
