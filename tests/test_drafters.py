@@ -305,3 +305,43 @@ def test_flex_attention_equals_dense_mask(tiny_target, batch, head):
         with torch.no_grad():  # flex has no CPU backward; the GPU run trains through it
             outs[backend] = drafter.train_forward(step.taps, ids, lm, anchors, shared).features
     torch.testing.assert_close(outs["flex"], outs["dense"], rtol=1e-4, atol=1e-5)
+
+
+def test_anchors_have_one_width_whatever_the_length():
+    """A batch shorter than num_anchors still gets num_anchors columns (the extra ones -1), so the
+    compiled training step sees one query length."""
+    lm = torch.ones(2, 5, dtype=torch.bool)
+    a = sample_anchors(lm, 8, torch.Generator().manual_seed(0))
+    assert a.shape == (2, 8)
+    assert all(sorted(x for x in row if x >= 0) == [0, 1, 2, 3] for row in a.tolist())
+    assert (a[:, 4:] == -1).all()
+
+
+def test_training_layers_compile_once_for_every_batch_shape(tiny_target):
+    """`compile_for_training`: one graph for batches of any context length and anchor count (the
+    first shape used to be specialised, then recompiled, ~10 s each on the H200). Dynamo's frame
+    counter is the compiler here; flex attention has no CPU backward, so forward only."""
+    from torch._dynamo.testing import CompileCounter
+
+    from dspark.drafters.dflash import compile_for_training, flex_block_mask
+    from dspark.drafters.layers import DraftLayer
+
+    drafter = make(tiny_target, "dspark", "markov")
+    layer: DraftLayer = drafter.layers[0]
+    counter = CompileCounter()
+    compiled = compile_for_training(layer, backend=counter)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    gamma = drafter.block_size
+    # At least 2 query tiles and 3 to 5 key tiles (dynamic sizes still specialise a size of 1).
+    n = -(-256 // gamma)
+    for t in (40, 150, 12, 300):
+        lm = torch.rand(2, t, generator=g) < 0.9
+        anchors = sample_anchors(lm, n, g)
+        x = torch.randn(2, n * gamma, layer.attn.s.hidden_size)
+        pos = (anchors.clamp(min=0)[..., None] + torch.arange(gamma)).flatten(1)
+        with torch.no_grad():
+            ctx = torch.randn(2, t, layer.attn.s.hidden_size)
+            ctx_kv = layer.context_kv(ctx, torch.arange(t).expand(2, -1))
+            compiled(x, pos, ctx_kv, flex_block_mask(anchors, t, gamma))
+    assert counter.frame_count == 1

@@ -178,3 +178,17 @@ def test_assembled_gguf_is_checked_and_never_half_written(tmp_path, monkeypatch)
     good = hashlib.sha256(b"GGUF-head-tail").hexdigest()
     out = target_mod.assemble_chunked_gguf(["pkg0", "pkg1"], "m.gguf", good, tmp_path / "cache")
     assert out.read_bytes() == b"GGUF-head-tail"
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_forward(caplog):
+    """A compiler failure must not end a run: the eager forward computes the same features."""
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no kernel for this GPU")
+
+    target = load_target(load_group("target", "tiny"))
+    target.compile_features(backend=broken_backend)
+    ids = torch.randint(2, 1000, (2, 7))
+    taps, _ = target.features(ids)
+    torch.testing.assert_close(taps, target._features(ids)[0])
+    assert target._compiled_features is None and "training goes on eager" in caplog.text

@@ -298,7 +298,13 @@ class Target(nn.Module):
         """Taps [B, T, m·d] and final hidden states [B, T, d] of rows that are right-padded or not
         padded at all (the training batch contract). Causal attention never lets a real position
         see the padding after it, so no mask is passed and attention takes its causal fast path."""
-        return (self._compiled_features or self._features)(ids)
+        if self._compiled_features is not None:
+            try:
+                return self._compiled_features(ids)
+            except torch._dynamo.exc.TorchDynamoException as err:  # the compiler failed, not the model
+                log.warning("the compiled target forward failed (%s): training goes on eager", err)
+                self._compiled_features = None
+        return self._features(ids)
 
     def _features(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         out, taps = self._run(ids, use_cache=False)

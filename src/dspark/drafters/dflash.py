@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.errors import ConfigError
@@ -121,6 +122,13 @@ def flex_block_mask(anchors: Tensor, ctx_len: int, gamma: int):
     )
 
 
+def compile_for_training(layer: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` a draft layer for training batches of any context length: sizes are
+    symbolic from the first call, so one graph serves every batch (specialising on the first
+    shape and then recompiling for the next ones cost ~10 s per recompilation on the H200)."""
+    return torch.compile(layer, dynamic=True, **options)
+
+
 def flex_available() -> bool:
     try:
         import torch.nn.attention.flex_attention  # noqa: F401
@@ -145,16 +153,18 @@ def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, gamma: 
 
 
 def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None) -> Tensor:
-    """Up to `num_anchors` positions a per sequence with loss_mask[a] and loss_mask[a+1], sorted,
-    padded with -1. Uniform without replacement."""
+    """[B, num_anchors]: up to `num_anchors` positions a per sequence with loss_mask[a] and
+    loss_mask[a+1], sorted, padded with -1. Uniform without replacement. Always `num_anchors`
+    columns, however short the batch: the compiled training step then sees one query length."""
     lm = loss_mask.bool()
     ok = torch.zeros_like(lm)
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
     # Drawn where the generator lives (the GPU in training: no host round trip per step).
     scores = torch.rand(ok.shape, generator=generator, device=generator.device if generator else ok.device)
     scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
-    n = min(num_anchors, ok.shape[1])
-    top = scores.topk(n, dim=1)
+    if ok.shape[1] < num_anchors:  # fewer positions than anchors: pad with never-valid ones
+        scores = F.pad(scores, (0, num_anchors - ok.shape[1]), value=-1.0)
+    top = scores.topk(num_anchors, dim=1)
     anchors = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1))
     # Sort valid anchors ascending, invalid (-1) last.
     key = torch.where(anchors >= 0, anchors, torch.full_like(anchors, ok.shape[1] + 1))
@@ -244,7 +254,7 @@ class BlockDrafter(Drafter):
         if self.compile_training in (False, "false") or device.type != "cuda":
             return list(self.layers)
         if self._compiled_layers is None:
-            self._compiled_layers = [torch.compile(layer) for layer in self.layers]  # a list: not registered
+            self._compiled_layers = [compile_for_training(layer) for layer in self.layers]  # not registered
         return self._compiled_layers
 
     def compile_inference(self) -> None:

@@ -68,7 +68,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
     fn = flex_attention
     if q.is_cuda:
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)  # any length, one kernel
         fn = _compiled_flex
     return fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
