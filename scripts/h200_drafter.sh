@@ -61,29 +61,35 @@ print("val tau_prob by step:", ", ".join(f"{s}:{t:.3f}" for s, t in val))
 EOF
   ;;
 probe)
-  # Short real runs (SECONDS on the clock each, no validation) of the training-step variants in
-  # PROBES (';'-separated override sets), each with Lightning's simple profiler and dynamo's
-  # recompile log, plus the step bench at this data's shape (random target, fixed shapes): the
-  # gap between the two is what real batches add. The fastest variant's overrides (steady
-  # tokens/s) go to outputs/h200/probe_best.txt, for `train … $(cat outputs/h200/probe_best.txt)`.
+  # Where a real step's time goes, before a long run: `python -m dspark.bench.train_step --data` on
+  # this data's batches with the real target (phases: target forward, drafter forward + loss,
+  # backward, optimizer; variants in BENCH_VARIANTS), then short real runs (SECONDS on the clock,
+  # no validation) of the override sets in PROBES (';'-separated), each with Lightning's simple
+  # profiler and dynamo's recompile log. The fastest run's overrides (steady tokens/s) go to
+  # outputs/h200/probe_best.txt, for `train … $(cat outputs/h200/probe_best.txt)`.
   secs=${1:-60}
-  IFS=';' read -r -a probes <<< "${PROBES:-;drafter.compile=false;drafter.attention=dense drafter.compile=false;data.batch_size=32}"
+  IFS=';' read -r -a probes <<< "${PROBES:-;compile_target=false}"
   mkdir -p "$OUTDIR/probe"
-  python3 -m dspark.bench.train_step --variants default,dense+eager --hidden 576 --layers 30 --vocab 49152 \
-    --heads 9 --kv-heads 3 --head-dim 64 --intermediate 1536 --taps 1,8,14,20,27 --batch 8 --seq 320 \
-    --anchors 128 --features online --out "$OUTDIR/probe/train_step_smollm2.json" 2>&1 | grep -v Warning | tail -6
+  # shellcheck disable=SC2086
+  python3 -m dspark.bench.train_step --data $DIR --features online --anchors 128 --steps 20 --warmup 5 \
+    --variants "${BENCH_VARIANTS:-default,eager_target}" --out "$OUTDIR/probe/train_step_data.json" \
+    $T data=full drafter=dspark head=markov 2>&1 | grep -v Warning | tail -6
   : > outputs/h200/probe.tsv
   for i in "${!probes[@]}"; do
     run=outputs/h200/probe_$i
     rm -rf $run
     # shellcheck disable=SC2086
     TORCH_LOGS=recompiles python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
-      trainer.max_time=$(printf 00:00:%02d:%02d $((secs / 60)) $((secs % 60))) trainer.max_steps=10000000 trainer.limit_val_batches=0 \
-      trainer.num_sanity_val_steps=0 trainer.profiler=simple hydra.run.dir=$run drafter=dspark head=markov \
-      ${probes[$i]} > $run.log 2>&1 || { tr '\r' '\n' < $run.log | tail -20; continue; }
-    rate=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['throughput']['steady']['tokens_per_s']))" $run/summary.json)
-    steps=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['global_step'])" $run/summary.json)
-    printf '%s\t%s\t%s\n' "$rate" "$steps" "${probes[$i]}" | tee -a outputs/h200/probe.tsv
+      trainer.max_time=$(printf 00:00:%02d:%02d $((secs / 60)) $((secs % 60))) trainer.max_steps=10000000 \
+      trainer.limit_val_batches=0 trainer.num_sanity_val_steps=0 trainer.profiler=simple hydra.run.dir=$run \
+      drafter=dspark head=markov ${probes[$i]} > $run.log 2>&1 || { tr '\r' '\n' < $run.log | tail -20; continue; }
+    python3 - "$run/summary.json" "${probes[$i]}" <<'EOF' | tee -a outputs/h200/probe.tsv
+import json, sys
+
+s = json.load(open(sys.argv[1]))
+rate = (s["throughput"].get("steady") or {}).get("tokens_per_s") or 0  # none: too few steps
+print(f"{rate:.0f}\t{s['global_step']}\t{sys.argv[2]}")
+EOF
     echo "  recompiles: $(grep -c 'Recompiling function' $run.log || true)"
     tr '\r' '\n' < $run.log | grep -a -A12 "|  Action" | cut -c1-160 | tr -s ' \t' ' ' || true
     cp $run.log "$OUTDIR/probe/probe_$i.log"
