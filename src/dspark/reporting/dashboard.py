@@ -445,7 +445,7 @@ def _section_loss(runs, axis, out: Path):
     for ax, (_, title) in zip(axes[0], panels):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # steps run to 5 digits
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     rows = [
