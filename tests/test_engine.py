@@ -575,13 +575,14 @@ def test_engine_applies_calibration_temperatures(small_target, tmp_path):
         t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()
     )
     res = eng.generate(prompts)
-    z = torch.tensor([r.confidence_logits for r in res.rounds])
-    c = torch.tensor([r.confidence for r in res.rounds])
-    torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps)))
-    # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
-    expect = torch.cumprod((torch.cumprod(c.double(), 1) >= 0.3).long(), 1).sum(1)
-    assert [r.proposed for r in res.rounds] == expect.tolist()
-    assert len(set(expect.tolist())) > 1, "pick a threshold that makes lengths vary"
+    expect = []
+    for r in res.rounds:  # the threshold drafts the first k <= 4 positions, calibrated by T_1..T_k
+        z, c = torch.tensor(r.confidence_logits), torch.tensor(r.confidence)
+        torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps[: len(z)])))
+        # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
+        expect.append(int(torch.cumprod((torch.cumprod(c.double(), 0) >= 0.3).long(), 0).sum()))
+    assert [r.proposed for r in res.rounds] == expect
+    assert len(set(expect)) > 1, "pick a threshold that makes lengths vary"
     # Without the file the raw sigmoid is used.
     (tmp_path / "calibration.json").unlink()
     raw = Engine.from_checkpoint(t, tmp_path, Fixed(None), max_new_tokens=4, eos_token_ids=()).generate(
