@@ -424,10 +424,12 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["target_only", "fixed", "draft_aware", "cycling"])
+@pytest.mark.parametrize("policy", ["target_only", "fixed", "draft_aware", "cycling", "threshold"])
 def test_rounds_launch_without_a_host_sync(small_target, policy):
     """A round goes onto the device without the host waiting for it (CUDA's sync debug mode
-    raises on any synchronising call inside ``_launch``); its outcome is read a round later."""
+    raises on any synchronising call inside ``_launch``); its outcome is read a round later.
+    Plain rounds (the ring of deferred drafter context, its flush before a draft) and the
+    threshold (its width bounded before drafting) included."""
     t = small_target.to("cuda")
     try:
         drafter = (

@@ -489,6 +489,8 @@ class Engine:
         """``u_accept`` is drawn for every drafted position and cut to the verified width, so the
         stream does not depend on how the width was found; then ``u_sample``."""
         r, g = drafts.shape
+        if not drafted:  # an empty draw takes nothing from the stream: no pinned copy for it
+            return torch.zeros(r, 0, device=self.device), self._uniform(r)
         return self._uniform(r, drafted)[:, :g], self._uniform(r)
 
     def _target_probs(self, logits: Tensor) -> Tensor:
@@ -516,6 +518,8 @@ class Engine:
         """Start copying a device tensor to the host; it is read once the round's clock ends."""
         if t.device.type != "cuda":
             return t
+        if t.numel() == 0:  # a plain round's empty drafts: nothing to copy
+            return torch.empty(t.shape, dtype=t.dtype)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return out.copy_(t, non_blocking=True)
 
