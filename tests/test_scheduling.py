@@ -594,7 +594,9 @@ def test_draft_aware_estimates_acceptance_from_completed_rounds():
     for _ in range(50):
         pol.observe_round(np.array([0, 0]), np.array([0, 0]))
     np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
-    pol.reset()
+    pol.reset()  # a new generate: what it learned about the drafter stays
+    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    pol.forget()
     assert pol.acceptance(2).tolist() == [1.0, 1.0]
 
 

@@ -279,7 +279,8 @@ class Policy:
         """A completed round's verified lengths and accepted counts (live rows only)."""
 
     def reset(self) -> None:
-        """Forget cross-round state (stateless policies have none)."""
+        """A new ``generate``: forget the state of the rounds in flight (stateless policies have
+        none); what a policy learned about the drafter may carry over (``DraftAware``)."""
 
     @property
     def base(self) -> Policy:
@@ -402,8 +403,12 @@ class HardwareAware(Policy):
         self._walk = True  # this round: decide from the confidences (the width is read back)
 
     def reset(self) -> None:
-        self._acceptance.reset()
+        """A new ``generate``: the acceptance estimate carries over (see ``DraftAware.reset``)."""
         self._walk = True
+
+    def forget(self) -> None:
+        """Drop the acceptance estimate too (a new drafter or workload)."""
+        self._acceptance.reset()
 
     def acceptance(self, gamma: int) -> np.ndarray:
         return self._acceptance.rates(gamma)
@@ -560,6 +565,12 @@ class DraftAware(Policy):
         self.decay = self._acceptance.decay
 
     def reset(self) -> None:
+        """A new ``generate``. The acceptance estimate carries over: it describes the drafter on
+        this workload, not one run, and starting again from the optimistic prior would draft
+        (and pay) a saturated load's first rounds only to learn it again; ``forget`` drops it."""
+
+    def forget(self) -> None:
+        """Drop the acceptance estimate (a new drafter or workload)."""
         self._acceptance.reset()
 
     def acceptance(self, gamma: int) -> np.ndarray:
@@ -630,6 +641,9 @@ class Truncated(Policy):
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def forget(self) -> None:
+        getattr(self.inner, "forget", lambda: None)()
 
 
 # ---------------------------------------------------------------------------------------------
