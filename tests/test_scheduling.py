@@ -750,6 +750,19 @@ def test_cost_draft_lengths_overhead_and_round_time(tmp_path):
         CostModel({1: 1.0}, draft_len_ms={2: {1: 5.0, 8: 1.0}})
     with pytest.raises(CostTableError, match="overhead_ms"):
         CostModel({1: 1.0}, overhead_ms=-1.0)
+    # A round's fixed part is the draft of the positions it drafted (the whole block by default).
+    assert cm.fixed_ms(1, 2) == pytest.approx(1.0 + 0.5) and cm.fixed_ms(1) == pytest.approx(2.0 + 0.5)
+    only_lengths = CostModel({1: 4.0}, draft_len_ms={2: {1: 1.0}, 4: {1: 1.5}})
+    assert only_lengths.fixed_ms(1) == pytest.approx(1.5) and only_lengths.step_time(1, 1) == pytest.approx(
+        5.5e-3
+    )
+    # The curve the pre-draft choice reads every round, and the read-back's price, kept in the file.
+    np.testing.assert_allclose(cm.round_times(16, 4), [cm.round_time(16, m) for m in range(5)])
+    assert cm.round_times(16, 4) is cm.round_times(16, 4)
+    back = CostModel.from_json(CostModel({1: 1.0}, readback_ms=0.7).to_json())
+    assert back.readback_ms == 0.7 and CostModel.from_dict(old).readback_ms == 0.0
+    with pytest.raises(CostTableError, match="readback_ms"):
+        CostModel({1: 1.0}, readback_ms=float("nan"))
     # The device table prices B exactly as the host lookup does.
     table = cm.verify_table(100, "cpu")
     assert table.dtype == torch.float64 and table.numel() > 100

@@ -189,9 +189,10 @@ class CostModel:
         if np.any(b <= 0):
             raise ValueError(f"batch size must be positive, got {B!r}")
         ms = _interp(self._vx, self._vy, b)
-        if self._d is not None and R is None:
+        drafts = self._d is not None or self._dl is not None
+        if drafts and R is None:
             raise ValueError("this cost model has a draft table; pass R (active requests)")
-        if self._d is not None or self.overhead_ms:
+        if drafts or self.overhead_ms:
             ms = ms + self.fixed_ms(R)
         s = ms * 1e-3
         return float(s) if scalar else s
