@@ -3,16 +3,17 @@
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one);
 #   2. the cost table: the verify curve, the draft step per R and drafted length, a round's
-#      overhead beyond its steps, the draft step's parts (python -m dspark.bench.engine_sps);
+#      overhead beyond its steps and the cost of reading its width back, the draft step's parts
+#      (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware, at T = 0 and T = 1 (gsm8k, 32 prompts, 128 new
 #      tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier per temperature (Fig. 7 layout: python -m dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
-# Writes 8 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
-# cost_table.json, e2e.json, fig7_T0.png/.json, fig7_T1.png/.json. Each stage has its own time
-# limit (90 + 130 + 250 + 2 x 20 s at most, ~6-7 min expected) and writes what it measured as it
+# Writes 9 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
+# cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T0.png/.json, fig7_T1.png/.json. Each stage has
+# its own time limit (60 + 110 + 150 + 190 + 2 x 15 s at most) and writes what it measured as it
 # goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -32,23 +33,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 [ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 
 stage "GPU tests of the engine"
-timeout 90 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
+timeout 60 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
   -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
 
 stage "cost table"
-timeout 130 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
+timeout 110 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
   --drafter-dir "$DRAFTER" --overhead --draft-parts 1,16,64,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -40
 
-stage "end to end"
-timeout 250 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
-  --concurrency 1,16,64,256 --max-new-tokens 128 --temperature 0,1 \
-  --policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table "$OUT/cost_table.json" \
-  --out "$OUT/e2e.json" 2>&1 | quiet | tail -60
+# One e2e run per temperature, each with its own limit: T = 1 once got none left after T = 0.
+for t in 0 1; do
+  stage "end to end, T = $t"
+  timeout $([ $t = 0 ] && echo 150 || echo 190) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
+    --benchmark gsm8k --prompts 32 --concurrency 1,16,64,256 --max-new-tokens 128 --temperature $t \
+    --policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table "$OUT/cost_table.json" \
+    --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -36
+done
 
 stage "measured frontier"
 for t in 0 1; do
-  timeout 20 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e.json" e2e_temperature=$t \
+  timeout 15 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e_T$t.json" e2e_temperature=$t \
     out_dir="$WORK/frontier_T$t" hydra.run.dir="$WORK/hydra" 2>&1 | quiet | tail -8 &&
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
     cp "$WORK/frontier_T$t/fig7_frontier.json" "$OUT/fig7_T$t.json"

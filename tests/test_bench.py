@@ -40,6 +40,7 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     over = saved["round_overhead"]
     assert over["drafting_round_ms"] > 0 and over["plain_round_ms"] > 0
     assert model.overhead_ms == over["overhead_ms"] >= 0
+    assert over["read_back_round_ms"] > 0 and model.readback_ms == over["readback_ms"] >= 0
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms"))
@@ -64,6 +65,10 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
     ]
     for r in rows:
         assert r["throughput"] > 0 and r["tau"] >= 1 and r["rounds"] > 0 and r["ms_per_round"] > 0
+        assert r["median_ms_per_round"] > 0 and r["max_ms_round"] >= r["median_ms_per_round"]
+        assert r["host_ms_per_round"] > 0 and r["wait_ms_per_round"] >= 0
+        assert r["readback_ms_per_round"] == 0  # no policy here reads its width back
+        assert r["gpu_ms_per_round"] is None and r["gap_ms_per_round"] is None  # no device clock
         if r["run"] == "target_only":
             assert r["tau"] == 1
         else:

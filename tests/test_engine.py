@@ -33,13 +33,14 @@ from dspark.decoding.engine import (
     Request,
     calibration_arrays,
     conditional_acceptance,
+    retire_order,
     threshold_sweep,
 )
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
 from dspark.drafters import Drafter, build_drafter
 from dspark.scheduling.cost import CostModel
-from dspark.scheduling.policies import DraftAware, Fixed, Threshold, build_policy
+from dspark.scheduling.policies import DraftAware, Fixed, HardwareAware, Threshold, build_policy
 
 try:
     from scipy.stats import chi2 as _chi2
@@ -310,8 +311,10 @@ def stat_prompt(small_target):
     return [BOS, 57, 3, 201, 90]
 
 
-def _first_three(target, drafter, prompt, seed, policy=None, concurrency=N_SAMPLES, cost=None):
-    eng = Engine(
+def _first_three(
+    target, drafter, prompt, seed, policy=None, concurrency=N_SAMPLES, cost=None, engine=Engine, **kw
+):
+    eng = engine(
         target,
         drafter,
         policy or (Fixed(None) if drafter is not None else None),
@@ -321,10 +324,12 @@ def _first_three(target, drafter, prompt, seed, policy=None, concurrency=N_SAMPL
         eos_token_ids=(),
         seed=seed,
         cost=cost,
+        **kw,
     )
     res = eng.generate([prompt] * N_SAMPLES)
     if policy is not None:
         eng.drafted = [s["drafted"] for s in res.steps]
+        eng.last_rounds, eng.last_steps = res.rounds, res.steps
         _first_three.last = eng
     accepted = sum(r.accepted for r in res.rounds)
     return [tuple(g.tokens) for g in res.generations], accepted / max(len(res.rounds), 1)
@@ -383,6 +388,48 @@ def test_draft_length_chosen_before_drafting_is_lossless(small_target, stat_prom
         assert 0 in drafted and len(drafted) >= 4, drafted
     else:
         assert 2 in drafted and (kind == "oracle" or 0 in drafted), drafted
+
+
+# 500 rows on a padded engine: one depth is nearly free, the next ones cost more and more, so
+# HardwareAware plans 2 positions while it knows nothing and its walk stops at depth 1 or 2 by
+# the round's confidences.
+HARDWARE_AWARE_COST = CostModel(
+    {500: 10.0, 1000: 10.5, 1500: 13.0, 2000: 20.0, 2500: 40.0}, draft_ms={500: 1.0}, padded=True
+)
+
+
+@pytest.mark.parametrize("policy", ["hardware_aware", "threshold"])
+def test_confidence_lengths_after_a_planned_draft_are_lossless(small_target, stat_prompt, exact, policy):
+    """The confidence-driven choices after a draft length planned from earlier rounds:
+    HardwareAware's pre-draft plan then its depth walk over the round's confidences (the width
+    read back), the threshold's bound from its recent lengths then its prefix cut."""
+    drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
+    pol = HardwareAware() if policy == "hardware_aware" else Threshold(0.3)
+    samples, _ = _first_three(
+        small_target, drafter, stat_prompt, seed=6, policy=pol, concurrency=500, cost=HARDWARE_AWARE_COST
+    )
+    eng = _first_three.last
+    proposed = {r.proposed for r in eng.last_rounds}
+    assert_matches(samples, exact, N_SAMPLES, f"{policy} (drafted {sorted(set(eng.drafted))})")
+    assert len(proposed) > 1, proposed  # lengths were cut by the confidences
+    if policy == "hardware_aware":
+        assert {s["readback_ms"] > 0 for s in eng.last_steps if s["drafted"]} == {True}
+
+
+def test_deferred_drafter_context_is_lossless(small_target, stat_prompt, exact):
+    """The fast engine's plain rounds (target-only step, the drafter's context written later in
+    one batch before the next draft): Cycling starts with a plain round, so every draft of the
+    second round reads context the ring wrote."""
+    from dspark.decoding.fast_engine import FastEngine
+
+    drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
+    samples, _ = _first_three(
+        small_target, drafter, stat_prompt, seed=7, policy=Cycling(), concurrency=500, engine=FastEngine,
+        buckets=(512,), deferred_context=2,
+    )  # fmt: skip
+    drafted = _first_three.last.drafted
+    assert drafted[0] == 0 and any(drafted[1:]), drafted
+    assert_matches(samples, exact, N_SAMPLES, f"fast engine / cycling (drafted {sorted(set(drafted))})")
 
 
 def test_broken_verification_is_caught(small_target, stat_prompt, exact, monkeypatch):
@@ -548,6 +595,55 @@ def test_refill_streaming_and_no_round_records(small_target):
     assert min(s["batch"] for s in lazy.steps[:10]) < 4
 
 
+def test_retire_order_moves_only_the_rows_that_must():
+    """Rows below the new batch size keep their place; each finished one takes the next running
+    row from above (a 256-row cache losing one request moves one row, not all of them)."""
+    assert retire_order([True, True, True]) == [0, 1, 2]
+    assert retire_order([True, True, False]) == [0, 1]
+    assert retire_order([True, False, True, True]) == [0, 3, 2]
+    assert retire_order([False, True, False, True, True, False]) == [3, 1, 4]
+    assert retire_order([False, False]) == []
+    running = [i % 5 != 2 for i in range(256)]
+    order = retire_order(running)
+    assert sorted(order) == [i for i in range(256) if running[i]]
+    assert sum(new != old for new, old in enumerate(order)) == running[: len(order)].count(False)
+
+
+def test_generate_freezes_the_heap_and_reports_host_time(small_target):
+    """While rounds run, the objects alive before ``generate`` are out of the cyclic collector's
+    reach (a full collection over a large heap stalled rounds); afterwards they are back. Each
+    round reports the host's own work and its waits apart, and a read-back only under a policy
+    whose width depends on the confidences."""
+    import gc
+
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
+    frozen = []
+    assert gc.get_freeze_count() == 0
+    for pol, reads_back in ((Fixed(None), False), (ReadsBack(), True)):
+        eng = Engine(t, drafter, pol, temperature=0, concurrency=2, max_new_tokens=6, eos_token_ids=())
+        res = eng.generate(
+            prompts_for(t, 3, seed=2), on_result=lambda i, g: frozen.append(gc.get_freeze_count())
+        )
+        assert gc.get_freeze_count() == 0 and min(frozen) > 0
+        for s in res.steps:
+            assert s["host_ms"] > 0 and s["wait_ms"] >= 0 and s["ms"] >= s["host_ms"]
+            assert (s["readback_ms"] > 0) == reads_back
+    gc.freeze()  # a caller that froze its heap keeps it frozen
+    try:
+        Engine(t, None, temperature=0, max_new_tokens=3).generate(prompts_for(t, 1, seed=3))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+class ReadsBack(Fixed):
+    """The whole block, with a width the engine reads back (a confidence-driven policy's path)."""
+
+    def width(self, drafted):
+        return None
+
+
 # ----------------------------------------------------------------------------------------------
 # confidences, calibration, policies
 
@@ -575,13 +671,14 @@ def test_engine_applies_calibration_temperatures(small_target, tmp_path):
         t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()
     )
     res = eng.generate(prompts)
-    z = torch.tensor([r.confidence_logits for r in res.rounds])
-    c = torch.tensor([r.confidence for r in res.rounds])
-    torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps)))
-    # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
-    expect = torch.cumprod((torch.cumprod(c.double(), 1) >= 0.3).long(), 1).sum(1)
-    assert [r.proposed for r in res.rounds] == expect.tolist()
-    assert len(set(expect.tolist())) > 1, "pick a threshold that makes lengths vary"
+    expect = []
+    for r in res.rounds:  # the threshold drafts the first k <= 4 positions, calibrated by T_1..T_k
+        z, c = torch.tensor(r.confidence_logits), torch.tensor(r.confidence)
+        torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps[: len(z)])))
+        # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
+        expect.append(int(torch.cumprod((torch.cumprod(c.double(), 0) >= 0.3).long(), 0).sum()))
+    assert [r.proposed for r in res.rounds] == expect
+    assert len(set(expect)) > 1, "pick a threshold that makes lengths vary"
     # Without the file the raw sigmoid is used.
     (tmp_path / "calibration.json").unlink()
     raw = Engine.from_checkpoint(t, tmp_path, Fixed(None), max_new_tokens=4, eos_token_ids=()).generate(

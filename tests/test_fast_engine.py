@@ -12,7 +12,7 @@ import torch
 from test_engine import Cycling, make_drafter, prompts_for
 
 from dspark.core.types import Shared
-from dspark.decoding.engine import Engine, Request
+from dspark.decoding.engine import Engine, Request, retire_order
 from dspark.decoding.fast_engine import FastEngine
 from dspark.decoding.graphs import bucket_for
 from dspark.decoding.kv import RaggedKV
@@ -89,10 +89,11 @@ def test_compiled_layers_match_eager(small_target, device):
         small_target.to("cpu")
 
 
-def _engines(t, drafter, temperature, **kw):
-    common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, **kw)
-    common.setdefault("refill", 1)
-    return Engine(t, drafter, **common), FastEngine(t, drafter, buckets=(1, 2, 4), **common)
+def _engines(t, drafter, temperature, deferred_context=8, **kw):
+    common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, refill=1)
+    common.update(kw)
+    fast = FastEngine(t, drafter, buckets=(1, 2, 4), deferred_context=deferred_context, **common)
+    return Engine(t, drafter, **common), fast
 
 
 @pytest.mark.parametrize("kind", ["target", "dspark-rnn", "dflash"])
@@ -108,7 +109,7 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     prompts = prompts_for(t, 7, seed=12)
     budgets = [5, 30, 12, 22, 1, 17, 26]
     reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
-    plain, fast = _engines(t, drafter, temperature)
+    plain, fast = _engines(t, drafter, temperature, seed=7)  # a seed where a random drafter is accepted
     a, b = plain.generate(reqs), fast.generate(reqs)
     assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
     assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
@@ -146,7 +147,9 @@ def test_fast_engine_reproduces_plain_engine_under_every_policy(small_target, po
     def make():
         return Cycling() if policy == "cycling" else build_policy(policy)
 
-    plain, fast = _engines(t, drafter, temperature, cost=POLICY_COST, refill=2)
+    # Two float implementations of the same draws: a uniform within rounding of a CDF step would
+    # pick neighbouring tokens (seed 5 meets one under threshold at T = 1, contexts equal).
+    plain, fast = _engines(t, drafter, temperature, cost=POLICY_COST, refill=2, seed=6)
     plain.set_policy(make())
     fast.set_policy(make())
     a, b = plain.generate(reqs), fast.generate(reqs)
@@ -157,6 +160,108 @@ def test_fast_engine_reproduces_plain_engine_under_every_policy(small_target, po
     assert [s["drafted"] for s in b.steps] == [s["drafted"] for s in a.steps]
     if policy in ("cycling", "draft_aware"):
         assert len({s["drafted"] for s in a.steps}) > 1  # the draft length did change
+
+
+class Bursts(Cycling):
+    """Runs of plain rounds (0, 5 long, then 2 long) between one or two drafting rounds."""
+
+    name = "bursts"
+
+    def draft_length(self, rows, gamma, cost=None):
+        return gamma if self.seen % 7 in (5, 6) else 0
+
+
+def _spied(engine):
+    """Record each target-side call of a fast engine: ("draft"|"target"|"plain"|"flush", width)."""
+    calls = []
+    for name in ("_propose", "_target_step", "_plain_step", "_flush_context"):
+        inner = getattr(engine, name)
+
+        def spy(*args, _inner=inner, _name=name):
+            width = args[0].shape[1] if _name in ("_target_step", "_plain_step") else engine._stashed
+            calls.append((_name.strip("_").split("_")[0], width))
+            return _inner(*args)
+
+        setattr(engine, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
+    """A round that drafts nothing runs the width-1 plain step (no draft, no drafter layers); the
+    context of those rounds reaches the drafter in one write of the ring (3 rounds here) before
+    the next draft, when the ring is full, or before rows move or join. Tokens, acceptance and
+    every round's confidences (which read the whole context) equal the plain engine's, with
+    requests joining and leaving two at a time; skipping the deferred writes breaks them."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
+    prompts = prompts_for(t, 7, seed=23)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [9, 40, 14, 31, 2, 25, 36])]
+    plain, fast = _engines(t, drafter, temperature, refill=2, deferred_context=3, seed=6)
+    plain.set_policy(Bursts())
+    fast.set_policy(Bursts())
+    calls = _spied(fast)
+    writes = []
+    write = drafter.write_context
+    drafter.write_context = lambda cache, taps, pos, rows: (
+        writes.append(taps.shape[1]) or write(cache, taps, pos, rows)
+    )
+    try:
+        a, b = plain.generate(reqs), fast.generate(reqs)
+    finally:
+        del drafter.write_context
+    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
+    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
+        (r.request, r.accepted, r.proposed) for r in a.rounds
+    ]
+    for ra, rb in zip(a.rounds, b.rounds):
+        if ra.confidence_logits is not None:
+            torch.testing.assert_close(torch.tensor(rb.confidence_logits), torch.tensor(ra.confidence_logits))
+    drafted = [s["drafted"] for s in b.steps]
+    assert drafted.count(0) > 2 * drafted.count(4) > 0
+    # Plain rounds: the width-1 plain step, never the drafting target step or the draft step.
+    assert {w for kind, w in calls if kind == "plain"} == {1}
+    assert [kind for kind, _ in calls if kind in ("target", "plain")].count("plain") == drafted.count(0)
+    # The ring was flushed full (3), part-full before drafts and row changes, never empty.
+    flushed = [w for kind, w in calls if kind == "flush" and w]
+    assert 3 in flushed and {1, 2} & set(flushed)
+    # The drafter's context layers ran in prefills (prompt width), drafting rounds' target steps
+    # (width 5) and flushes (width 3): never at width 1, a plain round's.
+    assert 1 not in writes and 3 in writes and 5 in writes
+    # Without the deferred writes the drafter reads stale context: the confidences differ.
+    broken = _engines(t, drafter, temperature, refill=2, deferred_context=3, seed=6)[1]
+    broken.set_policy(Bursts())
+    broken._flush_context = lambda: setattr(broken, "_stashed", 0)
+    c = broken.generate(reqs)
+    assert any(
+        ra.confidence_logits is not None
+        and not torch.allclose(torch.tensor(ra.confidence_logits), torch.tensor(rc.confidence_logits))
+        for ra, rc in zip(a.rounds, c.rounds)
+        if rc.request == ra.request
+    )
+
+
+def test_hardware_aware_runs_target_only_rounds_at_saturation(small_target):
+    """Issue 18 at R = 256: hardware_aware chose to verify nothing yet drafted every round. On a
+    table where drafting cannot pay it now plans no draft at all: every round is the width-1
+    plain step, the tokens are target-only decoding's, and the drafter never runs."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0]
+    cost = CostModel({1: 1.0, 3: 1.0, 6: 2.0, 30: 20.0}, draft_ms={1: 3.0}, padded=True)
+    prompts = prompts_for(t, 5, seed=26)
+    kw = dict(temperature=0.0, concurrency=3, eos_token_ids=(), max_new_tokens=7, buckets=(1, 2, 4))
+    base = FastEngine(t, None, **kw).generate(prompts)
+    pol = build_policy("hardware_aware")
+    # What it learned in an earlier generate (drafts rejected) carries over generate's reset:
+    # a saturated run does not pay draft steps to learn it again.
+    pol.observe_round([4, 4, 4], [0, 1, 0])
+    eng = FastEngine(t, drafter, pol, cost=cost, **kw)
+    calls = _spied(eng)
+    res = eng.generate(prompts)
+    assert [g.tokens for g in res.generations] == [g.tokens for g in base.generations]
+    assert {s["drafted"] for s in res.steps} == {0} and all(r.proposed == 0 for r in res.rounds)
+    assert {kind for kind, _ in calls if kind != "flush"} == {"plain"}
+    assert all(s["readback_ms"] == 0 for s in res.steps)
 
 
 def test_draft_aware_declines_to_draft_when_it_cannot_pay(small_target):
@@ -173,6 +278,36 @@ def test_draft_aware_declines_to_draft_when_it_cannot_pay(small_target):
     assert {s["drafted"] for s in res.steps} == {0} and all(r.proposed == 0 for r in res.rounds)
     for s in res.steps:
         assert s["ms"] > 0 and s["host_ms"] > 0 and s["gpu_ms"] is None  # no device clock on the CPU
+
+
+def test_leaving_rows_move_only_their_successors(small_target, monkeypatch):
+    """Row compaction in the static caches: a finished row below the new batch size takes the last
+    running row; the rows that keep their place are not copied at all."""
+    import dspark.decoding.fast_engine as fe
+    import dspark.decoding.static_target as st
+
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=2, seed=1)[0]
+    eng = FastEngine(t, drafter, concurrency=4, buckets=(4,), capacity=32)
+    eng._allocate(32)
+    moved = []
+    for mod in (st, fe):
+        inner = mod.move_rows
+        monkeypatch.setattr(
+            mod, "move_rows", lambda ts, d, s, _i=inner: moved.append(d.tolist()) or _i(ts, d, s)
+        )
+    with torch.inference_mode():
+        for buf in [*eng.static.k, *eng.dcache.k]:
+            buf.copy_(torch.arange(4.0).view(4, 1, 1, 1).expand_as(buf))
+        eng.static.lengths.copy_(torch.tensor([10, 11, 12, 13]))
+        order = retire_order([True, False, True, True])
+        eng._keep_rows(torch.tensor(order), order)
+    assert order == [0, 3, 2] and moved == [[1], [1]]  # the target's caches, the drafter's
+    for buf in [*eng.static.k, *eng.dcache.k]:
+        assert buf[:3, 0, 0, 0].tolist() == [0.0, 3.0, 2.0]
+    assert eng.static.lengths[:3].tolist() == [10, 13, 12]
+    eng._keep_rows(torch.tensor([0, 1]), [0, 1])  # the tail left: nothing moves
+    assert moved == [[1], [1]]
 
 
 def test_fast_engine_filtered_sampling_with_refill_matches_plain(small_target):
@@ -290,10 +425,12 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["target_only", "fixed", "draft_aware", "cycling"])
+@pytest.mark.parametrize("policy", ["target_only", "fixed", "draft_aware", "cycling", "threshold"])
 def test_rounds_launch_without_a_host_sync(small_target, policy):
     """A round goes onto the device without the host waiting for it (CUDA's sync debug mode
-    raises on any synchronising call inside ``_launch``); its outcome is read a round later."""
+    raises on any synchronising call inside ``_launch``); its outcome is read a round later.
+    Plain rounds (the ring of deferred drafter context, its flush before a draft) and the
+    threshold (its width bounded before drafting) included."""
     t = small_target.to("cuda")
     try:
         drafter = (

@@ -291,11 +291,30 @@ def test_hardware_aware_matches_literal_algorithm1():
         assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
 
 
+def depth_walk_reference(conf: torch.Tensor, cost: CostModel) -> list[int]:
+    """Scalar transcription of Algorithm 1 on a padded engine: one step admits every row's next
+    position (the width all rows pay anyway), priced T_verify(R(1 + w)) + the drafted block's
+    fixed part; stop at the first step that does not beat the previous one."""
+    c = conf.double().tolist()
+    R, G = len(c), len(c[0])
+    a = [[math.prod(c[r][: j + 1]) for j in range(G)] for r in range(R)]
+    fixed = float(cost.fixed_ms(R, G)) + cost.readback_ms
+
+    def theta(w):
+        tokens = R + sum(a[r][j] for r in range(R) for j in range(w))
+        return tokens / (cost.verify_time_ms(R * (1 + w)) + fixed)
+
+    w = 0
+    while w < G and theta(w + 1) > theta(w):
+        w += 1
+    return [w] * R
+
+
 def test_hardware_aware_on_a_padded_engine():
-    """With ``padded`` (rows verified at the widest row's width, as our engines do) Alg. 1 prices
-    its path by the deepest admitted position: the literal transcription agrees, the early stop
-    keeps it lossless, and a saturated step makes it verify nothing where the ragged price would
-    admit a confident row's whole block."""
+    """With ``padded`` (rows verified at the widest row's width, as our engines do) Alg. 1 walks
+    whole depths: the transcription agrees, the early stop keeps it lossless (exact law), a
+    saturated step makes it verify nothing, and where a depth pays for all rows it is verified
+    (the per-candidate walk stopped at its first candidate: the whole width for one token)."""
     rng = np.random.default_rng(12)
     ha = HardwareAware()
     for it in range(150):
@@ -305,7 +324,7 @@ def test_hardware_aware_on_a_padded_engine():
         )
         cost = random_cost(rng, jagged=it % 3 == 0)
         cost.padded = True
-        assert ha(conf, cost).tolist() == algorithm1_reference(conf, cost), (conf, cost)
+        assert ha(conf, cost).tolist() == depth_walk_reference(conf, cost), (conf, cost)
     for it in range(30):
         inst, cost = random_instance(rng, R=2), random_cost(rng, jagged=it % 2 == 1)
         cost.padded = True
@@ -318,6 +337,11 @@ def test_hardware_aware_on_a_padded_engine():
     steep = {8: 4.0, 12: 4.4, 16: 8.0, 40: 30.0}
     assert ha(conf, CostModel(steep)).tolist() == [4] + [0] * 7
     assert ha(conf, CostModel(steep, padded=True)).tolist() == [0] * 8
+    # The H200 table at R = 64 (issue 18): one depth costs 0.06 ms for 64 rows' first drafts.
+    h200 = CostModel({64: 2.38, 128: 2.44, 256: 2.65, 512: 3.32}, draft_len_ms={7: {64: 2.25}}, padded=True)
+    conf = torch.full((64, 7), 0.75)
+    assert ha(conf, h200).tolist() == [7] * 64
+    assert algorithm1_reference(conf, h200) == [0] * 64  # what it did: 0.35 drafts verified per row
 
 
 def test_hardware_aware_equals_brute_force_when_unimodal():
@@ -460,7 +484,8 @@ def test_build_policy_registry():
     assert build_policy("fixed_2").gamma == 2 and build_policy("threshold_0.25").threshold == 0.25
     with pytest.raises(ConfigError, match="unknown policy 'oracle'"):
         build_policy("oracle")
-    with pytest.raises(ConfigError, match=r"policy threshold: it takes \['threshold'\], not \['gamma'\]"):
+    takes = r"policy threshold: it takes \['threshold', 'window'\], not \['gamma'\]"
+    with pytest.raises(ConfigError, match=takes):
         build_policy({"name": "threshold", "gamma": 3})
     with pytest.raises(ConfigError, match=r"threshold must be in \[0, 1\]"):
         build_policy("threshold_1.5")
@@ -561,12 +586,17 @@ def test_draft_aware_estimates_acceptance_from_completed_rounds():
     # position 2 reached by 3, accepted by 2; position 3 reached by 2, accepted by 2.
     pol.observe_round(np.array([3, 3, 3, 3]), np.array([0, 1, 3, 3]))
     np.testing.assert_allclose(pol.acceptance(4), [(3 + 1) / (4 + 1), (2 + 1) / (3 + 1), 1.0, 1.0])
-    # Older rounds weigh less (decay), a plain round (nothing verified) only fades the evidence.
+    # Older rounds weigh less (decay); a plain round (nothing verified) says nothing about
+    # acceptance and leaves the estimate alone: a load that declined to draft does not drift
+    # back to optimism and redraft for nothing (issue 18: R = 256 kept re-measuring).
     pol.observe_round(np.array([1, 1]), np.array([0, 0]))
     np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
-    pol.observe_round(np.array([0, 0]), np.array([0, 0]))
-    np.testing.assert_allclose(pol.acceptance(1), [(0.75 + 1) / (2 + 1)])
-    pol.reset()
+    for _ in range(50):
+        pol.observe_round(np.array([0, 0]), np.array([0, 0]))
+    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    pol.reset()  # a new generate: what it learned about the drafter stays
+    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    pol.forget()
     assert pol.acceptance(2).tolist() == [1.0, 1.0]
 
 
@@ -603,18 +633,66 @@ def test_draft_aware_drafts_what_pays_at_this_load():
 
 
 def test_policies_plan_their_draft_and_width():
-    """Before drafting: a fixed length drafts only what it verifies; confidence-driven policies
-    draft the block and know their width only after seeing the confidences."""
+    """Before drafting: a fixed length drafts only what it verifies; the threshold drafts one more
+    than it verified lately and knows its width; the load-aware ones choose from the cost."""
     assert (Fixed(2).draft_length(8, 5), Fixed(2).width(5), Fixed(2).width(1)) == (2, 2, 1)
     assert (Fixed().draft_length(8, 5), Fixed().width(3)) == (5, 3)
     assert (Mtp1().draft_length(8, 5), Mtp1().width(5)) == (1, 1)
-    for pol in (Threshold(0.5), HardwareAware(), AsyncTopK()):
-        assert pol.draft_length(8, 5) == 5 and pol.width(5) is None
+    assert (AsyncTopK().draft_length(8, 5), AsyncTopK().width(5)) == (5, None)
     cut = build_policy("draft_aware", gamma=3, block=5)
     cost = CostModel({1: 1.0, 64: 1.0}, draft_ms={1: 0.01})
     assert isinstance(cut, Truncated) and cut.draft_length(1, 5, cost) == 3 and cut.width(3) == 3
     cut.observe_round(np.array([3]), np.array([0]))
     assert cut.base.acceptance(1)[0] == pytest.approx(0.5)
+
+
+def test_threshold_drafts_what_it_verifies_without_a_read_back():
+    """Issue 18: the threshold drafted the whole block (7) and had the engine read its width back
+    every round to verify ~1 of them. It now drafts one position beyond the longest prefix of its
+    last ``window`` completed rounds, verifies at that width (known before drafting) and widens
+    again when the bound cut a prefix."""
+    pol = Threshold(0.5, window=2)
+    assert pol.draft_length(8, 7) == 7 and pol.width(7) == 7  # nothing observed: the whole block
+    pol.observe_round(np.array([1, 0, 1]), np.array([1, 0, 0]))
+    assert pol.draft_length(8, 7) == 2 and pol.width(2) == 2
+    # The bound truncates: confident rows verify at most the drafted 2.
+    assert pol.lengths(torch.tensor([[0.9, 0.9], [0.9, 0.1], [0.3, 0.9]])).tolist() == [2, 1, 0]
+    pol.observe_round(np.array([2, 1, 0]), np.array([2, 0, 0]))  # the bound was reached: widen
+    assert pol.draft_length(8, 7) == 3
+    for _ in range(2):
+        pol.observe_round(np.array([0, 0, 0]), np.array([0, 0, 0]))
+    assert pol.draft_length(8, 7) == 1  # the 2-round window forgot the longer prefixes
+    pol.reset()
+    assert pol.draft_length(8, 7) == 7
+
+
+def test_hardware_aware_drafts_what_pays_and_reads_back_only_when_it_pays():
+    """Before drafting, HardwareAware picks γ_d as the brute-force best expected rate over every
+    drafted length 0..γ on the cost table (0 = a plain round at saturation, issue 18's R = 256),
+    and reads the width back only when the verification it could save exceeds the read-back."""
+    verify = {1: 2.0, 64: 2.4, 256: 2.65, 512: 3.3, 1024: 4.4, 2048: 7.0}
+    draft = {m: {1: 0.5 + 0.06 * m, 64: 2.3, 256: 6.3 + 0.2 * m} for m in range(1, 8)}
+    cost = CostModel(verify, draft_len_ms=draft, padded=True, readback_ms=0.5)
+    pol = HardwareAware()
+    for _ in range(10):  # acceptance ~0.76, 0.7, 0.6, ...
+        pol.observe_round(np.full(100, 7), np.repeat([0, 1, 2, 3, 4, 7], [24, 23, 21, 12, 10, 10]))
+    c = pol.acceptance(7)
+    for R in (1, 16, 64, 256):
+        a = np.cumprod(c)
+        brute = [R * (1 + a[:m].sum()) / cost.round_time(R, m) for m in range(8)]
+        assert pol.draft_length(R, 7, cost) == int(np.argmax(brute)), R
+    assert pol.draft_length(256, 7, cost) == 0 and pol.width(0) == 0
+    # R = 1: verifying 8 tokens costs 0.03 ms more than 1, less than a read-back: every row
+    # verifies the whole draft, no read-back, exactly fixed γ.
+    assert pol.draft_length(1, 7, cost) == 7 and pol.width(7) == 7
+    assert pol.lengths(torch.full((1, 7), 0.01), cost).tolist() == [7]
+    # A read-back that is free: the width is read back and the depth walk decides.
+    free = CostModel(verify, draft_len_ms=draft, padded=True)
+    m = pol.draft_length(64, 7, free)
+    assert m > 0 and pol.width(m) is None
+    assert pol.lengths(torch.full((64, m), 0.01), free).tolist() == [0] * 64
+    with pytest.raises(ValueError, match="CostModel"):
+        pol.draft_length(4, 5, None)
 
 
 def test_draft_aware_choice_is_lossless_and_anticipation_is_not():
@@ -672,6 +750,19 @@ def test_cost_draft_lengths_overhead_and_round_time(tmp_path):
         CostModel({1: 1.0}, draft_len_ms={2: {1: 5.0, 8: 1.0}})
     with pytest.raises(CostTableError, match="overhead_ms"):
         CostModel({1: 1.0}, overhead_ms=-1.0)
+    # A round's fixed part is the draft of the positions it drafted (the whole block by default).
+    assert cm.fixed_ms(1, 2) == pytest.approx(1.0 + 0.5) and cm.fixed_ms(1) == pytest.approx(2.0 + 0.5)
+    only_lengths = CostModel({1: 4.0}, draft_len_ms={2: {1: 1.0}, 4: {1: 1.5}})
+    assert only_lengths.fixed_ms(1) == pytest.approx(1.5) and only_lengths.step_time(1, 1) == pytest.approx(
+        5.5e-3
+    )
+    # The curve the pre-draft choice reads every round, and the read-back's price, kept in the file.
+    np.testing.assert_allclose(cm.round_times(16, 4), [cm.round_time(16, m) for m in range(5)])
+    assert cm.round_times(16, 4) is cm.round_times(16, 4)
+    back = CostModel.from_json(CostModel({1: 1.0}, readback_ms=0.7).to_json())
+    assert back.readback_ms == 0.7 and CostModel.from_dict(old).readback_ms == 0.0
+    with pytest.raises(CostTableError, match="readback_ms"):
+        CostModel({1: 1.0}, readback_ms=float("nan"))
     # The device table prices B exactly as the host lookup does.
     table = cm.verify_table(100, "cpu")
     assert table.dtype == torch.float64 and table.numel() > 100

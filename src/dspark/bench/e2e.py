@@ -9,7 +9,9 @@
 For each temperature and concurrency R the same prompts (repeated to fill R slots) run target-only
 and with the drafter under each policy. Reported per run, from the engine's own round timings
 (prefill excluded, as in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
-tokens/s per user, τ, the mean round's device time, host time and drafted positions; the drafter's
+tokens/s per user, τ, the mean round's time on the device's timeline (and its median and slowest
+round), the device's work, the host's own work, its waits for a read-back of the verify width, the
+device's idle gap before the round, and the drafted positions; the drafter's
 speed-up over target-only at the same R; and per R the best policy against target-only and whether
 hardware_aware beats every fixed length (``goals``). The fast engine compiles the target and the
 drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
@@ -101,17 +103,18 @@ def main(argv=None) -> dict:
         report["goals"].update(goals)
         atomic_write_json(args.out, report)
     rows, goals = report["rows"], report["goals"]
-    nan = float("nan")
     publish(
         args.out,
         report,
         ["T", "run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate",
-         "drafted", "round ms", "host ms"],
+         "drafted", "round ms", "median ms", "max ms", "gpu ms", "host ms", "read-back ms", "gap ms"],
         [
             [f"{row['temperature']:g}", row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}",
              f"{row['throughput']:.0f}", f"{row['tau']:.2f}", f"{row.get('speedup_per_user', 1.0):.2f}x",
              f"{row.get('speedup_throughput', 1.0):.2f}x", f"{row.get('drafted_per_round') or 0:.2f}",
-             f"{row.get('ms_per_round') or nan:.2f}", f"{row.get('host_ms_per_round') or nan:.2f}"]
+             *(f"{_num(row, k):.2f}" for k in ("ms_per_round", "median_ms_per_round", "max_ms_round",
+                                                "gpu_ms_per_round", "host_ms_per_round",
+                                                "readback_ms_per_round", "gap_ms_per_round"))]
             for row in rows
         ],
     )  # fmt: skip
@@ -125,6 +128,11 @@ def main(argv=None) -> dict:
                 f"every fixed: {c.get('hardware_aware_beats_fixed', 'n/a')}"
             )
     return report
+
+
+def _num(row: dict, key: str) -> float:
+    value = row.get(key)
+    return float("nan") if value is None else float(value)
 
 
 def _temperatures(text: str) -> list[float]:

@@ -7,7 +7,8 @@
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
-length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps, with
+length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps and what reading its
+verify width back costs, with
 ``--draft-parts`` the draft step's parts. The fast path is compiled on CUDA unless
 ``--no-compile``. Prints tables; writes JSON (and, with --cost-table, the verify curve, plus the
 draft curves and the round overhead when timed, as a scheduler cost table for
@@ -100,6 +101,7 @@ def main(argv=None) -> dict:
         if args.overhead:
             report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
             cost.overhead_ms = report["round_overhead"]["overhead_ms"]
+            cost.readback_ms = report["round_overhead"]["readback_ms"]
             save()
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]

@@ -108,17 +108,30 @@ def measure(
 
 
 def _round_means(steps: list[dict]) -> dict:
-    """Per engine round: its time on the device's timeline (``ms``), the host's work (``host_ms``,
-    hidden behind the device when it is shorter), the device's (``gpu_ms``, CUDA only) and the
-    positions drafted (``drafted``: 0 in a plain decoding round)."""
+    """Per engine round: its time on the device's timeline (``ms``; its median and the slowest
+    round too, so a one-off stall shows), the host's own work (``host_ms``, hidden behind the
+    device when it is shorter), the host's waits for the round's outcome (``wait_ms``) and for a
+    read-back of its verify width (``readback_ms``: a bubble on the device), the device's work
+    (``gpu_ms``, CUDA only), the device's idle time before the round (``gap_ms = ms - gpu_ms``:
+    the host late, or device work between rounds such as row moves) and the positions drafted
+    (``drafted``: 0 in a plain decoding round)."""
+
+    def values(key):
+        return [s[key] for s in steps if s.get(key) is not None]
 
     def mean(key):
-        values = [s[key] for s in steps if s.get(key) is not None]
-        return float(np.mean(values)) if values else None
+        v = values(key)
+        return float(np.mean(v)) if v else None
 
+    ms = values("ms")
+    keys = ("ms", "host_ms", "wait_ms", "readback_ms", "gpu_ms", "drafted")
+    gaps = [s["ms"] - s["gpu_ms"] for s in steps if s.get("gpu_ms") is not None]
     return {
         "rounds": len(steps),
-        **{f"{k}_per_round": mean(k) for k in ("ms", "host_ms", "gpu_ms", "drafted")},
+        **{f"{k}_per_round": mean(k) for k in keys},
+        "gap_ms_per_round": float(np.mean(gaps)) if gaps else None,
+        "median_ms_per_round": float(np.median(ms)) if ms else None,
+        "max_ms_round": float(max(ms)) if ms else None,
     }
 
 

@@ -5,8 +5,9 @@ probabilities over the vocabulary, exactly what a verification round asks of the
   * ``static_eager``: the fast engine's step without graphs (static caches only);
   * ``graph``: the fast engine's captured step (CUDA);
 the drafter's step per row count and drafted length (backbone + sequential head + confidence +
-sampling, the fast engine's graph), the parts of that step timed one by one, and the host work of a
-whole round that none of the steps shows (the cost model's ``overhead_ms``).
+sampling, the fast engine's graph), the parts of that step timed one by one, the host work of a
+whole round that none of the steps shows (the cost model's ``overhead_ms``) and what a round loses
+when its verify width is read back (``readback_ms``).
 ``python -m dspark.bench.engine_sps`` prints and publishes them."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..checkpoints import load_drafter
 from ..decoding.engine import Engine
 from ..decoding.fast_engine import FastEngine
 from ..decoding.kv import RaggedKV
+from ..scheduling.policies import Fixed
 from .common import median_ms
 
 __all__ = [
@@ -193,11 +195,12 @@ def round_overhead_ms(
 ) -> dict[str, float]:
     """What a whole round costs beyond its profiled steps, at R = 1: the fast engine decodes a
     random prompt of ``ctx`` tokens with the whole block drafted, then with plain rounds (no draft
-    step), and each round's median time (the device's timeline, ``EngineResult.steps``) is
-    compared with ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what
-    a plain round adds (host work the device waited for, the eager kernels between the graphs)."""
+    step), then with the whole block drafted but its width read back from the device, and each
+    round's median time (the device's timeline, ``EngineResult.steps``) is compared with
+    ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what a plain round
+    adds (host work the device waited for, the eager kernels between the graphs); ``readback_ms``
+    what the read-back adds to the same round (the device idle while the host launches the rest)."""
     from ..decoding.engine import Request
-    from ..scheduling.policies import Fixed
 
     eng = FastEngine(
         target, drafter, Fixed(None), temperature=0.0, concurrency=1, max_new_tokens=tokens, buckets=(1,),
@@ -207,22 +210,32 @@ def round_overhead_ms(
     reqs = [Request(prompt=prompt)]
     eng.prepare(reqs)
     measured = {}
-    for drafted, policy in ((drafter.gamma, Fixed(None)), (0, Fixed(0))):
+    for name, policy in (("drafting", Fixed(None)), ("plain", Fixed(0)), ("read_back", _ReadBack())):
         eng.set_policy(policy)
         eng.generate(reqs)  # warm: every graph of this policy captured, allocator grown
         steps = eng.generate(reqs).steps[1:]
-        measured[drafted] = statistics.median(s["ms"] for s in steps)
-    spec = measured[drafter.gamma] - 1e3 * cost.round_time(1, drafter.gamma)
-    plain = measured[0] - 1e3 * cost.round_time(1, 0)
+        measured[name] = statistics.median(s["ms"] for s in steps)
+    spec = measured["drafting"] - 1e3 * cost.round_time(1, drafter.gamma)
+    plain = measured["plain"] - 1e3 * cost.round_time(1, 0)
     out = {
-        "drafting_round_ms": measured[drafter.gamma],
-        "plain_round_ms": measured[0],
+        "drafting_round_ms": measured["drafting"],
+        "plain_round_ms": measured["plain"],
+        "read_back_round_ms": measured["read_back"],
         "drafting_extra_ms": spec,
         "plain_extra_ms": plain,
         "overhead_ms": max(0.0, spec - plain),
+        "readback_ms": max(0.0, measured["read_back"] - measured["drafting"]),
     }
     print("round overhead " + "  ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
     return out
+
+
+class _ReadBack(Fixed):
+    """The whole block verified, its width read back from the device as a confidence-driven
+    policy's is (``round_overhead_ms``)."""
+
+    def width(self, drafted: int) -> None:
+        return None
 
 
 def _measure(plain, fast, target, r: int, w: int, ctx: int, hf: bool, warmup: int, repeats: int) -> dict:

@@ -31,7 +31,16 @@ overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commi
 ``_keep_rows``, ``_propose``, ``_verify`` ...). A round reads back only ``max ℓ`` (the verify
 width) and only under a policy whose width depends on the confidences (``Policy.width``); joining
 requests (the prefill) wait for the device. ``EngineResult.steps`` times each round: ``ms`` (its
-span on the device's timeline, or the host's clock on the CPU), ``host_ms``, ``gpu_ms``.
+span on the device's timeline, or the host's clock on the CPU), ``gpu_ms`` (the device's work
+from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
+launching it and reading its outcome, waits excluded), ``wait_ms`` (the host blocked on the
+round's outcome: its device work was the longer) and ``readback_ms`` (the host blocked on a
+read-back of the verify width, a bubble on the device). A round that drafts nothing runs
+``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
+such rounds and writes it in one batch before the next draft). While ``generate`` runs, the
+objects alive before it are frozen out of Python's cyclic garbage collector (``gc.freeze``): a
+full collection over the process's heap (the model, torch.compile's caches) would stall a round
+for a large part of a second, and only the rounds' own objects can be garbage.
 
 Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
 drafter's uniforms [R, γ] (only when it drafts), then verify's ``u_accept [R, γ_d]`` (cut to the
@@ -42,6 +51,7 @@ CUDA path can keep the same streams.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import deque
@@ -70,6 +80,7 @@ __all__ = [
     "RoundRecord",
     "calibration_arrays",
     "conditional_acceptance",
+    "retire_order",
     "tau",
     "threshold_sweep",
 ]
@@ -157,7 +168,8 @@ class _Round:
     drafted: int  # γ_d: positions drafted this round (0: plain decoding)
     out: dict[str, Tensor]  # host copies of its outcome (in flight on CUDA until ``stamp`` ends)
     stamp: tuple | None  # its CUDA events (``_Clock``)
-    host_s: float  # host time spent launching it
+    host_s: float  # host time spent launching it, waits excluded
+    readback_s: float = 0.0  # host time blocked on the verify width's read-back
 
 
 class _Clock:
@@ -326,7 +338,6 @@ class Engine:
         steps: list[dict] = []
         live: list[_Live] = []
         self._reset_state()
-        anchors = anchor_pos = None  # [R] long each, on the device
         start = time.perf_counter()
         bar = progress_bar(len(reqs), self.desc, self.progress, unit="req")
 
@@ -346,6 +357,27 @@ class Engine:
                 if on_result is not None:
                     on_result(item.index, gen)
 
+        freeze = gc.get_freeze_count() == 0  # a caller that froze its heap keeps it frozen
+        if freeze:
+            gc.freeze()
+        try:
+            self._rounds_loop(reqs, queue, live, rounds, steps, finished, bar)
+        finally:
+            if freeze:
+                gc.unfreeze()
+        if bar is not None:
+            bar.close()
+        self._reset_state()
+        return EngineResult(
+            generations=[done[i] for i in range(len(reqs))],
+            rounds=rounds,
+            steps=steps,
+            wall_s=time.perf_counter() - start,
+        )
+
+    def _rounds_loop(self, reqs, queue, live, rounds, steps, finished, bar) -> None:
+        """Prefill, launch and complete rounds until every request is done (``generate``)."""
+        anchors = anchor_pos = None  # [R] long each, on the device
         step = 0
         pending: _Round | None = None  # launched, its outcome not read yet
         with torch.inference_mode():  # an on_result that raises leaves state the next run resets
@@ -372,30 +404,21 @@ class Engine:
                 if pending is not None:
                     recs, ended, info = self._complete(pending)
                     steps.append(info)
-                    rounds += recs
+                    rounds.extend(recs)
                     finished(ended)
                 pending = launched
                 anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                 if pending is not None and queue and len(live) < self.concurrency:
                     recs, ended, info = self._complete(pending)  # joiners need the rows settled
                     steps.append(info)
-                    rounds += recs
+                    rounds.extend(recs)
                     finished(ended)
                     pending = None
                     anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
-                if bar is not None and rounds:
-                    bar.set_postfix(
-                        tau=f"{sum(r.accepted + 1 for r in rounds) / len(rounds):.2f}", refresh=False
-                    )
-        if bar is not None:
-            bar.close()
-        self._reset_state()
-        return EngineResult(
-            generations=[done[i] for i in range(len(reqs))],
-            rounds=rounds,
-            steps=steps,
-            wall_s=time.perf_counter() - start,
-        )
+                if bar is not None and steps:  # τ over the rounds so far, from the steps' sums
+                    tokens = sum(s["tokens"] for s in steps[-64:])
+                    rows = sum(s["batch"] for s in steps[-64:])
+                    bar.set_postfix(tau=f"{tokens / max(rows, 1):.2f}", refresh=False)
 
     # ---- the caches: the plain path's; ``FastEngine`` overrides these -------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
@@ -439,7 +462,14 @@ class Engine:
             valid = torch.arange(positions.shape[1], device=self.device)[None, :] < kept[:, None]
             self.drafter.extend_context(self._dcache, taps, positions, valid, next_tokens, self.shared)
 
-    def _keep_rows(self, index: Tensor) -> None:
+    def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The target step of a round that drafted nothing (ids [R, 1]): target-only decoding's.
+        Here the target step itself; the committed anchors' features reach the drafter in
+        ``_commit`` as in any round (``FastEngine`` defers them)."""
+        return self._target_step(ids, positions)
+
+    def _keep_rows(self, index: Tensor, order: list[int]) -> None:
+        """Keep rows ``index`` (``order`` on the host: new row i is old row order[i])."""
         self._kv = self._kv.select(index)
         if self._dcache is not None:
             self._dcache = select_draft_cache(self._dcache, index)
@@ -459,6 +489,8 @@ class Engine:
         """``u_accept`` is drawn for every drafted position and cut to the verified width, so the
         stream does not depend on how the width was found; then ``u_sample``."""
         r, g = drafts.shape
+        if not drafted:  # an empty draw takes nothing from the stream: no pinned copy for it
+            return torch.zeros(r, 0, device=self.device), self._uniform(r)
         return self._uniform(r, drafted)[:, :g], self._uniform(r)
 
     def _target_probs(self, logits: Tensor) -> Tensor:
@@ -486,6 +518,8 @@ class Engine:
         """Start copying a device tensor to the host; it is read once the round's clock ends."""
         if t.device.type != "cuda":
             return t
+        if t.numel() == 0:  # a plain round's empty drafts: nothing to copy
+            return torch.empty(t.shape, dtype=t.dtype)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return out.copy_(t, non_blocking=True)
 
@@ -533,10 +567,10 @@ class Engine:
         returns the round (its outcome copied to the host asynchronously) and the next anchors
         and their positions, on the device."""
         t0 = time.perf_counter()
+        readback_s = 0.0
         self._clock.launch()
         r = len(live)
         device = self.device
-        idle = [i for i, item in enumerate(live) if item.finish is not None]
         drafted = 0
         if self.drafter is not None:
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
@@ -552,7 +586,9 @@ class Engine:
             )
             g = self.policy.width(drafted)
             if g is None:
+                t1 = time.perf_counter()
                 g = int(lengths.max())  # the one read-back of a confidence-dependent width
+                readback_s = time.perf_counter() - t1
             drafts, draft_probs = prop.tokens[:, :g], prop.probs[:, :g]
         else:
             g = 0
@@ -561,7 +597,10 @@ class Engine:
             draft_probs = None
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
-        target_probs, taps = self._target_step(ids, positions)
+        if drafted:
+            target_probs, taps = self._target_step(ids, positions)
+        else:  # nothing drafted: target-only decoding's step
+            target_probs, taps = self._plain_step(ids, positions)
         if draft_probs is None:
             draft_probs = target_probs.new_zeros(r, 0, target_probs.shape[-1])
         res = self._verify(target_probs, draft_probs, drafts, lengths, drafted)
@@ -572,8 +611,9 @@ class Engine:
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
         # stay in place, re-verifying the same position until they leave.
         kept, next_anchors = n + 1, res.next_token
-        if idle:
-            mask = self._to_device(torch.tensor([i in idle for i in range(r)]))
+        idle = [item.finish is not None for item in live]
+        if any(idle):
+            mask = self._to_device(torch.tensor(idle))
             kept = torch.where(mask, 0, kept)
             next_anchors = torch.where(mask, anchors, next_anchors)
         self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
@@ -583,7 +623,8 @@ class Engine:
         next_pos = anchor_pos + kept
         copies = {k: self._to_host(v) for k, v in out.items()}
         stamp = self._clock.end()  # after the copies: reading them waits for this event
-        rnd = _Round(step, list(live), drafted, copies, stamp, time.perf_counter() - t0)
+        host_s = time.perf_counter() - t0 - readback_s
+        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s)
         return rnd, next_anchors, next_pos
 
     def _complete(self, rnd: _Round) -> tuple[list[RoundRecord], list[_Live], dict]:
@@ -591,6 +632,7 @@ class Engine:
         requests at EOS or budget, record the round, tell the policy."""
         t0 = time.perf_counter()
         timing = self._clock.read(rnd.stamp)  # waits for the round's copies
+        t1 = time.perf_counter()
         host = {k: v.tolist() for k, v in rnd.out.items()}
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         zl, cl = host.get("conf_logits"), host.get("conf")
@@ -624,14 +666,18 @@ class Engine:
             item.accepted += n_l[i]
         if self.drafter is not None:
             self.policy.observe_round(np.array([len_l[i] for i in rows]), np.array([n_l[i] for i in rows]))
-        host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t0)
+        wait_s = t1 - t0
+        host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t1)
         info = {
             "step": rnd.step,
             "batch": batch,
             "drafted": rnd.drafted,
             "verified": len(rnd.items) + sum(len_l),
-            "ms": timing.get("ms", host_ms),
+            "tokens": sum(n_l[i] + 1 for i in rows),
+            "ms": timing.get("ms", 1e3 * (rnd.host_s + rnd.readback_s + time.perf_counter() - t0)),
             "host_ms": host_ms,
+            "wait_ms": 1e3 * wait_s,
+            "readback_ms": 1e3 * rnd.readback_s,
             "gpu_ms": timing.get("gpu_ms"),
         }
         return recs, ended, info
@@ -665,15 +711,29 @@ class Engine:
 
     def _retire(self, live: list[_Live], anchors, anchor_pos):
         """Drop finished requests from the batch (both caches, anchors) once ``refill`` of them
-        (or all) are finished."""
+        (or all) are finished. The running rows past the new batch size fill the finished rows'
+        places, in order; the others stay where they are (a cache row moves only if it must)."""
         keep = [i for i, item in enumerate(live) if item.finish is None]
         idle = len(live) - len(keep)
         if idle == 0 or (idle < self.refill and keep):
             return anchors, anchor_pos
-        live[:] = [live[i] for i in keep]
-        index = self._to_device(torch.tensor(keep, dtype=torch.long))
-        self._keep_rows(index)
+        order = retire_order([item.finish is None for item in live])
+        live[:] = [live[i] for i in order]
+        index = self._to_device(torch.tensor(order, dtype=torch.long))
+        self._keep_rows(index, order)
         return anchors[index], anchor_pos[index]
+
+
+def retire_order(running: Sequence[bool]) -> list[int]:
+    """The rows that stay, as the new row order: rows below the new batch size ``n`` (the running
+    count) keep their place when running; each finished one takes the next running row from
+    above ``n``. ``order[i]`` is the old row of new row ``i``."""
+    n = sum(running)
+    order = list(range(n))
+    holes = (i for i in range(n) if not running[i])
+    for hole, above in zip(holes, (i for i in range(n, len(running)) if running[i])):
+        order[hole] = above
+    return order
 
 
 def _temperatures(calibration, gamma: int | None) -> Tensor | None:

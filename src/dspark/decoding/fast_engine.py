@@ -16,7 +16,12 @@ What changes against the plain engine (``engine.py``), and nothing else:
   * without a drafter the prefill pads each chunk of prompts to its own longest prompt and keeps
     no tap features (the drafter's context is their only reader);
   * on CUDA the target's layer functions and the drafter's layers are ``torch.compile``d by
-    default (``compile``), inside the captured graphs.
+    default (``compile``), inside the captured graphs;
+  * a round that drafts nothing runs target-only decoding's width-1 step; the tap features of its
+    committed anchors go to a small ring (``deferred_context`` rounds) instead of the drafter, and
+    the drafter's context gets them in one write before the next draft step, before rows move or
+    join, or when the ring is full. Until then no draft step reads the context (its ``length``
+    already counts them; the slots past what was written are never read).
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
 fast engine reproduces the plain one token for token (tested). A round reads nothing back (the
 engine's ``_launch`` / ``_complete``), except the verify width under a policy whose width depends
@@ -35,7 +40,7 @@ from ..core.types import DraftCache, Proposal
 from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
-from .static_target import StaticTarget, compact_rows
+from .static_target import StaticTarget, move_rows
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
 
@@ -58,6 +63,8 @@ class FastEngine(Engine):
         compile: ``torch.compile`` the target's layer functions (fused norms / RoPE / SiLU) and the
             drafter's layers; the first steps of each new shape pay the compilation. None (the
             default): on CUDA.
+        deferred_context: plain rounds (nothing drafted) whose drafter context is written
+            together, later (0: each plain round writes its own, inside its target step).
     """
 
     _static_sampling = True
@@ -75,9 +82,15 @@ class FastEngine(Engine):
         max_width: int | None = None,
         verify_impl: str = "auto",
         compile: bool | None = None,
+        deferred_context: int = 8,
         **kw,
     ):
         super().__init__(target, drafter, policy, **kw)
+        if deferred_context < 0:
+            raise ValueError(f"deferred_context must be >= 0, got {deferred_context}")
+        self.deferred_context = int(deferred_context) if drafter is not None else 0
+        self._stashed = 0  # plain rounds whose context waits in the ring
+        self._stash_rows = 0  # the batch's rows when they ran
         if drafter is not None and not drafter.supports_static_cache:
             raise ValueError(
                 f"the fast engine drafts with block drafters (their state fits a static cache); "
@@ -136,6 +149,9 @@ class FastEngine(Engine):
             for rows in (b for b in self.buckets if b <= top):
                 for w in range(1, self._gamma + 2):
                     self._target_step(self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone())
+                if self.deferred_context:
+                    self._plain_step(self.in_ids[:rows, :1].clone(), self.in_pos[:rows, :1].clone())
+                    self._flush_context()
                 for drafted in range(1, self._gamma + 1):
                     self._draft_step(
                         self.in_anchor[:rows].clone(),
@@ -163,11 +179,17 @@ class FastEngine(Engine):
             self.in_anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.in_anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.in_u = torch.zeros(rows, max(self._gamma, 1), device=self.device)
+            if self.deferred_context:  # the ring of plain rounds' taps and positions
+                k, dtype = self.deferred_context, self.target.dtype
+                self.ring_taps = torch.zeros(k, rows, self.target.tap_dim, device=self.device, dtype=dtype)
+                self.ring_pos = torch.zeros(k, rows, dtype=torch.long, device=self.device)
+                self.ring_slot = torch.zeros(1, dtype=torch.long, device=self.device)
         if self.bank is not None:
             self.bank.clear()
 
     @torch.inference_mode()  # the static buffers are inference tensors
     def _reset_state(self) -> None:
+        self._stashed = 0  # the caches are cleared: nothing left to write
         if self.static is not None:
             self.static.lengths.zero_()
             if self.drafter is not None:
@@ -184,6 +206,7 @@ class FastEngine(Engine):
 
     # ---- Engine's cache hooks --------------------------------------------------------------
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
+        self._flush_context()  # before new rows take free rows the ring's padding entries point at
         n, width = ids.shape
         with_taps = self.drafter is not None  # the drafter's context takes every row at full width
         spans = lens.tolist()
@@ -201,6 +224,15 @@ class FastEngine(Engine):
         self._write_context(taps, positions, row0)
         self.dcache.length[row0 : row0 + taps.shape[0]] = valid.sum(1)
 
+    def _stage(self, ids: Tensor, positions: Tensor) -> int:
+        """Copy a step's inputs into the static buffers; returns the rows the step runs."""
+        r, w = ids.shape
+        rows = bucket_for(r, self.buckets) if self.use_graphs else r
+        self.in_ids[:r, :w].copy_(ids)
+        self.in_pos[:r, :w].copy_(positions)
+        self.in_pos[r:rows].zero_()  # padding rows: free rows, harmless in-range writes
+        return rows
+
     def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
         r, w = ids.shape
 
@@ -211,15 +243,58 @@ class FastEngine(Engine):
                 self._write_context(taps, p, 0)
             return self._target_probs(self.target.lm_head(hidden))
 
-        rows = bucket_for(r, self.buckets) if self.use_graphs else r
-        self.in_ids[:r, :w].copy_(ids)
-        self.in_pos[:r, :w].copy_(positions)
-        self.in_pos[r:rows].zero_()  # padding rows: free rows, harmless in-range writes
+        rows = self._stage(ids, positions)
         if self.bank is None:
             return step(r), None
         return self.bank.run(("target", rows, w), lambda: step(rows))[:r], None
 
+    def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
+        """Target-only decoding's width-1 step; with a drafter its taps go to the ring (one copy)
+        instead of through the drafter's context layers."""
+        if not self.deferred_context:
+            return self._target_step(ids, positions)
+        r = ids.shape[0]
+        if self._stashed == self.deferred_context or (self._stashed and r != self._stash_rows):
+            self._flush_context()
+        self.ring_slot.fill_(self._stashed)  # which ring entry this step writes (no host sync)
+
+        def step(rows: int) -> Tensor:
+            i, p = self.in_ids[:rows, :1], self.in_pos[:rows, :1]
+            hidden, taps = self.static.forward(i, p, taps=True)
+            self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, taps[:, 0][None].to(self.ring_taps.dtype))
+            self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
+            return self._target_probs(self.target.lm_head(hidden))
+
+        rows = self._stage(ids, positions)
+        self._stashed, self._stash_rows = self._stashed + 1, r
+        if self.bank is None:
+            return step(r), None
+        return self.bank.run(("target", rows, "plain"), lambda: step(rows))[:r], None
+
+    def _flush_context(self) -> None:
+        """Write the ring's taps into the drafter's context, all entries at once (one graph per
+        rows bucket): entries past the filled ones repeat the last filled one, the same values
+        written twice at the same slots."""
+        n, r = self._stashed, self._stash_rows
+        if n == 0:
+            return
+        self._stashed = 0
+        if n < self.deferred_context:
+            self.ring_taps[n:] = self.ring_taps[n - 1]
+            self.ring_pos[n:] = self.ring_pos[n - 1]
+
+        def step(rows: int) -> None:
+            taps = self.ring_taps[:, :rows].transpose(0, 1)  # [rows, K, m·d]
+            self._write_context(taps, self.ring_pos[:, :rows].t(), 0)
+
+        rows = bucket_for(r, self.buckets) if self.use_graphs else r
+        if self.bank is None:
+            step(r)
+        else:
+            self.bank.run(("flush", rows), lambda: step(rows))
+
     def _propose(self, anchors: Tensor, anchor_pos: Tensor, drafted: int) -> Proposal:
+        self._flush_context()  # the draft step reads the whole context
         return self._draft_step(anchors, anchor_pos, self._uniform(anchors.shape[0], self._gamma), drafted)
 
     def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor, drafted: int) -> Proposal:
@@ -264,10 +339,15 @@ class FastEngine(Engine):
         if self.drafter is not None:
             self.dcache.length[:r] += kept
 
-    def _keep_rows(self, index: Tensor) -> None:
-        self.static.keep_rows(index)
+    def _keep_rows(self, index: Tensor, order: list[int]) -> None:
+        self._flush_context()  # the ring's entries are by row
+        moves = [(new, old) for new, old in enumerate(order) if new != old]
+        if not moves:
+            return
+        dst, src = (self._to_device(torch.tensor(rows, dtype=torch.long)) for rows in zip(*moves))
+        self.static.move_rows(dst, src)
         if self.drafter is not None:
-            compact_rows([*self.dcache.k, *self.dcache.v, self.dcache.length], index)
+            move_rows([*self.dcache.k, *self.dcache.v, self.dcache.length], dst, src)
 
 
 ENGINES = ("plain", "fast")

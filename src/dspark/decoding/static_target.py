@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget", "compact_rows"]
+__all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -48,12 +48,12 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def compact_rows(tensors: list[Tensor], index: Tensor) -> None:
-    """In place: rows ``index`` (ascending) of every tensor move to its front, keeping addresses
-    (captured CUDA graphs read these buffers)."""
-    n = index.numel()
+def move_rows(tensors: list[Tensor], dst: Tensor, src: Tensor) -> None:
+    """In place: rows ``src`` of every tensor copied onto rows ``dst`` (disjoint), keeping
+    addresses (captured CUDA graphs read these buffers). Only the rows that change place move:
+    a request leaving a 256-row batch costs its successor's row, not the whole cache."""
     for t in tensors:
-        t[:n] = t[index]
+        t[dst] = t[src]
 
 
 @dataclass
@@ -202,6 +202,6 @@ class StaticTarget:
         return out.reshape(r, self.num_heads, w, self.head_dim).transpose(1, 2).reshape(r, w, -1)
 
     # ---- rows (continuous batching) -----------------------------------------------------------
-    def keep_rows(self, index: Tensor) -> None:
-        """Move rows ``index`` (the requests still running, in order) to the front."""
-        compact_rows([*self.k, *self.v, self.lengths], index)
+    def move_rows(self, dst: Tensor, src: Tensor) -> None:
+        """Rows ``src`` (requests still running) onto rows ``dst`` (finished ones)."""
+        move_rows([*self.k, *self.v, self.lengths], dst, src)

@@ -4,7 +4,10 @@ One decoding round costs ``T_draft(R, γ_d) + T_verify(B) + overhead``: the draf
 round for the ``R`` active requests and drafts ``γ_d`` positions, the target verifies
 ``B = R + sum(l_r)`` tokens (anchors + admitted drafts), and ``overhead`` is the host work of a
 speculative round that the step timings do not see. A round that drafts nothing is plain decoding
-and costs ``T_verify(R)`` alone. The curves are measured once on the engine and stored as small
+and costs ``T_verify(R)`` alone. A policy whose verify width depends on the round's confidences
+makes the engine read that width back between the draft and the target step: the device idles
+while the host launches the rest of the round (``readback_ms``), which only a wide enough saving
+in verification pays for. The curves are measured once on the engine and stored as small
 tables; the scheduler reads ``SPS(B) = 1 / step_time`` from them by interpolation, an O(1) lookup
 per candidate on Algorithm 1's admission path (on the device: ``verify_table``).
 """
@@ -113,7 +116,9 @@ class CostModel:
             bookkeeping when they are not hidden behind the device's work), per round.
         padded: the engine verifies rows padded to the widest (ours do), so a step over R rows of
             at most ℓ drafts costs ``T_verify(R · (1 + ℓ))``, not ``T_verify(R + Σℓ)`` (a ragged
-            kernel's); Algorithm 1 then prices its path by the deepest admitted position.
+            kernel's); Algorithm 1 then walks whole depths (every row one position deeper).
+        readback_ms: what a round loses when the engine reads its verify width back from the
+            device (the bubble between the draft step and the target step), per round.
     """
 
     def __init__(
@@ -126,13 +131,15 @@ class CostModel:
         draft_len_ms: Mapping[int, Mapping[int, float]] | None = None,
         overhead_ms: float = 0.0,
         padded: bool = False,
+        readback_ms: float = 0.0,
     ) -> None:
         if not 0.0 <= monotone_tol < 1.0:
             raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
         if context_len is not None and int(context_len) <= 0:
             raise CostTableError(f"context_len must be positive, got {context_len}")
-        if not (math.isfinite(float(overhead_ms)) and float(overhead_ms) >= 0):
-            raise CostTableError(f"overhead_ms must be finite and >= 0, got {overhead_ms}")
+        for name, value in (("overhead_ms", overhead_ms), ("readback_ms", readback_ms)):
+            if not (math.isfinite(float(value)) and float(value) >= 0):
+                raise CostTableError(f"{name} must be finite and >= 0, got {value}")
         self.monotone_tol = float(monotone_tol)
         self._vx, self._vy = _as_table("verify_ms", verify_ms, monotone_tol)
         self._d = None if draft_ms is None else _as_table("draft_ms", draft_ms, monotone_tol)
@@ -146,10 +153,12 @@ class CostModel:
                 for m, table in sorted(zip(lengths, draft_len_ms.values()))
             }
         self.overhead_ms = float(overhead_ms)
+        self.readback_ms = float(readback_ms)
         self.padded = bool(padded)
         self.context_len = None if context_len is None else int(context_len)
         self.meta = dict(meta or {})
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``)
+        self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
 
     # ---- tables -------------------------------------------------------------------------
     @property
@@ -180,9 +189,10 @@ class CostModel:
         if np.any(b <= 0):
             raise ValueError(f"batch size must be positive, got {B!r}")
         ms = _interp(self._vx, self._vy, b)
-        if self._d is not None and R is None:
+        drafts = self._d is not None or self._dl is not None
+        if drafts and R is None:
             raise ValueError("this cost model has a draft table; pass R (active requests)")
-        if self._d is not None or self.overhead_ms:
+        if drafts or self.overhead_ms:
             ms = ms + self.fixed_ms(R)
         s = ms * 1e-3
         return float(s) if scalar else s
@@ -192,17 +202,25 @@ class CostModel:
         t = self.step_time(B, R)
         return 1.0 / t
 
-    def fixed_ms(self, R):
-        """What a drafting round costs whatever it verifies: the whole block's draft step at ``R``
-        (when profiled) plus the overhead, in ms."""
-        return (0.0 if self._d is None else self._draft_ms(R)) + self.overhead_ms
+    def verify_time_ms(self, B) -> float:
+        """``T_verify(B)`` in ms (no draft step, no overhead)."""
+        return float(_interp(self._vx, self._vy, np.float64(B)))
+
+    def fixed_ms(self, R, drafted: int | None = None):
+        """What a drafting round costs whatever it verifies: the draft step at ``R`` (of
+        ``drafted`` positions when the table has per-length curves, else the whole block; when
+        profiled) plus the overhead, in ms."""
+        draft = 0.0 if self._d is None and self._dl is None else self._draft_ms(R, drafted)
+        return draft + self.overhead_ms
 
     def _draft_ms(self, R, drafted: int | None = None):
         r = np.asarray(R, dtype=np.float64)
         if np.any(r <= 0):
             raise ValueError(f"concurrency R must be positive, got {R!r}")
-        if drafted is None or self._dl is None:
+        if drafted is None and self._d is not None or self._dl is None:
             return 0.0 if self._d is None else _interp(*self._d, r)
+        if drafted is None:  # the whole block: the longest profiled length
+            drafted = max(self._dl)
         lengths = sorted(self._dl)
         lo = max([m for m in lengths if m <= drafted], default=lengths[0])
         hi = min([m for m in lengths if m >= drafted], default=lengths[-1])
@@ -222,6 +240,16 @@ class CostModel:
         if drafted:
             ms += float(self._draft_ms(R, drafted)) + self.overhead_ms
         return ms * 1e-3
+
+    def round_times(self, R: int, gamma: int) -> np.ndarray:
+        """``round_time(R, m)`` for ``m = 0..gamma`` (seconds), kept per ``(R, gamma)``: the
+        pre-draft choice reads it every round."""
+        key = (int(R), int(gamma), self.overhead_ms)
+        times = self._rounds.get(key)
+        if times is None:
+            times = np.array([self.round_time(R, m) for m in range(gamma + 1)])
+            self._rounds[key] = times
+        return times
 
     def verify_table(self, max_B: int, device) -> torch.Tensor:
         """``T_verify(B)`` in ms for ``B = 0..max_B`` as a float64 tensor on ``device`` (entry 0
@@ -287,6 +315,7 @@ class CostModel:
             if self._dl is None
             else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.draft_len_ms.items()},
             "overhead_ms": self.overhead_ms,
+            "readback_ms": self.readback_ms,
             "padded": self.padded,
             "context_len": self.context_len,
             "monotone_tol": self.monotone_tol,
@@ -309,6 +338,7 @@ class CostModel:
             draft_len_ms=d.get("draft_len_ms"),
             overhead_ms=d.get("overhead_ms") or 0.0,
             padded=bool(d.get("padded", False)),
+            readback_ms=d.get("readback_ms") or 0.0,
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -347,6 +377,7 @@ class CostModel:
             f"CostModel({len(b)} points, B={int(b[0])}..{int(b[-1])}, "
             f"draft={'yes' if self._d is not None else 'no'}, "
             f"draft lengths={sorted(self._dl) if self._dl else 'no'}, overhead={self.overhead_ms} ms, "
+            f"read-back={self.readback_ms} ms, "
             f"{'padded' if self.padded else 'ragged'}, "
             f"context_len={self.context_len})"
         )

@@ -6,10 +6,17 @@ needs the *non-anticipating* property (Appendix A): whether ``l_r >= k`` may dep
 known before ``x_{r,k}`` is sampled, but not on ``x_{r,k}`` itself. Since ``c[r, k+1]`` is computed
 from ``x_{r,k}`` (Markov feature), a policy must not let ``a[r, j > k]`` influence ``l_r >= k``.
 
-- ``Fixed``, ``Mtp1``, ``Threshold``: per-request, trivially non-anticipating.
-- ``HardwareAware``: Algorithm 1. The greedy path visits ``(r, k)`` before any ``(r, j > k)``
-  (prefix survival is non-increasing in ``j``), and the early stop decides on ``(r, k)`` from the
-  path so far only, so ``a[r, j > k]`` never matters.
+- ``Fixed``, ``Mtp1``: per-request, trivially non-anticipating.
+- ``Threshold``: per-request; it drafts one position more than the longest prefix it verified in
+  its last completed rounds (a bound from the past, so the verify width is known before drafting
+  and the engine never reads it back).
+- ``HardwareAware``: Algorithm 1. Before drafting it chooses how many positions to draft (none at
+  a load where speculation cannot pay) from the acceptance of completed rounds, as ``DraftAware``
+  does; then, when the saving pays for reading the width back, it walks the admission path on the
+  round's confidences. The walk visits ``(r, k)`` before any ``(r, j > k)`` and stops on ``(r, k)``
+  from the path so far only, so ``a[r, j > k]`` never matters. On a padded engine (every row
+  verified as wide as the widest) one step of the path is one whole depth: all rows' position
+  ``k`` together, priced ``T_verify(R·(1 + k))``.
 - ``AsyncTopK`` (§5.2): the budget ``K`` is fixed from stale confidences; the current top-K by
   rank admits ``(r, k)`` iff fewer than ``K`` candidates outrank it, and ``(r, j > k)`` never do.
 - ``DraftAware``: decides *before drafting* how many positions to draft this round, none at all
@@ -24,8 +31,8 @@ One round asks a policy three things, in this order:
   1. ``draft_length(R, γ, cost)`` before drafting: how many positions to draft (0..γ; default γ);
   2. ``lengths(confidences [R, γ_d], cost)`` after drafting: ``l [R]``, computed where the
      confidences live (no host synchronisation: the engines keep it on the device);
-     ``width(γ_d)`` says ``max l`` in advance when it does not depend on the confidences, so the
-     engine need not read it back;
+     ``width(γ_d)`` says the verify width (a bound on ``l``) in advance when it does not depend
+     on the confidences, so the engine need not read it back;
   3. ``observe_round(lengths, accepted)`` once the round's outcome reaches the host (the engines
      report a round while the next one runs, so round ``t`` is planned from rounds ``<= t - 2``).
 A policy says what it needs (``needs_confidence``, ``needs_cost``) and whether it is ``lossless``;
@@ -50,6 +57,7 @@ from .cost import CostModel
 
 __all__ = [
     "POLICIES",
+    "AcceptanceEstimate",
     "AsyncTopK",
     "DraftAware",
     "Fixed",
@@ -61,6 +69,8 @@ __all__ = [
     "Truncated",
     "admission_order",
     "build_policy",
+    "depth_path",
+    "expected_rates",
     "prefix_survival",
     "throughput_path",
 ]
@@ -102,20 +112,23 @@ def admission_order(confidences: Tensor, keep_dead: bool = False) -> tuple[Tenso
     return order % R, order // R + 1, a_sorted
 
 
-def throughput_path(a_sorted: Tensor, R: int, cost: CostModel, j: Tensor | None = None) -> Tensor:
+def throughput_path(
+    a_sorted: Tensor, R: int, cost: CostModel, j: Tensor | None = None, drafted: int | None = None
+) -> Tensor:
     """Θ along the greedy path: entry ``n`` is the expected token throughput with the first ``n``
     sorted candidates admitted, ``(R + sum a) * SPS(B_n)``; entry 0 is ``R * SPS(R)``. ``B_n = R +
     n``, or with a ``padded`` cost model (an engine that pads rows to the widest) and the
-    candidates' positions ``j``, ``R · (1 + the deepest admitted j)``. Priced on ``a_sorted``'s
-    device (``CostModel.verify_table``), the same arithmetic as ``cost.sps``."""
+    candidates' positions ``j``, ``R · (1 + the deepest admitted j)``. Every entry also pays the
+    round's fixed part (the draft step of ``drafted`` positions, default the whole block, and the
+    overhead): sunk once the draft exists, but part of the time the tokens are divided by. Priced
+    on ``a_sorted``'s device (``CostModel.verify_table``), the same arithmetic as ``cost.sps``."""
     n = a_sorted.numel()
     if cost.padded and j is not None and n:
         width = torch.cat([j.new_zeros(1), torch.cummax(j, 0).values])  # j <= n: a bound without a read-back
         ms = cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
     else:
         ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
-    if cost.draft_ms is not None or cost.overhead_ms:
-        ms = ms + float(cost.fixed_ms(R))
+    ms = ms + float(cost.fixed_ms(R, drafted))
     sps = 1.0 / (ms * 1e-3)
     tau = R + torch.cat([a_sorted.new_zeros(1), torch.cumsum(a_sorted, 0)])
     return tau * sps
@@ -159,14 +172,79 @@ def _search_budget(confidences: Tensor, cost: CostModel) -> Tensor:
     if _empty(confidences) is not None:
         return torch.zeros((), dtype=torch.long, device=confidences.device)
     _, j, a_sorted = admission_order(confidences, keep_dead=True)
-    return torch.argmax(_live_path(a_sorted, j, confidences.shape[0], cost))
+    return torch.argmax(_live_path(a_sorted, j, confidences.shape[0], cost, confidences.shape[1]))
 
 
-def _live_path(a_sorted: Tensor, j: Tensor, R: int, cost: CostModel) -> Tensor:
+def _live_path(a_sorted: Tensor, j: Tensor, R: int, cost: CostModel, drafted: int | None = None) -> Tensor:
     """``throughput_path`` over an order that keeps dead candidates: admitting one is never an
     improvement (Alg. 1 line 4 drops them), so their Θ is -inf."""
-    theta = throughput_path(a_sorted, R, cost, j)
+    theta = throughput_path(a_sorted, R, cost, j, drafted)
     return torch.cat([theta[:1], torch.where(a_sorted > 0, theta[1:], -torch.inf)])
+
+
+def depth_path(confidences: Tensor, cost: CostModel, extra_ms: float = 0.0) -> Tensor:
+    """Θ per verify width ``w = 0..γ_d`` on a padded engine, every row verifying ``w`` drafts:
+    ``(R + Σ_r Σ_{j<=w} a[r, j]) / (T_verify(R·(1 + w)) + fixed)``, ``fixed`` being the draft step
+    of the γ_d drafted positions, the overhead and ``extra_ms``. On the confidences' device."""
+    a = prefix_survival(confidences)
+    R, G = a.shape
+    tau = R + torch.cat([a.new_zeros(1), torch.cumsum(a.sum(0), 0)])
+    widths = R * (1 + torch.arange(G + 1, device=a.device))
+    ms = cost.verify_table(R * (1 + G), a.device)[widths] + float(cost.fixed_ms(R, G)) + extra_ms
+    return tau / ms
+
+
+def _leading_run(theta: Tensor) -> Tensor:
+    """Steps taken by a walk that stops at the first entry not beating the one before (0-d)."""
+    return torch.cumprod((theta[1:] > theta[:-1]).long(), 0).sum()
+
+
+class AcceptanceEstimate:
+    """``ĉ_j``: the rate at which draft position ``j`` was accepted when reached, over completed
+    rounds with exponentially decaying weights (``decay`` per round that verified something) and
+    one optimistic pseudo-acceptance, so a position never measured looks worth drafting and gets
+    measured. A round that verified nothing (plain decoding) says nothing about acceptance and
+    leaves the estimate as it is: it neither fades the evidence nor brings drafting back."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = float(decay)
+        self.reset()
+
+    def reset(self) -> None:
+        self._hits = np.zeros(0)
+        self._tries = np.zeros(0)
+
+    def rates(self, gamma: int) -> np.ndarray:
+        """``ĉ_j`` for positions ``1..gamma``."""
+        hits, tries = np.zeros(gamma), np.zeros(gamma)
+        n = min(gamma, self._hits.size)
+        hits[:n], tries[:n] = self._hits[:n], self._tries[:n]
+        return (hits + 1.0) / (tries + 1.0)
+
+    def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        lengths, accepted = np.asarray(lengths), np.asarray(accepted)
+        longest = int(lengths.max(initial=0))
+        if longest == 0:
+            return
+        if longest > self._hits.size:
+            self._hits = np.concatenate([self._hits, np.zeros(longest - self._hits.size)])
+            self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
+        self._hits *= self.decay
+        self._tries *= self.decay
+        j = np.arange(1, self._hits.size + 1)[None, :]
+        reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)
+        self._tries += reached.sum(0)
+        self._hits += (reached & (accepted[:, None] >= j)).sum(0)
+
+
+def expected_rates(acceptance: np.ndarray, rows: int, cost: CostModel) -> np.ndarray:
+    """Θ(γ_d) for ``γ_d = 0..γ`` (tokens per second), every row verifying its whole draft:
+    ``R · (1 + Σ_{j<=γ_d} Π_{i<=j} ĉ_i) / T(R, γ_d)`` with ``T = CostModel.round_time``."""
+    gamma = acceptance.size
+    tau = rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(acceptance))]))
+    return tau / cost.round_times(rows, gamma)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,15 +270,17 @@ class Policy:
         return gamma
 
     def width(self, drafted: int) -> int | None:
-        """``max(lengths)`` for a round that drafted ``drafted`` positions when it is known
-        before the confidences are looked at (None: it depends on them)."""
+        """The verify width of a round that drafted ``drafted`` positions (a bound on its
+        lengths) when it is known before the confidences are looked at; None: it depends on
+        them, and the engine reads ``max(lengths)`` back."""
         return None
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """A completed round's verified lengths and accepted counts (live rows only)."""
 
     def reset(self) -> None:
-        """Forget cross-round state (stateless policies have none)."""
+        """A new ``generate``: forget the state of the rounds in flight (stateless policies have
+        none); what a policy learned about the drafter may carry over (``DraftAware``)."""
 
     @property
     def base(self) -> Policy:
@@ -254,14 +334,27 @@ class Mtp1(Fixed):
 
 
 class Threshold(Policy):
-    """Static threshold: the longest prefix whose survival ``a[r, j] >= threshold``."""
+    """Static threshold: the longest prefix whose survival ``a[r, j] >= threshold``.
+
+    It drafts one position more than the longest prefix it verified in the last ``window``
+    completed rounds (the whole block before any), so it neither drafts positions it will not
+    verify nor makes the engine read the width back (a host round trip per round): the verify
+    width is the drafted length, known before drafting. A prefix cut at that bound is truncated
+    (lossless: the bound comes from completed rounds) and widens the next rounds by one."""
 
     name = "threshold"
 
-    def __init__(self, threshold: float = 0.5) -> None:
+    def __init__(self, threshold: float = 0.5, window: int = 4) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.threshold = float(threshold)
+        self.window = int(window)
+        self._longest: deque[int] = deque(maxlen=self.window)
+
+    def reset(self) -> None:
+        self._longest.clear()
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         if (e := _empty(confidences)) is not None:
@@ -270,29 +363,86 @@ class Threshold(Policy):
         # cumprod keeps it a leading run even if a caller's rounding made `a` non-monotone.
         return torch.cumprod(ok.long(), dim=1).sum(dim=1)
 
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        if not self._longest:
+            return gamma
+        return min(gamma, 1 + max(self._longest))
+
+    def width(self, drafted: int) -> int:
+        return drafted
+
+    def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        if np.size(lengths):
+            self._longest.append(int(np.max(lengths)))
+
 
 class HardwareAware(Policy):
-    """Algorithm 1 (§3.2.2): walk the globally sorted admission path, stop at the first Θ that
-    does not beat the best so far. Lossless; globally optimal when Θ is unimodal on the path."""
+    """Algorithm 1 (§3.2.2), made to pay on an engine that pads and graphs its steps.
+
+    Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected
+    rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
+    drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
+    verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``.
+    Then, if the largest verification it could save (``T_verify(R·(1+γ_d)) - T_verify(R)``)
+    exceeds ``cost.readback_ms``, it walks the round's confidences (the engine reads the width
+    back); otherwise every row verifies its whole draft (width known, nothing read back).
+
+    The walk stops at the first Θ that does not beat the best so far. With a ragged cost model it
+    admits candidates ``(r, j)`` one by one in order of prefix survival; with a ``padded`` one
+    (our engines) a step admits one whole depth, since the first candidate at a new depth pays the
+    whole width for every row and a per-candidate walk would stop there (verify nothing) even
+    when the depth pays. Lossless either way; globally optimal when Θ is unimodal on the path.
+    ``lengths`` called without ``draft_length`` (the analytical replay) always walks."""
 
     name = "hardware_aware"
     needs_cost = True
 
-    def __init__(self, check: bool = True) -> None:
+    def __init__(self, check: bool = True, decay: float = 0.9) -> None:
         self.check = check
+        self._acceptance = AcceptanceEstimate(decay)
+        self._walk = True  # this round: decide from the confidences (the width is read back)
+
+    def reset(self) -> None:
+        """A new ``generate``: the acceptance estimate carries over (see ``DraftAware.reset``)."""
+        self._walk = True
+
+    def forget(self) -> None:
+        """Drop the acceptance estimate too (a new drafter or workload)."""
+        self._acceptance.reset()
+
+    def acceptance(self, gamma: int) -> np.ndarray:
+        return self._acceptance.rates(gamma)
+
+    def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
+        cost = _need_cost(self, cost)
+        if rows <= 0 or gamma <= 0:
+            return 0
+        drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
+        saving = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
+        self._walk = drafted > 0 and saving > cost.readback_ms
+        return drafted
+
+    def width(self, drafted: int) -> int | None:
+        return None if self._walk else drafted
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         cost = _need_cost(self, cost)
         if (e := _empty(confidences)) is not None:
             return e
-        R = confidences.shape[0]
+        R, G = confidences.shape
+        if not self._walk:  # the width is the whole draft: every row verifies it at no extra cost
+            return torch.full((R,), G, dtype=torch.long, device=confidences.device)
+        if cost.padded:
+            depth = _leading_run(depth_path(confidences, cost, cost.readback_ms))
+            return depth.expand(R).clone()
         rows, j, a_sorted = admission_order(confidences, keep_dead=True)
-        theta = _live_path(a_sorted, j, R, cost)
+        theta = _live_path(a_sorted, j, R, cost, G)
         # Θ_best is always the previous path entry until the break, so the number admitted is
         # the length of the leading run of strict improvements (a dead candidate never is one).
-        improving = theta[1:] > theta[:-1]
-        n = torch.cumprod(improving.long(), 0).sum()
-        return _lengths_from_prefix(rows, j, n, R, self.check)
+        return _lengths_from_prefix(rows, j, _leading_run(theta), R, self.check)
+
+    def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        self._acceptance.observe(lengths, accepted)
 
 
 class Retrospective(Policy):
@@ -313,7 +463,7 @@ class Retrospective(Policy):
             return e
         R = confidences.shape[0]
         rows, j, a_sorted = admission_order(confidences, keep_dead=True)
-        n = torch.argmax(_live_path(a_sorted, j, R, cost))  # first max: fewest tokens on ties
+        n = torch.argmax(_live_path(a_sorted, j, R, cost, confidences.shape[1]))  # first max: fewest tokens
         return _lengths_from_prefix(rows, j, n, R, self.check)
 
 
@@ -394,13 +544,12 @@ class DraftAware(Policy):
         Θ(γ_d) = R · (1 + Σ_{j<=γ_d} â_j) / T(R, γ_d),
         T(R, γ_d) = T_draft(R, γ_d) + T_verify(R · (γ_d + 1)) + overhead,   T(R, 0) = T_verify(R),
 
-    a global search over ``γ + 1`` values (``CostModel.round_time``). ``â_j = Π_{i<=j} ĉ_i`` where
-    ``ĉ_i`` is the rate at which position ``i`` was accepted when reached, counted over completed
-    rounds with exponentially decaying weights (``decay`` per round) and one optimistic
-    pseudo-acceptance, so a position never measured (or not for a long time) looks worth drafting
-    and gets measured: the first rounds draft the whole block. These are the outcomes the
-    confidences predict, observed exactly, for any drafter. Every row then verifies its ``γ_d``
-    drafts: the engines verify rows padded to the longest, so a shorter row would save nothing.
+    a global search over ``γ + 1`` values (``expected_rates``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
+    the acceptance of completed rounds (``AcceptanceEstimate``: decaying weights, one optimistic
+    pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
+    outcomes the confidences predict, observed exactly, for any drafter. Every row then verifies
+    its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row would
+    save nothing.
 
     Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
     report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
@@ -412,27 +561,25 @@ class DraftAware(Policy):
     needs_cost = True
 
     def __init__(self, decay: float = 0.9) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = float(decay)
-        self._hits = np.zeros(0)
-        self._tries = np.zeros(0)
+        self._acceptance = AcceptanceEstimate(decay)
+        self.decay = self._acceptance.decay
 
     def reset(self) -> None:
-        self._hits = np.zeros(0)
-        self._tries = np.zeros(0)
+        """A new ``generate``. The acceptance estimate carries over: it describes the drafter on
+        this workload, not one run, and starting again from the optimistic prior would draft
+        (and pay) a saturated load's first rounds only to learn it again; ``forget`` drops it."""
+
+    def forget(self) -> None:
+        """Drop the acceptance estimate (a new drafter or workload)."""
+        self._acceptance.reset()
 
     def acceptance(self, gamma: int) -> np.ndarray:
         """``ĉ_j`` for positions ``1..gamma``."""
-        hits, tries = np.zeros(gamma), np.zeros(gamma)
-        n = min(gamma, self._hits.size)
-        hits[:n], tries[:n] = self._hits[:n], self._tries[:n]
-        return (hits + 1.0) / (tries + 1.0)
+        return self._acceptance.rates(gamma)
 
     def expected_rates(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
         """Θ(γ_d) for ``γ_d = 0..gamma`` (tokens per second)."""
-        tau = rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance(gamma)))]))
-        return np.array([tau[m] / cost.round_time(rows, m) for m in range(gamma + 1)])
+        return expected_rates(self.acceptance(gamma), rows, cost)
 
     def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
         cost = _need_cost(self, cost)
@@ -450,17 +597,7 @@ class DraftAware(Policy):
         return torch.full((R,), G, dtype=torch.long, device=confidences.device)
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
-        lengths, accepted = np.asarray(lengths), np.asarray(accepted)
-        longest = int(lengths.max(initial=0))
-        if longest > self._hits.size:
-            self._hits = np.concatenate([self._hits, np.zeros(longest - self._hits.size)])
-            self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
-        self._hits *= self.decay
-        self._tries *= self.decay
-        j = np.arange(1, self._hits.size + 1)[None, :]
-        reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)
-        self._tries += reached.sum(0)
-        self._hits += (reached & (accepted[:, None] >= j)).sum(0)
+        self._acceptance.observe(lengths, accepted)
 
 
 class Truncated(Policy):
@@ -504,6 +641,9 @@ class Truncated(Policy):
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def forget(self) -> None:
+        getattr(self.inner, "forget", lambda: None)()
 
 
 # ---------------------------------------------------------------------------------------------
