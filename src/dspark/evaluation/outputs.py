@@ -1,8 +1,8 @@
 """What an evaluation writes into its folder: results.json (τ per benchmark with its standard error
-over prompts, position-wise acceptance, macro averages), table.md (paper Table 1), the Fig. 2 acceptance and Fig. 5 threshold
-sweep figures (drafters with a confidence head), and with calibrate=true calibration.json (the
-temperatures and their metrics on the benchmark rounds, held out from the fit) with reliability
-diagrams."""
+over prompts, position-wise acceptance, macro averages), table.md (paper Table 1), the Fig. 2
+acceptance and Fig. 5 threshold sweep figures (drafters with a confidence head), and with
+calibrate=true calibration.json (the temperatures and their metrics on the benchmark rounds, held
+out from the fit) with reliability diagrams."""
 
 from __future__ import annotations
 

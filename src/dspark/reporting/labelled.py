@@ -92,7 +92,8 @@ def _read(label: str | None, folder: Path) -> Labelled:
     ev = read_evaluation(folder)
     missing = [k for k in _REQUIRED if k not in ev.results]
     if missing:
-        raise DataError(f"{folder / EvaluationFolder.RESULTS} lacks {', '.join(missing)}: not an evaluation's results")
+        where = folder / EvaluationFolder.RESULTS
+        raise DataError(f"{where} lacks {', '.join(missing)}: not the results of python -m dspark.evaluate")
     name = label if label is not None else str(ev.results.get("drafter") or folder.name)
     if not LABEL.fullmatch(name):
         raise DataError(f"{folder}: drafter name {name!r} is not a usable label: name it, label:{folder}")
@@ -102,7 +103,7 @@ def _read(label: str | None, folder: Path) -> Labelled:
 def read_labelled(sources: Sequence[str]) -> list[Labelled]:
     """The evaluations of ``sources`` (``label:folder``, folders or globs), in the order given."""
     if not sources:
-        raise DataError("runs is empty: name the evaluation folders, e.g. runs=[DFlash:<folder>,DSpark:<folder>]")
+        raise DataError("runs is empty: name the evaluation folders, runs=[DFlash:<folder>,DSpark:<folder>]")
     out = []
     for source in sources:
         label, pattern = parse_source(str(source))
