@@ -19,7 +19,7 @@ from .runs import Evaluation, read_evaluation
 __all__ = ["LABEL", "Labelled", "evaluation_gamma", "parse_source", "read_labelled"]
 
 # A label becomes a table row and part of figure file names: no spaces, slashes or colons.
-LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _REQUIRED = ("target", "temperature", "benchmarks")
 
 
