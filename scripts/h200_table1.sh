@@ -47,11 +47,15 @@
 #   call 2 (~5.5 min), carrying .device-stage/part01: the GGUF and wheels under /root/stage, then the data
 #     bash .device-stage/part01/unpack.sh && bash scripts/h200_drafter.sh data 30000
 #   calls 3, 4, 5 (≤ 9.5 min each, the same command until "batch complete"):
-#     bash scripts/h200_table1.sh 3 Eagle3:drafter=eagle3 DFlash:drafter=dflash 'DSpark-Markov:drafter=dspark head=markov'
+#     EVAL_PROMPTS=48 bash scripts/h200_table1.sh 3 Eagle3:drafter=eagle3 DFlash:drafter=dflash \
+#       'DSpark-Markov:drafter=dspark head=markov'
 #   Expected: per drafter 3 min of training + ~1 min of start-up (target, compilation, the final
-#   checkpoint) + 2 evaluations (~1-2 min each; Eagle3 on the plain engine is the slowest), ~21 min
-#   in all. The steps' measured times are in log.txt: size MINUTES and EVAL_PROMPTS of the next
-#   batch from them. Back on the CPU: tar -xJf batch.tar.xz, then e.g.
+#   checkpoint) + 2 evaluations (~1-2 min each, not yet timed; Eagle3 runs on the plain engine),
+#   ~21 min in all, so calls 3 and 4 do most of it and call 5 the rest. A call cut short still
+#   returns the table of what is evaluated. The steps' measured times are in log.txt and the
+#   standard errors in table1.md: size MINUTES and EVAL_PROMPTS of the next batch from them (48
+#   prompts: the previous session's evaluation; the errors say whether the rows separate).
+#   Back on the CPU: tar -xJf batch.tar.xz, then e.g.
 #   python -m dspark.report mode=table1 runs=[Eagle3:evals/Eagle3_t0,…] table1=docs/results/table1.json
 #
 # Fig. 3 (depth) and Fig. 4 (block size) are the same script with other specs, at T = 1 only (the

@@ -16,6 +16,7 @@ goes with Fig. 6.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .tables import DOMAIN_ORDER
 __all__ = [
     "acceptance_figures",
     "calibration_markdown",
+    "domain_acceptance",
     "paper_figures",
     "reliability_figures",
     "threshold_figures",
@@ -41,16 +43,19 @@ def _t(temperature: float) -> str:
 
 
 def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(xs) / len(xs) if xs else None
 
 
-def domain_acceptance(results: dict) -> dict[str, list[float | None]]:
+def domain_acceptance(results: dict, domains: dict[str, str] | None = None) -> dict[str, list[float | None]]:
     """domain -> conditional acceptance per position, the mean over the domain's benchmarks (a
-    position no round of a benchmark reached is left out of that position's mean)."""
+    position no round of a benchmark reached is left out of that position's mean), domains in
+    the paper's order; ``domains`` maps benchmark -> domain (default: the project's, a benchmark it
+    does not know is a domain of its own)."""
+    domains = DOMAINS if domains is None else domains
     by_domain: dict[str, list[list]] = {}
     for name, b in results["benchmarks"].items():
-        by_domain.setdefault(DOMAINS.get(name, name), []).append(b.get("accept_rate_by_position") or [])
+        by_domain.setdefault(domains.get(name, name), []).append(b.get("accept_rate_by_position") or [])
     order = sorted(by_domain, key=lambda d: DOMAIN_ORDER.index(d) if d in DOMAIN_ORDER else len(DOMAIN_ORDER))
     out = {}
     for dom in order:
