@@ -5,7 +5,9 @@
 #   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
 #     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
 #     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
-#   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = 0 on the six benchmarks
+#   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
+#     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
+#     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
 #   bash scripts/h200_drafter.sh pack                               # the data folder as ≤ 15 MiB pieces in $OUT
 #   bash scripts/h200_drafter.sh probe [SECONDS]                    # where a real step's time goes (see below)
 # Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).
@@ -13,7 +15,8 @@
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+# DSPARK_INSTALLED=1: a caller (scripts/h200_table1.sh) installed the checkout already.
+[ -n "${DSPARK_INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 N=${N:-30000}
 T="target=smollm2_135m target.path=/root/stage target.device=cuda target.dtype=bfloat16"
 DIR=outputs/h200/data/smollm2_${N}_bfloat16  # what scripts/h200_data.sh writes
@@ -32,7 +35,8 @@ train)
   shift 2
   run=outputs/h200/$name
   status=0
-  timeout -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
+  # SIGINT: finish the step, save, exit; SIGKILL 60 s later if it has not (a call must end in time).
+  timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
     trainer.max_time=00:$(printf %02d $((minutes / 60))):$(printf %02d $((minutes % 60))):00 \
     trainer.max_steps=10000000 trainer.val_check_interval=500 trainer.limit_val_batches=40 \
     callbacks.checkpoint_every_n_steps=1000 hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
@@ -106,13 +110,14 @@ pack)
 eval)
   name=$1
   shift
-  ev=outputs/h200/eval_$name
-  python3 -m dspark.evaluate $T drafter_dir=outputs/h200/$name/drafter temperature=0 engine=fast \
+  t=${EVAL_T:-0}
+  ev=outputs/h200/eval_${name}_t$t
+  python3 -m dspark.evaluate $T drafter_dir=outputs/h200/$name/drafter temperature=$t engine=fast \
     max_prompts=${EVAL_PROMPTS:-80} max_new_tokens=256 concurrency=32 hydra.run.dir=$ev "$@" > $ev.log 2>&1 ||
     { tr '\r' '\n' < $ev.log | tail -40; exit 1; }
   tr '\r' '\n' < $ev.log | grep -a -v Warning | tail -12
   mkdir -p "$OUTDIR/$name"
-  cp $ev/results.json "$OUTDIR/$name/eval_t0.json"
+  cp $ev/results.json "$OUTDIR/$name/eval_t$t.json"
   ;;
 *)
   echo "unknown step '$step': data | train | eval" >&2

@@ -84,14 +84,25 @@ def test_evaluate_cli_writes_everything(tiny_target, tmp_path):
         assert (out / f).exists(), f
 
     res = json.loads((out / "results.json").read_text())
-    assert set(res) == {"target", "drafter", "temperature", "policy", "benchmarks", "macro"}
+    assert set(res) == {
+        "target",
+        "drafter",
+        "temperature",
+        "gamma",
+        "policy",
+        "benchmarks",
+        "macro",
+        "macro_stderr",
+    }
+    assert res["gamma"] == 4  # policy.gamma=null: the drafter's whole block
     assert res["target"] == "tiny" and res["drafter"] == "dspark-markov" and res["temperature"] == 1.0
     assert set(res["macro"]) == {"math", "code", "chat", "all"} and res["macro"]["code"] is None
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     gens = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     for name in ("gsm8k", "mt-bench"):
         b, mine = res["benchmarks"][name], [r for r in rounds if r["benchmark"] == name]
-        assert set(b) == {"tau", "rounds", "new_tokens", "accept_rate_by_position"}
+        assert set(b) == {"tau", "tau_stderr", "requests", "rounds", "new_tokens", "accept_rate_by_position"}
+        assert b["requests"] == 2 and b["tau_stderr"] is not None  # errors: tests/test_table1.py
         assert b["rounds"] == len(mine) and len(b["accept_rate_by_position"]) == 4
         assert b["tau"] == pytest.approx(sum(r["accepted"] + 1 for r in mine) / len(mine))
         ids = sorted(g["id"] for g in gens if g["benchmark"] == name)

@@ -1,8 +1,15 @@
 """python -m dspark.report runs=<folder or glob> [axis=<config key>] [logger=wandb|tensorboard]
+python -m dspark.report mode=table1 runs=[Label:<eval folder>,…] [table1=<json>] [split_gamma=true]
+python -m dspark.report mode=figures runs=[Label:<eval folder>,…]
 
 Static ablation dashboard from run folders (training runs, evaluation folders, multirun dirs):
 index.html with τ per benchmark, position-wise acceptance, ECE raw vs after STS, loss curves and
-the sweep axis, plus PNG figures and markdown tables. See docs/sweeps.md."""
+the sweep axis, plus PNG figures and markdown tables. See docs/sweeps.md.
+
+mode=table1: the paper's Table 1 from evaluation folders (dspark.reporting.table1): table1.json
+(τ ± standard error per benchmark, macro averages by domain, one table per temperature) and its
+markdown, printed. mode=figures: Figs. 2, 5 and 6 across those drafters into out_dir
+(dspark.reporting.paper_figures), each PNG with its JSON, and figures.md, printed."""
 
 from __future__ import annotations
 
@@ -24,6 +31,10 @@ def run_report(cfg: DictConfig) -> Path:
 
     check_report(cfg)
     spec = OmegaConf.to_container(cfg.runs) if OmegaConf.is_list(cfg.runs) else str(cfg.runs)
+    if cfg.get("mode") == "table1":
+        return _table1(cfg, spec)
+    if cfg.get("mode") == "figures":
+        return _figures(cfg, spec)
     runs = find_runs(spec)
     if not runs:
         raise FileNotFoundError(
@@ -49,10 +60,32 @@ def run_report(cfg: DictConfig) -> Path:
     return index
 
 
+def _sources(spec) -> list[str]:
+    return [spec] if isinstance(spec, str) else [str(s) for s in spec]
+
+
+def _table1(cfg: DictConfig, spec) -> Path:
+    from .reporting.table1 import gather_table1
+
+    path = Path(cfg.table1) if cfg.get("table1") else Path(cfg.out_dir) / "table1.json"
+    print(gather_table1(_sources(spec), path, bool(cfg.split_gamma)))
+    return path
+
+
+def _figures(cfg: DictConfig, spec) -> Path:
+    from .reporting.paper_figures import paper_figures
+
+    index = paper_figures(_sources(spec), Path(cfg.out_dir))
+    print(index.read_text(encoding="utf-8"))
+    return index
+
+
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="report")
 def main(cfg: DictConfig) -> None:
     with user_errors():  # an unknown axis= (reporting.runs.AxisError) is a ConfigError too
-        print(run_report(cfg))
+        out = run_report(cfg)
+        if cfg.get("mode", "dashboard") == "dashboard":
+            print(out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ and (atomically) written, and a schema version. Nothing else in dspark spells th
 
   DrafterFolder     config.json, model.safetensors, calibration.json, calibration_report.json
   RunFolder         config.yaml, summary.json, drafter/, checkpoints/, logs/ | tb/, report/
-  EvaluationFolder  results.json, table.md, rounds.jsonl, generations.jsonl, meta.json, calibration.json
+  EvaluationFolder  results.json, table.md, rounds.jsonl, generations.jsonl, meta.json, calibration.json,
+                    the figures (acceptance_by_position, threshold_sweep, reliability: .png + .json)
   FrontierFolder    frontier.json, cost_table.json, meta.json
 """
 

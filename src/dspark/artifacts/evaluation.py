@@ -25,6 +25,10 @@ class EvaluationFolder(Folder):
     GENERATIONS = "generations.jsonl"
     META = DESCRIPTOR = "meta.json"
     CALIBRATION = CALIBRATION
+    # The figures, each with the JSON it plots beside it (same stem, .json).
+    ACCEPTANCE_FIGURE = "acceptance_by_position.png"  # Fig. 2
+    THRESHOLD_FIGURE = "threshold_sweep.png"  # Fig. 5, drafters with a confidence head
+    RELIABILITY_FIGURE = "reliability.png"  # Fig. 6, with calibrate=true
 
     def exists(self) -> bool:
         return self.file(self.RESULTS).is_file()
@@ -55,6 +59,10 @@ class EvaluationFolder(Folder):
 
     def read_calibration(self) -> dict | None:
         return self.read_json(self.CALIBRATION, None)
+
+    def read_figure_data(self, figure: str) -> dict | None:
+        """The JSON a figure of this folder was drawn from (None when the folder has none)."""
+        return self.read_json(str(Path(figure).with_suffix(".json")), None)
 
     @contextlib.contextmanager
     def recorder(self) -> Iterator[tuple]:

@@ -77,6 +77,15 @@ def read_done(data_dir: str | Path) -> dict | None:
     return read_json(path) if path.exists() else None
 
 
+def validation_prompts(data_dir: str | Path) -> list[str]:
+    """The user turns of a prepared folder's validation split (never trained on, decontaminated
+    against the benchmarks); a DataError when the folder has none."""
+    path = Path(data_dir) / "prompts" / "val.jsonl"
+    if not path.is_file():
+        raise DataError(f"{data_dir} has no prompts/val.jsonl: not a data.dir python -m dspark.prepare built")
+    return [str(r["prompt"]) for r in read_jsonl(path) if r.get("prompt")]
+
+
 def _check_build(data_dir: Path, key: dict) -> None:
     path = data_dir / BUILD
     if path.exists():

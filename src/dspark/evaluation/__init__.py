@@ -10,7 +10,7 @@ calibrate=true, STS fitted on held-out prompts first.
 
 from .checks import check_config
 from .evaluator import Evaluator
-from .outputs import macro, write_outputs
+from .outputs import macro, macro_stderr, write_outputs
 from .prompts import split_prompts
 
-__all__ = ["Evaluator", "check_config", "macro", "split_prompts", "write_outputs"]
+__all__ = ["Evaluator", "check_config", "macro", "macro_stderr", "split_prompts", "write_outputs"]

@@ -1,8 +1,8 @@
-"""What an evaluation writes into its folder: results.json (τ per benchmark, position-wise
-acceptance, macro averages), table.md (paper Table 1), the Fig. 2 acceptance and Fig. 5 threshold
-sweep figures (drafters with a confidence head), and with calibrate=true calibration.json (the
-temperatures and their metrics on the benchmark rounds, held out from the fit) with reliability
-diagrams."""
+"""What an evaluation writes into its folder: results.json (τ per benchmark with its standard error
+over prompts, position-wise acceptance, macro averages), table.md (paper Table 1), the Fig. 2
+acceptance and Fig. 5 threshold sweep figures (drafters with a confidence head), and with
+calibrate=true calibration.json (the temperatures and their metrics on the benchmark rounds, held
+out from the fit) with reliability diagrams."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..artifacts import EvaluationFolder
 from ..calibration.metrics import position_metrics, reliability_data, summary
 from ..calibration.plots import reliability_diagram
 from ..decoding.engine import calibration_arrays, conditional_acceptance, tau, threshold_sweep
+from ..decoding.uncertainty import mean_stderr, per_request_totals, tau_stderr
 from ..drafters import DrafterSpec
 from ..reporting.plots import acceptance_by_position_plot, threshold_sweep_plot
 from ..reporting.tables import table1
@@ -23,16 +24,22 @@ def write_outputs(
     folder: EvaluationFolder, cfg: DictConfig, spec: DrafterSpec, ev: Evaluator, out: Rollouts,
     fit: CalibrationFit | None,
 ) -> dict:  # fmt: skip
-    """Everything but meta.json; returns the results."""
+    """Everything but meta.json; returns the results. ``gamma`` is the block each round verifies
+    (the policy's fixed γ, else the drafter's); ``tau_stderr`` is τ's standard error over the
+    benchmark's requests (``decoding.uncertainty``), ``macro_stderr`` that of each macro average."""
     gamma, domains = spec.gamma, domain_map(out.rounds)
+    fixed_gamma = cfg.policy.get("gamma")
     results = {
         "target": ev.target.name,
         "drafter": spec.label,
         "temperature": float(cfg.temperature),
+        "gamma": int(fixed_gamma) if fixed_gamma is not None else gamma,
         "policy": OmegaConf.to_container(cfg.policy, resolve=True),
         "benchmarks": {
             name: {
                 "tau": tau(recs),
+                "tau_stderr": tau_stderr(recs),
+                "requests": len(per_request_totals(recs)),
                 "rounds": len(recs),
                 "new_tokens": sum(len(g.tokens) for g in out.generations[name]),
                 "accept_rate_by_position": conditional_acceptance(recs, gamma),
@@ -41,6 +48,7 @@ def write_outputs(
         },
     }
     results["macro"] = macro(results["benchmarks"], domains)
+    results["macro_stderr"] = macro_stderr(results["benchmarks"], domains)
     folder.write_results(results)
     folder.write_table(table1([results], domains))
     panels = _panels(results["benchmarks"], domains)
@@ -67,6 +75,18 @@ def macro(benchmarks: dict, domains: dict[str, str]) -> dict:
     return out
 
 
+def macro_stderr(benchmarks: dict, domains: dict[str, str]) -> dict:
+    """The standard error of each ``macro`` average: benchmarks are independent prompt sets."""
+
+    def err(names):  # over the benchmarks ``macro`` averages: those with a τ
+        names = [n for n in names if benchmarks[n]["tau"] is not None]
+        return mean_stderr([benchmarks[n].get("tau_stderr") for n in names]) if names else None
+
+    out = {d: err([n for n in benchmarks if domains.get(n) == d]) for d in ("math", "code", "chat")}
+    out["all"] = err(list(benchmarks))
+    return out
+
+
 def _panels(benchmarks: dict, domains: dict[str, str]) -> dict[str, list[str]]:
     """Figure panels: one per domain present (its benchmarks), plus "all" unless that is one."""
     present = [d for d in ("math", "code", "chat") if d in domains.values()]
@@ -87,7 +107,7 @@ def _acceptance_figure(folder, results: dict, panels: dict, out: Rollouts, gamma
             curves[dom].update({n: benchmarks[n]["accept_rate_by_position"] for n in members})
     acceptance_by_position_plot(
         curves,
-        folder.file("acceptance_by_position.png"),
+        folder.file(folder.ACCEPTANCE_FIGURE),
         data={
             "drafter": label,
             "positions": list(range(1, gamma + 1)),
@@ -105,7 +125,7 @@ def _threshold_sweep_figure(folder, results: dict, panels: dict, out: Rollouts, 
     sweep = {d: threshold_sweep([r for n in m for r in out.rounds[n]], thresholds) for d, m in panels.items()}
     threshold_sweep_plot(
         sweep,
-        folder.file("threshold_sweep.png"),
+        folder.file(folder.THRESHOLD_FIGURE),
         data={
             "drafter": results["drafter"],
             "confidence": "calibrated (STS)" if calibration is not None else "raw",
@@ -143,6 +163,6 @@ def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out:
     )
     reliability_diagram(
         reliability_data(z, y, valid, temps, n_bins),
-        folder.file("reliability.png"),
+        folder.file(folder.RELIABILITY_FIGURE),
         title="Prefix survival on the benchmark rounds (held out)",
     )

@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..artifacts import RunFolder  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
+from .paper_figures import domain_acceptance  # noqa: E402
 from .plots import acceptance_by_position_plot, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
@@ -340,14 +341,8 @@ def _section_tau(runs, axis, out: Path):
 def _section_acceptance(runs, axis, out: Path):
     curves: dict[str, dict[str, list]] = {}
     for _, ev, label in _eval_rows(runs):
-        doms = _domains(ev.results)
-        by_domain: dict[str, list[list]] = {}
-        for name, b in ev.results["benchmarks"].items():
-            by_domain.setdefault(doms.get(name, name), []).append(b.get("accept_rate_by_position") or [])
-        for dom in sorted(by_domain, key=lambda d: DOMAIN_ORDER.index(d) if d in DOMAIN_ORDER else 9):
-            rates = by_domain[dom]
-            n = max(map(len, rates), default=0)
-            curves.setdefault(dom, {})[label] = [_mean([r[k] for r in rates if k < len(r)]) for k in range(n)]
+        for dom, rates in domain_acceptance(ev.results, _domains(ev.results)).items():
+            curves.setdefault(dom, {})[label] = rates
     val_panel = "Validation c*ₖ (teacher-forced)"
     for r in runs:
         acc = _val_acceptance(r)

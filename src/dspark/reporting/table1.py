@@ -1,0 +1,167 @@
+"""The paper's Table 1 gathered from evaluation folders (one per drafter and temperature):
+``docs/results/table1.json`` and its markdown, τ ± standard error.
+
+One table per temperature (per temperature and γ with ``split_gamma``, for a block-size sweep):
+
+    {"target", "temperature", "gamma",
+     "rows":   {drafter: {benchmark: τ, …, "macro": {"math", "code", "chat", "all"}}},
+     "stderr": {drafter: {benchmark: SE, …, "macro": {…}}},
+     "prompts": {drafter: {benchmark: requests}}, "sources": {drafter: folder}}
+
+The errors are the evaluation's own (``tau_stderr``, ``macro_stderr`` in results.json: the ratio
+estimator's standard error over prompts, ``decoding.uncertainty``); folders written before they
+were recorded give null. The rows of one table must compare: one target, a fixed policy (Table 1
+verifies whole blocks, no confidence scheduling), one γ, the same benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..core.errors import DataError
+from ..core.io import atomic_write_json, atomic_write_text, finite
+from ..data.benchmarks import DOMAINS
+from .labelled import Labelled, read_labelled
+from .tables import table1
+
+__all__ = ["build_tables", "gather_table1", "table_markdown", "write_table1"]
+
+
+def _check_comparable(rows: Sequence[Labelled]) -> None:
+    targets = {}
+    for row in rows:
+        targets.setdefault(row.results["target"], []).append(row)
+    if len(targets) > 1:
+        which = "; ".join(f"{t}: {', '.join(str(r.path) for r in rs)}" for t, rs in targets.items())
+        raise DataError(
+            f"the evaluations are of different targets ({which}): Table 1 compares drafters on one "
+            f"target, gather each target's folders separately"
+        )
+    for row in rows:
+        policy = row.results.get("policy") or {}
+        name = policy.get("name") if isinstance(policy, dict) else policy
+        if name not in (None, "fixed"):
+            raise DataError(
+                f"{row.path} was evaluated with policy={name}: Table 1 verifies fixed blocks; "
+                f"evaluate it again with policy=fixed"
+            )
+        if row.gamma is None:
+            raise DataError(f"{row.path}: its results say neither γ nor the position-wise acceptance")
+
+
+def _group(rows: Sequence[Labelled], split_gamma: bool) -> dict[tuple, list[Labelled]]:
+    groups: dict[tuple, list[Labelled]] = {}
+    for row in rows:
+        key = (row.temperature, row.gamma) if split_gamma else (row.temperature,)
+        groups.setdefault(key, []).append(row)
+    return dict(sorted(groups.items()))
+
+
+def _check_table(rows: Sequence[Labelled]) -> None:
+    t = rows[0].temperature
+    gammas = {r.gamma for r in rows}
+    if len(gammas) > 1:
+        which = ", ".join(f"{r.label} γ={r.gamma} ({r.path})" for r in rows)
+        raise DataError(
+            f"γ differs between the rows at T={t:g}: {which}. Table 1 compares drafters at one block: "
+            f"evaluate them with the same policy.gamma, or pass split_gamma=true for a block-size "
+            f"sweep (one table per γ)"
+        )
+    seen: dict[str, Labelled] = {}
+    for r in rows:
+        if r.label in seen:
+            raise DataError(
+                f"two evaluations at T={t:g} are labelled {r.label} ({seen[r.label].path}, {r.path}): "
+                f"name each row, runs=[name:folder,…]"
+            )
+        seen[r.label] = r
+    first = rows[0]
+    for r in rows[1:]:
+        if set(r.results["benchmarks"]) != set(first.results["benchmarks"]):
+            raise DataError(
+                f"{r.label} ({r.path}) was evaluated on {sorted(r.results['benchmarks'])}, {first.label} "
+                f"({first.path}) on {sorted(first.results['benchmarks'])}: evaluate every row on the same "
+                f"benchmarks (benchmarks=[…]) so that the macro averages compare"
+            )
+
+
+def _table(rows: Sequence[Labelled]) -> dict:
+    first = rows[0]
+    table: dict = {
+        "target": first.results["target"],
+        "temperature": first.temperature,
+        "gamma": first.gamma,
+        "rows": {},
+        "stderr": {},
+        "prompts": {},
+        "sources": {},
+    }
+    for r in rows:
+        bench = r.results["benchmarks"]
+        table["rows"][r.label] = {n: b.get("tau") for n, b in bench.items()}
+        table["rows"][r.label]["macro"] = dict(r.results.get("macro") or {})
+        table["stderr"][r.label] = {n: b.get("tau_stderr") for n, b in bench.items()}
+        table["stderr"][r.label]["macro"] = dict(r.results.get("macro_stderr") or {})
+        table["prompts"][r.label] = {n: b.get("requests") for n, b in bench.items()}
+        table["sources"][r.label] = str(r.path)
+    return table
+
+
+def build_tables(rows: Sequence[Labelled], split_gamma: bool = False) -> list[dict]:
+    """Table 1 per temperature (and γ with ``split_gamma``), ascending, rows in the order given;
+    a DataError naming the folders and the fix when the rows do not compare."""
+    if not rows:
+        raise DataError("no evaluation to gather into Table 1")
+    _check_comparable(rows)
+    tables = []
+    for group in _group(rows, split_gamma).values():
+        _check_table(group)
+        tables.append(_table(group))
+    return tables
+
+
+def _as_results(table: dict, label: str) -> dict:
+    """One row of ``table`` in results.json's shape, the layout ``tables.table1`` prints."""
+    vals, errs = table["rows"][label], table["stderr"].get(label, {})
+    names = [n for n in vals if n != "macro"]
+    return {
+        "target": table["target"],
+        "drafter": label,
+        "temperature": table["temperature"],
+        "benchmarks": {n: {"tau": vals[n], "tau_stderr": errs.get(n)} for n in names},
+        "macro": vals.get("macro") or {},
+        "macro_stderr": errs.get("macro") or {},
+    }
+
+
+def table_markdown(table: dict) -> str:
+    """The table in the paper's layout, τ ± standard error, with its temperature, γ and prompts."""
+    labels = list(table["rows"])
+    body = table1([_as_results(table, label) for label in labels], DOMAINS)
+    counts = {tuple(sorted((table.get("prompts") or {}).get(label, {}).items())) for label in labels}
+    if len(counts) == 1:
+        per = ", ".join(f"{n} {c}" for n, c in next(iter(counts)) if c is not None)
+        prompts = f"prompts per benchmark: {per}" if per else "prompts per benchmark: not recorded"
+    else:
+        prompts = "prompts per benchmark differ between rows (see `prompts` in the JSON)"
+    head = f"**T = {table['temperature']:g}, γ = {table['gamma']}**, target {table['target']}; {prompts}.\n\n"
+    return head + body
+
+
+def write_table1(tables: Sequence[dict], path: str | os.PathLike) -> Path:
+    """The tables as strict JSON, atomically: one object for one table, else a list."""
+    path = Path(path)
+    atomic_write_json(path, finite(tables[0] if len(tables) == 1 else list(tables)))
+    return path
+
+
+def gather_table1(sources: Sequence[str], path: str | os.PathLike, split_gamma: bool = False) -> str:
+    """Table 1 of the evaluation folders ``sources`` (``label:folder`` or folders): the JSON at
+    ``path``, its markdown beside it (``.md``); returns the markdown."""
+    tables = build_tables(read_labelled(sources), split_gamma)
+    path = write_table1(tables, path)
+    markdown = "\n".join(table_markdown(t) for t in tables)
+    atomic_write_text(path.with_suffix(".md"), markdown)
+    return markdown

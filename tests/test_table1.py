@@ -1,0 +1,357 @@
+"""Table 1 and the paper's figures from real evaluation folders: `python -m dspark.evaluate` run on
+the tiny target (near-uniform, so a random drafter gets accepted tokens at T = 1 and τ varies across
+prompts) for DFlash and DSpark-Markov at T = 0 and T = 1, then gathered by `python -m dspark.report
+mode=table1 | figures`, the bad inputs that must not make a table, and scripts/h200_table1.sh in its
+dry-run mode (its spec splitting, skipping, budget and the gathering it runs on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BENCHMARKS, ROOT, load_group
+from hydra import compose, initialize_config_module
+
+from dspark.checkpoints import save_drafter
+from dspark.core.errors import DataError
+from dspark.core.types import TargetDims
+from dspark.decoding.uncertainty import ratio_stderr
+from dspark.drafters import build_drafter
+from dspark.reporting.labelled import read_labelled
+from dspark.reporting.table1 import build_tables, table_markdown
+
+# Near-uniform next-token distributions: a random drafter is accepted often at T = 1.
+FLAT = ["target=tiny", "target.tiny.initializer_range=0.02"]
+BENCH = ["gsm8k", "humaneval", "mt-bench"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _save_drafter(target, folder: Path, name: str, head: str = "none", block: int = 4) -> Path:
+    dc, hc = load_group("drafter", name), load_group("head", head)
+    dc.num_layers, dc.block_size = 1, block
+    hc.rank = 16 if head != "none" else 0
+    torch.manual_seed(0)
+    save_drafter(build_drafter(TargetDims.of(target), dc, hc), folder, dc, hc, target.describe())
+    return folder
+
+
+def _evaluate(drafter: Path, out: Path, temperature: float, *more: str) -> Path:
+    from dspark import evaluate
+
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose(
+            "evaluate",
+            overrides=[
+                *FLAT,
+                f"drafter_dir={drafter}",
+                f"out_dir={out}",
+                f"benchmarks=[{','.join(BENCH)}]",
+                f"benchmark_dir={BENCHMARKS}",
+                "max_prompts=4",
+                "max_new_tokens=16",
+                "concurrency=4",
+                "progress=false",
+                f"temperature={temperature}",
+                *more,
+            ],
+        )
+    evaluate.run(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def flat_target():
+    from dspark.target import load_target
+
+    cfg = load_group("target", "tiny")
+    cfg.tiny.initializer_range = 0.02
+    return load_target(cfg)
+
+
+@pytest.fixture(scope="module")
+def evals(flat_target, tmp_path_factory) -> dict[str, Path]:
+    """Evaluation folders keyed "<drafter>_t<T>"; DSpark calibrated on held-out prompts (Fig. 6)."""
+    base = tmp_path_factory.mktemp("table1")
+    cal = base / "calibration.jsonl"
+    cal.write_text(
+        "".join(json.dumps({"turns": [q]}) + "\n" for q in ["Say hello.", "Count to five.", "Why?"])
+    )
+    drafters = {
+        "dflash": _save_drafter(flat_target, base / "drafters" / "dflash", "dflash"),
+        "dspark": _save_drafter(flat_target, base / "drafters" / "dspark", "dspark", "markov"),
+        "dflash3": _save_drafter(flat_target, base / "drafters" / "dflash3", "dflash", block=3),
+    }
+    out = {}
+    for name, t in [("dflash", 0), ("dflash", 1), ("dspark", 0), ("dspark", 1), ("dflash3", 1)]:
+        more = ["calibrate=true", f"calibration.file={cal}"] if name == "dspark" else []
+        out[f"{name}_t{t}"] = _evaluate(drafters[name], base / "evals" / f"eval_{name}_t{t}", t, *more)
+    out["drafters"] = base / "drafters"
+    return out
+
+
+def _report(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dspark.report", *args, f"hydra.run.dir={tmp_path / 'report'}"]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_results_carry_tau_standard_errors_over_requests(evals):
+    """results.json's τ and its error agree with the per-request counts of generations.jsonl
+    (accepted tokens and rounds of each prompt), an independent record of the same rollouts."""
+    res = json.loads((evals["dspark_t1"] / "results.json").read_text())
+    assert res["gamma"] == 4 and res["temperature"] == 1.0
+    gens = _lines(evals["dspark_t1"] / "generations.jsonl")
+    errors = []
+    for name in BENCH:
+        mine = [g for g in gens if g["benchmark"] == name]
+        tokens = [g["accepted"] + g["rounds"] for g in mine]  # Σ (accepted + 1) over its rounds
+        rounds = [g["rounds"] for g in mine]
+        b = res["benchmarks"][name]
+        assert b["requests"] == len(mine) == 4 and b["rounds"] == sum(rounds)
+        assert b["tau"] == pytest.approx(sum(tokens) / sum(rounds))
+        assert b["tau_stderr"] == pytest.approx(ratio_stderr(tokens, rounds))
+        errors.append(b["tau_stderr"])
+    assert any(e > 0 for e in errors)  # τ does vary across these prompts
+    assert res["macro_stderr"]["all"] == pytest.approx(math.sqrt(sum(e * e for e in errors)) / 3)
+    assert res["macro_stderr"]["math"] == pytest.approx(errors[0])  # one math benchmark here
+    assert "±" in (evals["dspark_t1"] / "table.md").read_text()
+
+
+def test_table1_cli_gathers_rows_per_temperature(evals, tmp_path):
+    rows = [("DFlash", "dflash_t0"), ("DSpark-Markov", "dspark_t0"), ("DFlash", "dflash_t1")]
+    rows.append(("DSpark-Markov", "dspark_t1"))
+    runs = ",".join(f"{label}:{evals[key]}" for label, key in rows)
+    out = tmp_path / "published" / "table1.json"
+    proc = _report(tmp_path, "mode=table1", f"runs=[{runs}]", f"table1={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = json.loads(out.read_text())
+    assert [t["temperature"] for t in tables] == [0.0, 1.0]
+    for table, t in zip(tables, (0, 1)):
+        assert table["target"] == "tiny" and table["gamma"] == 4
+        assert list(table["rows"]) == ["DFlash", "DSpark-Markov"]  # in the order given
+        for label, key in (("DFlash", f"dflash_t{t}"), ("DSpark-Markov", f"dspark_t{t}")):
+            res = json.loads((evals[key] / "results.json").read_text())
+            row, err = table["rows"][label], table["stderr"][label]
+            assert set(row) == {*BENCH, "macro"} and row["macro"] == res["macro"]
+            assert err["macro"] == res["macro_stderr"]
+            for name in BENCH:
+                assert row[name] == res["benchmarks"][name]["tau"]
+                assert err[name] == res["benchmarks"][name]["tau_stderr"]
+                assert table["prompts"][label][name] == 4
+            assert table["sources"][label] == str(evals[key])
+    md = out.with_suffix(".md").read_text()
+    assert md.strip() in proc.stdout  # printed as well
+    assert "**T = 0, γ = 4**" in md and "**T = 1, γ = 4**" in md and "prompts per benchmark: gsm8k 4" in md
+    dspark = tables[1]["rows"]["DSpark-Markov"]
+    assert f"{dspark['gsm8k']:.2f} ± {tables[1]['stderr']['DSpark-Markov']['gsm8k']:.2f}" in md
+    assert "Macro math" in md and "Macro code" in md and "Macro chat" in md and "Macro all" in md
+
+
+def test_one_table_is_one_object_and_labels_default_to_the_drafter(evals, tmp_path):
+    proc = _report(tmp_path, "mode=table1", f"runs=[{evals['dflash_t1']},{evals['dspark_t1']}]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads((tmp_path / "report" / "table1.json").read_text())
+    assert isinstance(table, dict) and list(table["rows"]) == ["dflash", "dspark-markov"]
+
+
+def _copy(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    res = json.loads((dst / "results.json").read_text())
+    (dst / "results.json").write_text(json.dumps({**res, **changes}))
+    return dst
+
+
+def test_rows_that_do_not_compare_are_refused(evals, tmp_path):
+    def tables(*sources, split_gamma=False):
+        return build_tables(read_labelled([str(s) for s in sources]), split_gamma)
+
+    with pytest.raises(DataError, match=r"γ differs between the rows at T=1: .*dflash γ=4.*split_gamma=true"):
+        tables(evals["dflash_t1"], f"b3:{evals['dflash3_t1']}")
+    by_gamma = tables(evals["dflash_t1"], f"b3:{evals['dflash3_t1']}", split_gamma=True)
+    assert [(t["temperature"], t["gamma"], list(t["rows"])) for t in by_gamma] == [
+        (1.0, 3, ["b3"]),
+        (1.0, 4, ["dflash"]),
+    ]
+    other = _copy(evals["dspark_t1"], tmp_path / "other", target="qwen3_4b")
+    with pytest.raises(DataError, match="different targets .*tiny: .*qwen3_4b: .*gather each target"):
+        tables(evals["dflash_t1"], other)
+    threshold = _copy(evals["dspark_t1"], tmp_path / "thr", policy={"name": "threshold", "threshold": 0.5})
+    with pytest.raises(DataError, match="policy=threshold: Table 1 verifies fixed blocks"):
+        tables(threshold)
+    with pytest.raises(DataError, match="two evaluations at T=1 are labelled X .*name each row"):
+        tables(f"X:{evals['dflash_t1']}", f"X:{evals['dspark_t1']}")
+    fewer = _copy(evals["dspark_t1"], tmp_path / "fewer")
+    res = json.loads((fewer / "results.json").read_text())
+    del res["benchmarks"]["humaneval"]
+    (fewer / "results.json").write_text(json.dumps(res))
+    with pytest.raises(DataError, match="evaluate every row on the same benchmarks"):
+        tables(evals["dflash_t1"], fewer)
+    with pytest.raises(DataError, match="no evaluation folder .*missing: pass the out_dir"):
+        tables(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty has no results.json: not a finished evaluation"):
+        tables(tmp_path / "empty")
+    with pytest.raises(DataError, match="labels a glob"):
+        tables(f"A:{tmp_path}/*")
+    # On the command line: one line, exit 2.
+    proc = _report(tmp_path, "mode=table1", f"runs=[{evals['dflash_t1']},b3:{evals['dflash3_t1']}]")
+    assert proc.returncode == 2 and proc.stderr.startswith("dspark: error: γ differs between the rows")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_folders_written_before_the_errors_still_gather(evals, tmp_path):
+    """An evaluation from before results.json carried γ and the errors (the published ones): γ from
+    the position-wise acceptance, errors null, the table without ±."""
+    old = tmp_path / "old"
+    shutil.copytree(evals["dflash_t1"], old)
+    res = json.loads((old / "results.json").read_text())
+    for key in ("gamma", "macro_stderr"):
+        del res[key]
+    res["policy"]["gamma"] = None
+    for b in res["benchmarks"].values():
+        del b["tau_stderr"], b["requests"]
+    (old / "results.json").write_text(json.dumps(res))
+    (table,) = build_tables(read_labelled([f"Old:{old}"]))
+    assert table["gamma"] == 4 and table["stderr"]["Old"]["gsm8k"] is None
+    md = table_markdown(table)
+    assert "±" not in md and "prompts per benchmark: not recorded" in md
+
+
+def test_figures_cli_draws_figs_2_5_6_with_their_json(evals, tmp_path):
+    labels = {"dflash": "DFlash", "dspark": "DSpark"}
+    runs = "runs=[" + ",".join(f"{labels[d]}:{evals[f'{d}_t{t}']}" for t in (0, 1) for d in labels) + "]"
+    proc = _report(tmp_path, "mode=figures", runs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "report"
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == [
+        "fig2_acceptance_T0.png",
+        "fig2_acceptance_T1.png",
+        "fig5_threshold_DSpark_T0.png",
+        "fig5_threshold_DSpark_T1.png",
+        "fig6_reliability_DSpark_T0.png",
+        "fig6_reliability_DSpark_T1.png",
+    ]
+    for png in pngs:
+        assert (out / png).stat().st_size > 5000 and (out / png).with_suffix(".json").is_file()
+    fig2 = json.loads((out / "fig2_acceptance_T1.json").read_text())
+    assert set(fig2["domains"]) == {"math", "code", "chat"} and set(fig2["domains"]["math"]) == {
+        "DFlash",
+        "DSpark",
+    }
+    res = json.loads((evals["dspark_t1"] / "results.json").read_text())
+    # One benchmark per domain here, so the domain's curve is that benchmark's.
+    assert fig2["domains"]["code"]["DSpark"] == res["benchmarks"]["humaneval"]["accept_rate_by_position"]
+    fig5 = json.loads((out / "fig5_threshold_DSpark_T1.json").read_text())
+    assert fig5["label"] == "DSpark" and fig5["temperature"] == 1.0 and fig5["sweep"]
+    fig6 = json.loads((out / "fig6_reliability_DSpark_T1.json").read_text())
+    assert [p["position"] for p in fig6["positions"]] == [1, 2, 3, 4]
+    md = (out / "figures.md").read_text()
+    assert "| DSpark | 1 |" in md and "AUROC (mean)" in md and md in proc.stdout
+
+
+def test_figures_of_a_batch_without_confidence_heads_say_why(evals, tmp_path):
+    proc = _report(tmp_path, "mode=figures", f"runs=[{evals['dflash_t1']}]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "report" / "figures.md").read_text()
+    assert "no Fig. 5: no drafter here has a confidence head" in md and "no Fig. 6" in md
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/h200_table1.sh, dry run: the device steps printed, the rest real
+
+SCRIPT = ROOT / "scripts" / "h200_table1.sh"
+
+
+def test_scripts_parse():
+    for name in ("h200_table1.sh", "h200_drafter.sh"):
+        proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+def _dry(cwd: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    env = {**ENV, "DRY_RUN": "1", "PYTHON": sys.executable, "OUT": str(cwd / "out"), **env}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_script_refuses_bad_arguments(tmp_path):
+    proc = _dry(tmp_path, "three", "DFlash:drafter=dflash")
+    assert proc.returncode == 2 and "usage: bash scripts/h200_table1.sh MINUTES" in proc.stderr
+    proc = _dry(tmp_path, "3")
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = _dry(tmp_path, "3", "DFlash:drafter=dflash trainer.max_time=00:00:09:00")
+    assert (
+        proc.returncode == 2
+        and "sets trainer.max_time: the batch sets it for every drafter alike" in proc.stdout
+    )
+
+
+def test_script_plans_a_fresh_batch(tmp_path):
+    proc = _dry(tmp_path, "3", "Eagle3:drafter=eagle3", "DSpark-Markov:drafter=dspark head=markov")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert len(steps) == 6  # per drafter: train, eval T = 0, eval T = 1
+    assert steps[0].endswith("h200_drafter.sh train Eagle3 3 drafter=eagle3")
+    assert "CALL_LIMIT=490 " in steps[0]  # 560 s a call, 40 s kept for gathering, 30 for the save
+    assert "EVAL_T=0 " in steps[1] and "EVAL_T=1 " in steps[2] and "eval Eagle3" in steps[2]
+    assert steps[3].endswith("train DSpark-Markov 3 drafter=dspark head=markov")
+    assert "batch complete" in proc.stdout
+    # A call without the time to start a training slice starts none and says what comes next.
+    proc = _dry(tmp_path, "3", "Eagle3:drafter=eagle3", CALL_LIMIT="150")
+    assert "+ " not in proc.stdout and "call again with the same arguments; next: train Eagle3" in proc.stdout
+
+
+def test_script_resumes_a_batch_and_gathers_it(evals, tmp_path):
+    """Two drafters trained, DFlash evaluated at both temperatures, DSpark at T = 0 only: the next
+    call trains nothing, evaluates DSpark at T = 1 with what its drafter needs (the fast engine, STS
+    on the held-out prompts), and gathers Table 1 and the figures of what is there into $OUT."""
+    h200 = tmp_path / "outputs" / "h200"
+    for name, src in (("DFlash", "dflash"), ("DSpark", "dspark")):
+        shutil.copytree(evals["drafters"] / src, h200 / name / "drafter")
+        (h200 / name / "summary.json").write_text("{}")
+    for key, name in (("dflash_t0", "DFlash_t0"), ("dflash_t1", "DFlash_t1"), ("dspark_t0", "DSpark_t0")):
+        shutil.copytree(evals[key], h200 / f"eval_{name}")
+    proc = _dry(tmp_path, "3", "DFlash:drafter=dflash", "DSpark:drafter=dspark head=markov")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert len(steps) == 1 and "EVAL_T=1 " in steps[0]
+    assert steps[0].endswith(
+        "eval DSpark engine=fast calibrate=true calibration.file=outputs/h200/batch/calibration_prompts.jsonl"
+    )
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batch.tar.xz",
+        "figures.md",
+        "log.txt",
+        "table1.json",
+        "table1.md",
+    ]
+    t0, t1 = json.loads((out / "table1.json").read_text())
+    assert list(t0["rows"]) == ["DFlash", "DSpark"] and list(t1["rows"]) == ["DFlash"]
+    assert t0["sources"]["DSpark"] == "outputs/h200/eval_DSpark_t0"
+    with tarfile.open(out / "batch.tar.xz") as tar:
+        names = set(tar.getnames())
+    for member in (
+        "./evals/DSpark_t0/results.json",
+        "./evals/DSpark_t0/reliability.json",
+        "./report/table1.json",
+        "./report/fig2_acceptance_T0.json",
+        "./report/fig6_reliability_DSpark_T0.png",
+        "./steps.tsv",
+    ):
+        assert member in names, member
+    assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in names)
