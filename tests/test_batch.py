@@ -8,15 +8,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from conftest import ROOT, load_group
+from conftest import ROOT
+from test_evaluate import _save
 
 from dspark.bench.batch import BatchEntry, eval_overrides, parse_batch, parse_entry, write_calibration_prompts
-from dspark.checkpoints import save_drafter
 from dspark.core.errors import ConfigError, DataError
-from dspark.core.types import TargetDims
 from dspark.data.benchmarks import first_turns
-from dspark.drafters import build_drafter
 
 
 def test_specs_split_into_names_and_overrides():
@@ -58,15 +55,6 @@ def test_batch_names_are_unique_and_present():
         parse_batch(["DFlash:drafter=dflash", "dflash:drafter=dflash drafter.num_layers=2"])
     with pytest.raises(ConfigError, match="no drafter spec"):
         parse_batch([])
-
-
-def _save(target, folder, name, head="none"):
-    dc, hc = load_group("drafter", name), load_group("head", head)
-    dc.num_layers, dc.block_size = 1, 4
-    hc.rank = 8 if head != "none" else 0
-    torch.manual_seed(0)
-    save_drafter(build_drafter(TargetDims.of(target), dc, hc), folder, dc, hc, target.describe())
-    return folder
 
 
 def test_eval_overrides_follow_the_drafter_folder(tiny_target, tmp_path):

@@ -16,15 +16,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import BENCHMARKS, ROOT, load_group
 from hydra import compose, initialize_config_module
+from test_evaluate import _save
 
-from dspark.checkpoints import save_drafter
 from dspark.core.errors import DataError
-from dspark.core.types import TargetDims
 from dspark.decoding.uncertainty import ratio_stderr
-from dspark.drafters import build_drafter
 from dspark.reporting.labelled import read_labelled
 from dspark.reporting.table1 import build_tables, table_markdown
 
@@ -32,15 +29,6 @@ from dspark.reporting.table1 import build_tables, table_markdown
 FLAT = ["target=tiny", "target.tiny.initializer_range=0.02"]
 BENCH = ["gsm8k", "humaneval", "mt-bench"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _save_drafter(target, folder: Path, name: str, head: str = "none", block: int = 4) -> Path:
-    dc, hc = load_group("drafter", name), load_group("head", head)
-    dc.num_layers, dc.block_size = 1, block
-    hc.rank = 16 if head != "none" else 0
-    torch.manual_seed(0)
-    save_drafter(build_drafter(TargetDims.of(target), dc, hc), folder, dc, hc, target.describe())
-    return folder
 
 
 def _evaluate(drafter: Path, out: Path, temperature: float, *more: str) -> Path:
@@ -85,9 +73,9 @@ def evals(flat_target, tmp_path_factory) -> dict[str, Path]:
         "".join(json.dumps({"turns": [q]}) + "\n" for q in ["Say hello.", "Count to five.", "Why?"])
     )
     drafters = {
-        "dflash": _save_drafter(flat_target, base / "drafters" / "dflash", "dflash"),
-        "dspark": _save_drafter(flat_target, base / "drafters" / "dspark", "dspark", "markov"),
-        "dflash3": _save_drafter(flat_target, base / "drafters" / "dflash3", "dflash", block=3),
+        "dflash": _save(flat_target, base / "drafters" / "dflash", "dflash"),
+        "dspark": _save(flat_target, base / "drafters" / "dspark", "dspark", "markov"),
+        "dflash3": _save(flat_target, base / "drafters" / "dflash3", "dflash", gamma=3),
     }
     out = {}
     for name, t in [("dflash", 0), ("dflash", 1), ("dspark", 0), ("dspark", 1), ("dflash3", 1)]:
