@@ -131,3 +131,21 @@ def test_draft_len_samples_the_first_positions_only(tiny_target, name, head):
             torch.testing.assert_close(cut.confidence_logits, full.confidence_logits[:, :n])
     with pytest.raises(ValueError, match="draft_len"):
         drafter.propose(cache, anchors, apos, shared, 1.0, uniforms=u, draft_len=drafter.gamma + 1)
+
+
+@pytest.mark.parametrize("name,head", [c for c in CASES if drafter_class(c[0]).supports_static_cache])
+def test_short_draft_runs_the_lm_head_as_one_gemm(tiny_target, name, head):
+    """A draft of n < γ positions multiplies its rows by the LM head in one GEMM: over a strided
+    [R, n, d] view matmul falls back to R batched GEMMs, each reading the whole head (on the H200
+    one position at R = 256 then cost more than all seven)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    drafter, shared, cache, anchors, apos = _with_context(tiny_target, name, head, seed=4)
+    u = torch.rand(anchors.shape[0], drafter.gamma, generator=torch.Generator().manual_seed(5))
+    ops = {}
+    for n in (drafter.gamma, 2):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            drafter.propose(cache, anchors, apos, shared, 1.0, uniforms=u, draft_len=n)
+        ops[n] = {e.key for e in prof.key_averages()}
+    # bmm is what the strided view falls back to: absent from both, so a short draft costs no more.
+    assert "aten::mm" in ops[2] and "aten::bmm" not in ops[2] - ops[drafter.gamma]

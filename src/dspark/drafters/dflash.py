@@ -365,7 +365,10 @@ class BlockDrafter(Drafter):
         backbone = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask, self._inference_layers)
         hidden = self.drafting_slots(backbone)  # [R, γ, d]
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
-        tokens, probs, conf = self.sample_block(hidden[:, :n], anchor_tokens, shared, temperature, u[:, :n])
+        # Contiguous: the LM head over a strided [R, n < γ, d] view would run as R batched GEMMs
+        # (matmul cannot fold the rows), each reading the whole head: slower than all γ positions.
+        first = hidden[:, :n].contiguous()
+        tokens, probs, conf = self.sample_block(first, anchor_tokens, shared, temperature, u[:, :n])
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
 
     @torch.no_grad()
