@@ -66,6 +66,9 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
     for r in rows:
         assert r["throughput"] > 0 and r["tau"] >= 1 and r["rounds"] > 0 and r["ms_per_round"] > 0
         assert r["median_ms_per_round"] > 0 and r["max_ms_round"] >= r["median_ms_per_round"]
+        slow = r["slowest_round"]  # the record of the round behind max_ms_round
+        assert slow["ms"] == r["max_ms_round"] and 0 <= slow["index"] < slow["of"] == r["rounds"]
+        assert slow["batch"] >= 1 and slow["host_ms"] > 0
         assert r["host_ms_per_round"] > 0 and r["wait_ms_per_round"] >= 0
         assert r["readback_ms_per_round"] == 0  # no policy here reads its width back
         assert r["gpu_ms_per_round"] is None and r["gap_ms_per_round"] is None  # no device clock

@@ -21,6 +21,33 @@ from dspark.scheduling.cost import CostModel
 from dspark.scheduling.policies import DraftAware, build_policy
 
 
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_prepare_verifies_every_width_once_without_touching_the_random_stream(
+    small_target, monkeypatch, with_drafter
+):
+    """The rejection kernel is compiled per verify width: ``prepare`` runs it at each width
+    0..γ on the real steps' outputs, so no timed round meets a new width (a compilation stall),
+    and the engine's random stream is the same afterwards (runs stay reproducible)."""
+    import dspark.decoding.fast_engine as fe
+
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0] if with_drafter else None
+    eng = FastEngine(t, drafter, concurrency=2, buckets=(1, 2), capacity=32)
+    eng._allocate(32)
+    widths = []
+    inner = fe.rejection_verify
+    monkeypatch.setattr(
+        fe,
+        "rejection_verify",
+        lambda tp, dp, *a, _i=inner, **k: widths.append(dp.shape[1]) or _i(tp, dp, *a, **k),
+    )
+    state = eng.generator.get_state()
+    with torch.inference_mode():
+        eng._warm_verify(2)
+    assert widths == list(range((3 if with_drafter else 0) + 1))
+    assert torch.equal(eng.generator.get_state(), state)
+
+
 def test_static_forward_matches_hugging_face(small_target):
     """Prefill of ragged prompts, then a step of ragged widths with junk beyond the kept tokens:
     final hidden states (hence logits) and taps equal the Hugging Face forward over RaggedKV."""

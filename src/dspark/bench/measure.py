@@ -114,7 +114,7 @@ def _round_means(steps: list[dict]) -> dict:
     read-back of its verify width (``readback_ms``: a bubble on the device), the device's work
     (``gpu_ms``, CUDA only), the device's idle time before the round (``gap_ms = ms - gpu_ms``:
     the host late, or device work between rounds such as row moves) and the positions drafted
-    (``drafted``: 0 in a plain decoding round)."""
+    (``drafted``: 0 in a plain decoding round); ``slowest_round`` is that round's record."""
 
     def values(key):
         return [s[key] for s in steps if s.get(key) is not None]
@@ -132,7 +132,19 @@ def _round_means(steps: list[dict]) -> dict:
         "gap_ms_per_round": float(np.mean(gaps)) if gaps else None,
         "median_ms_per_round": float(np.median(ms)) if ms else None,
         "max_ms_round": float(max(ms)) if ms else None,
+        "slowest_round": _slowest(steps),
     }
+
+
+def _slowest(steps: list[dict]) -> dict | None:
+    """The slowest round's own record (its place in the run, batch, drafted and verified counts,
+    device, host, wait and read-back times): where a one-off stall sat, and on which side."""
+    timed = [s for s in steps if s.get("ms") is not None]
+    if not timed:
+        return None
+    i = max(range(len(timed)), key=lambda j: timed[j]["ms"])
+    keys = ("step", "batch", "drafted", "verified", "ms", "gpu_ms", "host_ms", "wait_ms", "readback_ms")
+    return {"index": i, "of": len(timed), **{k: timed[i].get(k) for k in keys}}
 
 
 def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> list[dict]:

@@ -159,7 +159,25 @@ class FastEngine(Engine):
                         self.in_u[:rows].clone(),
                         drafted,
                     )
+            self._warm_verify(top)
         self._reset_state()
+
+    def _warm_verify(self, rows: int) -> None:
+        """Verify once at every width 0..γ on the real steps' outputs: the rejection kernel's width
+        is a compile-time constant, and a width first met inside a timed round would stall it for
+        the kernel's compilation. Draws its uniforms apart: the engine's random stream is untouched."""
+        drafted = self._gamma if self.drafter is not None else 0
+        if drafted:
+            anchors, anchor_pos = self.in_anchor[:rows].clone(), self.in_anchor_pos[:rows].clone()
+            prop = self._draft_step(anchors, anchor_pos, self.in_u[:rows].clone(), drafted)
+        for g in range(drafted + 1):
+            ids, pos = self.in_ids[:rows, : g + 1].clone(), self.in_pos[:rows, : g + 1].clone()
+            probs, _ = self._target_step(ids, pos)
+            drafts = prop.tokens[:, :g] if g else torch.zeros(rows, 0, dtype=torch.long, device=self.device)
+            draft_probs = prop.probs[:, :g] if g else probs.new_zeros(rows, 0, probs.shape[-1])
+            lengths = torch.full((rows,), g, dtype=torch.long, device=self.device)
+            u = (torch.rand(rows, g, device=self.device), torch.rand(rows, device=self.device))
+            rejection_verify(probs, draft_probs, drafts, lengths, uniforms=u, impl=self.verify_impl)
 
     def _allocate(self, capacity: int) -> None:
         rows = self.buckets[-1]
