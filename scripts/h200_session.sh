@@ -8,7 +8,7 @@
 #                                                  # $OUT/evals.tgz (the evaluation folders)
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
 # outputs/h200/out (the layout of h200_drafter.sh) and appends "stage status seconds" to
-# outputs/h200/session/stages.txt:
+# outputs/h200/session/stages.txt (the bundle leaves out the evaluations' rounds and generations):
 #   data    N conversations (N, default 30000) through the fast engine (h200_data.sh)
 #   train   NAME (dspark) for TRAIN_MINUTES (10) with TRAIN_EXTRA overrides; a run that fails before
 #           its first checkpoint is retried once as NAME_fallback with FALLBACK_EXTRA (dense attention,
@@ -16,9 +16,17 @@
 #   eval0   τ at T = 0 on the six benchmarks (EVAL_PROMPTS per benchmark, default 80)
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
+#   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
+#           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
+#           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (the evaluate overrides it needs,
+#           STS fitted on held-out validation prompts), then python -m dspark.report mode=table1 and
+#           mode=figures into outputs/h200/out/table1/. Steps per drafter are in each run's summary:
+#           state the budget as minutes on a shared GPU, or compare at equal steps.
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). Settings travel as environment
 # variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
+#   STAGES="data batch" RUNS="DFlash:drafter=dflash;Eagle3:drafter=eagle3;DSpark-Markov:drafter=dspark head=markov" \
+#     TRAIN_MINUTES=12 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 set -uo pipefail
 S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
@@ -26,7 +34,9 @@ step=${1:?start | wait SECONDS | pipeline}
 bundle() {  # results and logs; the evaluation folders (rounds, generations) apart, in case they are large
   mkdir -p "${OUT:?}"
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
-  (cd outputs/h200 && ls -d eval_* 2>/dev/null | tar -czf "$OUT/evals.tgz" -T - 2>/dev/null)
+  # rounds.jsonl / generations.jsonl: 10-20 MB per evaluation, over the 16 MiB a file may bring back.
+  (cd outputs/h200 && ls -d eval_* 2>/dev/null |
+    tar -czf "$OUT/evals.tgz" --exclude=rounds.jsonl --exclude=generations.jsonl -T - 2>/dev/null)
   ls -la "$OUT"
 }
 
@@ -68,6 +78,34 @@ pipeline)
     CALL_LIMIT=$((minutes * 60 + 240)) bash scripts/h200_drafter.sh train "$name" "$minutes" \
       drafter=dspark head=markov ${TRAIN_EXTRA:-}
   }
+  batch() {
+    local data=outputs/h200/data/smollm2_${N:-30000}_bfloat16 cal=outputs/h200/batch_calibration.jsonl
+    local dest=outputs/h200/out/table1 specs n o t sources=()
+    IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage}"
+    specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
+    python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-60}" > /dev/null || return 2
+    while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
+      run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
+        bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1 &
+    done <<< "$specs"
+    wait
+    for t in 0 1; do  # τ does not depend on timing: the evaluations run at once too
+      while IFS=$'\t' read -r n o; do
+        [ -f "outputs/h200/$n/drafter/config.json" ] || continue
+        run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
+          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1 &
+      done <<< "$specs"
+      wait
+      while IFS=$'\t' read -r n o; do
+        [ -f "outputs/h200/eval_${n}_t$t/results.json" ] && sources+=("$n:outputs/h200/eval_${n}_t$t")
+      done <<< "$specs"
+    done
+    [ ${#sources[@]} -gt 0 ] || return 1
+    mkdir -p "$dest"
+    local list="runs=[$(IFS=,; echo "${sources[*]}")]"
+    python3 -m dspark.report mode=table1 "$list" table1="$dest/table1.json" hydra.run.dir="$dest/table1_log"
+    python3 -m dspark.report mode=figures "$list" hydra.run.dir="$dest"
+  }
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in
     data) run data bash scripts/h200_drafter.sh data "${N:-30000}" || break ;;
@@ -81,6 +119,7 @@ pipeline)
     eval0) run eval0 env EVAL_T=0 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;
     eval1) run eval1 env EVAL_T=1 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;
     spec) run spec env OUT=outputs/h200/out/speculation bash scripts/h200_speculation.sh "outputs/h200/$name/drafter" ;;
+    batch) run batch batch ;;
     *) echo "unknown stage '$stage'"; break ;;
     esac
   done
