@@ -695,6 +695,36 @@ def test_hardware_aware_drafts_what_pays_and_reads_back_only_when_it_pays():
         pol.draft_length(4, 5, None)
 
 
+def test_hardware_aware_reads_back_while_its_walks_pay():
+    """The read-back pays only if walking shortens the verification: walks that keep every block
+    whole (a strong drafter at R = 1, issue 18's 0.23 ms a round) turn it off, one round in
+    ``explore_every`` still walks to follow the workload, and walks that cut bring it back."""
+    verify = {1: 2.0, 64: 2.4, 512: 3.3}
+    cost = CostModel(verify, draft_ms={64: 1.5}, padded=True, readback_ms=0.2)
+    pol = HardwareAware(explore_every=8)
+    for _ in range(10):  # a drafter whose every position is accepted: γ_d = 7 pays at R = 64
+        pol.observe_round(np.full(64, 7), np.full(64, 7))
+
+    def rounds(n, width_of):
+        walked = []
+        for _ in range(n):
+            m = pol.draft_length(64, 7, cost)
+            walked.append(pol.width(m) is None)
+            pol.observe_round(np.full(64, width_of(m)), np.full(64, width_of(m)))
+        return walked
+
+    # Largest saving 0.9 ms > 0.2: the first rounds walk; each keeps the whole block (saves 0).
+    first = rounds(3, lambda m: m)
+    assert first[0] and pol._realised < 0.2 / 0.9
+    later = rounds(24, lambda m: m)
+    assert sum(later) == 3 and not any(later[:4])  # exploration only, one in 8
+    # Walks that cut every block to nothing save all of it: the read-back pays again.
+    cut = rounds(12, lambda m: 0)
+    assert all(cut[-4:])
+    with pytest.raises(ValueError, match="explore_every"):
+        HardwareAware(explore_every=0)
+
+
 def test_draft_aware_choice_is_lossless_and_anticipation_is_not():
     """Exact enumeration (2 requests, γ = 2, token-dependent c2): a draft length fixed before the
     draft — any value, e.g. the one DraftAware plans from earlier rounds — reproduces the target

@@ -383,9 +383,14 @@ class HardwareAware(Policy):
     rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
     verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``.
-    Then, if the largest verification it could save (``T_verify(R·(1+γ_d)) - T_verify(R)``)
-    exceeds ``cost.readback_ms``, it walks the round's confidences (the engine reads the width
-    back); otherwise every row verifies its whole draft (width known, nothing read back).
+    Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks the
+    round's confidences (the engine reads the width back); otherwise every row verifies its whole
+    draft (width known, nothing read back). The expected saving is the largest one
+    (``T_verify(R·(1+γ_d)) - T_verify(R)``) times the share of it that completed walked rounds
+    realised (an average that halves the weight of older walks, each a whole batch's evidence; all
+    of it before any walk): at a high τ the walk keeps nearly every block whole and stops paying
+    for its read-back. While it does not pay, one round in ``explore_every`` walks anyway, so the
+    estimate follows the workload. Losslessness is untouched: the choice uses completed rounds only.
 
     The walk stops at the first Θ that does not beat the best so far. With a ragged cost model it
     admits candidates ``(r, j)`` one by one in order of prefix survival; with a ``padded`` one
@@ -397,18 +402,27 @@ class HardwareAware(Policy):
     name = "hardware_aware"
     needs_cost = True
 
-    def __init__(self, check: bool = True, decay: float = 0.9) -> None:
+    def __init__(self, check: bool = True, decay: float = 0.9, explore_every: int = 32) -> None:
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         self.check = check
+        self.explore_every = int(explore_every)
         self._acceptance = AcceptanceEstimate(decay)
         self._walk = True  # this round: decide from the confidences (the width is read back)
+        self._realised: float | None = None  # share of the largest saving walked rounds realised
+        self._since_walk = 0
+        self._plans: deque = deque()  # (rows, γ_d, walked, cost) of launched rounds, oldest first
 
     def reset(self) -> None:
-        """A new ``generate``: the acceptance estimate carries over (see ``DraftAware.reset``)."""
+        """A new ``generate``: the estimates carry over (see ``DraftAware.reset``); the rounds in
+        flight are gone."""
         self._walk = True
+        self._plans.clear()
 
     def forget(self) -> None:
-        """Drop the acceptance estimate too (a new drafter or workload)."""
+        """Drop the estimates too (a new drafter or workload)."""
         self._acceptance.reset()
+        self._realised, self._since_walk = None, 0
 
     def acceptance(self, gamma: int) -> np.ndarray:
         return self._acceptance.rates(gamma)
@@ -418,8 +432,12 @@ class HardwareAware(Policy):
         if rows <= 0 or gamma <= 0:
             return 0
         drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
-        saving = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
-        self._walk = drafted > 0 and saving > cost.readback_ms
+        largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
+        expected = largest * (1.0 if self._realised is None else self._realised)
+        explore = self._since_walk + 1 >= self.explore_every
+        self._walk = drafted > 0 and largest > cost.readback_ms and (expected > cost.readback_ms or explore)
+        self._since_walk = 0 if self._walk else self._since_walk + 1
+        self._plans.append((rows, drafted, self._walk, cost))
         return drafted
 
     def width(self, drafted: int) -> int | None:
@@ -443,6 +461,17 @@ class HardwareAware(Policy):
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self._acceptance.observe(lengths, accepted)
+        if not self._plans:  # a round this policy did not plan (the analytical replay)
+            return
+        rows, drafted, walked, cost = self._plans.popleft()  # rounds complete in launch order
+        if not walked:
+            return
+        width = int(np.max(lengths, initial=0))
+        largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
+        saved = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows * (1 + width))
+        share = float(np.clip(saved / largest, 0.0, 1.0)) if largest > 0 else 0.0
+        prev = share if self._realised is None else self._realised
+        self._realised = 0.5 * (prev + share)
 
 
 class Retrospective(Policy):
