@@ -411,7 +411,9 @@ class HardwareAware(Policy):
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._realised: float | None = None  # share of the largest saving walked rounds realised
         self._since_walk = 0
-        self._plans: deque = deque()  # (rows, γ_d, walked, cost) of launched rounds, oldest first
+        # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
+        # flight, the bound only keeps a caller that never reports rounds from growing it.
+        self._plans: deque = deque(maxlen=8)
 
     def reset(self) -> None:
         """A new ``generate``: the estimates carry over (see ``DraftAware.reset``); the rounds in
