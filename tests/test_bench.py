@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+from test_engine import Oracle, prompts_for
 from test_evaluate import _bench, _save
 
 from dspark.bench import e2e, engine_sps
+from dspark.bench.measure import WARMUP_TOKENS, measure
+from dspark.decoding.engine import Engine
 from dspark.scheduling.cost import CostModel
+from dspark.scheduling.policies import Fixed
 
 
 def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
@@ -174,3 +178,27 @@ def test_train_step_on_prepared_batches(tmp_path, smoke_data):
     shape, row = report["shape"], report["rows"][0]
     assert shape["target"] == "tiny" and shape["batch"] == 2 and len(shape["padded_lengths"]) == 3
     assert row["target_ms"] > 0 and row["flops"]["target_forward"] > 0
+
+
+def test_measure_warms_each_run_without_changing_it(tiny_target, monkeypatch):
+    """Before each timed run, an untimed one of R short requests under the same policy (a first
+    use inside the timed run once cost one round 0.4-1 s on the H200); the timed run is the same
+    run either way: the random stream is re-seeded after the warm-up."""
+    budgets = []
+    inner = Engine.generate
+
+    def generate(self, reqs, *args, **kw):
+        budgets.append({getattr(r, "max_new_tokens", None) for r in reqs})  # a raw prompt: None
+        return inner(self, reqs, *args, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    drafter = Oracle(tiny_target, gamma=3)  # accepts at random: τ follows the random stream
+    prompts = prompts_for(tiny_target, 3, seed=2)
+    runs = {}
+    for warmup in (True, False):
+        out = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
+                      max_new_tokens=24, seed=3, warmup=warmup)  # fmt: skip
+        runs[warmup] = out["fixed"][0]
+        if warmup:  # the warm-up of R = 2 requests, then the timed run of all three
+            assert budgets[-2:] == [{WARMUP_TOKENS}, {None}]
+    assert (runs[True]["tau"], runs[True]["rounds"]) == (runs[False]["tau"], runs[False]["rounds"])

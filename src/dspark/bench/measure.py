@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["check_policies", "compare", "goal_checks", "measure", "speedup_rows"]
 
+WARMUP_TOKENS = 8  # per request of the untimed run before each timed one: a few rounds of each path
+
 
 def measure(
     target,
@@ -43,7 +45,9 @@ def measure(
     Prompts are repeated to fill at least R slots. Throughput = tokens emitted by decode rounds /
     their summed wall time (prefill is excluded: no policy changes it, and the analytical mode does
     not model it); tok/s/user = mean over requests of its tokens / the time of the rounds it was in
-    (the tail, when fewer than R requests remain, counts: that is how a finite job behaves)."""
+    (the tail, when fewer than R requests remain, counts: that is how a finite job behaves).
+    ``warmup``: one tiny run first, then before each timed run an untimed one of R requests of
+    ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it)."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
     first = next(iter(policies.values()))
@@ -75,9 +79,11 @@ def measure(
         reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
         for name, pol in policies.items():
             eng.set_policy(pol)
-            eng.generator.manual_seed(seed)
             if hasattr(eng, "prepare"):
-                eng.prepare(reqs)  # captures CUDA graphs before the timed run
+                eng.prepare(reqs)  # sizes the caches for the timed run and captures its CUDA graphs
+            if warmup:  # this policy's first-use costs at this R (lazy inits, kernels) stay untimed
+                eng.generate([Request(prompt=r.prompt, max_new_tokens=WARMUP_TOKENS) for r in reqs[:R]])
+            eng.generator.manual_seed(seed)
             res = eng.generate(reqs)
             step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
             total_s = sum(step_s.values())
