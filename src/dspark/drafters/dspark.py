@@ -65,11 +65,12 @@ class DSparkDrafter(BlockDrafter):
         distribution is conditioned on the token actually sampled before it, so verification
         against these probabilities stays lossless. One LM-head product for the n positions, then
         per position the head's bias and the fused softmax + inverse-CDF draw
-        (``kernels.sample_step``; its PyTorch reference off CUDA)."""
+        (``kernels.sample_step``; its PyTorch reference off CUDA). The confidences need only each
+        position's hidden state and the token before it: one batched pass after the loop."""
         base = hidden @ shared.lm_weight.t().to(hidden.dtype)  # [R, n, V]; upcast in the sampler
         prev = anchor
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
-        tokens, probs, confs = [], [], []
+        tokens, probs = [], []
         for k in range(hidden.shape[1]):
             h = hidden[:, k]
             logits, bias = base[:, k], None
@@ -79,15 +80,10 @@ class DSparkDrafter(BlockDrafter):
             if shared.softcap:  # the cap applies to the sum: add first
                 logits = logits.float() + (0.0 if bias is None else bias.float())
                 logits, bias = torch.tanh(logits / shared.softcap) * shared.softcap, None
-            conf = self._confidence(h, prev)
             step = sample_step(logits, bias, temperature, u[:, k])
             prev = step.tokens
             tokens.append(prev)
             probs.append(step.probs)
-            if conf is not None:
-                confs.append(conf)
-        return (
-            torch.stack(tokens, 1),
-            torch.stack(probs, 1),
-            torch.stack(confs, 1).float() if confs else None,
-        )
+        tokens = torch.stack(tokens, 1)
+        conf = self._confidence(hidden, torch.cat([anchor[:, None], tokens[:, :-1]], dim=1))
+        return tokens, torch.stack(probs, 1), None if conf is None else conf.float()
