@@ -7,8 +7,9 @@
         [--no-compile] [--out e2e.json]
 
 For each temperature and concurrency R the same prompts (repeated to fill R slots) run target-only
-and with the drafter under each policy, each timed run after an untimed warm-up of R short requests. Reported per run, from the engine's own round timings
-(prefill excluded, as in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
+and with the drafter under each policy, each timed run after an untimed warm-up of R short
+requests. Reported per run, from the engine's own round timings (prefill excluded, as in
+``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
 tokens/s per user, τ, the mean round's time on the device's timeline (and its median and slowest
 round), the device's work, the host's own work, its waits for a read-back of the verify width, the
 device's idle gap before the round, and the drafted positions; the drafter's
