@@ -32,7 +32,10 @@ S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
 
 bundle() {  # results and logs; the evaluation folders (rounds, generations) apart, in case they are large
-  mkdir -p "${OUT:?}"
+  mkdir -p "${OUT:?}" outputs/h200/out/logs
+  for log in outputs/h200/*.log; do  # each training / evaluation log's last 300 lines
+    [ -f "$log" ] && tr '\r' '\n' < "$log" | tail -300 > "outputs/h200/out/logs/$(basename "$log")"
+  done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
   # rounds.jsonl / generations.jsonl: 10-20 MB per evaluation, over the 16 MiB a file may bring back.
   (cd outputs/h200 && ls -d eval_* 2>/dev/null |
