@@ -19,7 +19,8 @@
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (the evaluate overrides it needs,
-#           STS fitted on held-out validation prompts), then python -m dspark.report mode=table1 and
+#           STS fitted on held-out validation prompts: the data's first CAL_PROMPTS (60), or the
+#           turns-JSONL CAL_FILE), then python -m dspark.report mode=table1 and
 #           mode=figures into outputs/h200/out/table1/. Steps per drafter are in each run's summary:
 #           state the budget as minutes on a shared GPU, or compare at equal steps.
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). Settings travel as environment
@@ -82,11 +83,13 @@ pipeline)
       drafter=dspark head=markov ${TRAIN_EXTRA:-}
   }
   batch() {
-    local data=outputs/h200/data/smollm2_${N:-30000}_bfloat16 cal=outputs/h200/batch_calibration.jsonl
+    local data=outputs/h200/data/smollm2_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
     local dest=outputs/h200/out/table1 specs n o t sources=()
     IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage}"
     specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
-    python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-60}" > /dev/null || return 2
+    if [ -z "${CAL_FILE:-}" ]; then
+      python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-60}" > /dev/null || return 2
+    fi
     while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
       run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
         bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1 &

@@ -263,7 +263,7 @@ SCRIPT = ROOT / "scripts" / "h200_table1.sh"
 
 
 def test_scripts_parse():
-    for name in ("h200_table1.sh", "h200_drafter.sh"):
+    for name in ("h200_table1.sh", "h200_drafter.sh", "h200_session.sh"):
         proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
 
@@ -343,3 +343,74 @@ def test_script_resumes_a_batch_and_gathers_it(evals, tmp_path):
     ):
         assert member in names, member
     assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in names)
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/h200_session.sh, batch stage: the device steps stubbed, its orchestration and gathering real
+
+STUB = """#!/usr/bin/env bash
+# h200_drafter.sh's train / eval as the session's batch stage calls them: copies of real folders.
+set -e
+case $1 in
+train)
+  echo "start $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt
+  sleep 1
+  mkdir -p outputs/h200/$2
+  cp -r "$SRC/drafters/${2,,}" outputs/h200/$2/drafter
+  echo "end $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt ;;
+eval)
+  echo "$2 T=$EVAL_T ${*:3}" >> outputs/h200/stub_evals.txt
+  cp -r "$SRC/evals/eval_${2,,}_t$EVAL_T" outputs/h200/eval_$2_t$EVAL_T ;;
+esac
+"""
+
+
+def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
+    """`h200_session.sh start` with STAGES=batch runs the drafters' trainings at the same time,
+    evaluates each at T = 0 and 1 with the overrides its drafter needs, gathers Table 1 and the
+    figures, and `wait` brings back a bundle without rounds or generations."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "h200_drafter.sh").write_text(STUB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text(json.dumps({"turns": ["Say hello."]}) + "\n")
+    env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{ENV['PATH']}", "SRC": str(evals["drafters"].parent),
+           "PYTHONPATH": str(ROOT / "src"), "STAGES": "batch", "TRAIN_MINUTES": "3", "CAL_FILE": str(cal),
+           "RUNS": "DFlash:drafter=dflash;DSpark:drafter=dspark head=markov",
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+
+    def run(*args):
+        cmd = ["bash", "scripts/h200_session.sh", *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    assert run("start").returncode == 0
+    proc = run("wait", "240")
+    assert "PIPELINE DONE" in proc.stdout, proc.stdout + proc.stderr
+    h200 = tmp_path / "outputs" / "h200"
+    stages = (h200 / "session" / "stages.txt").read_text().split("\n")
+    assert {" ".join(s.split()[:2]) for s in stages if s} == {
+        "train:DFlash 0", "train:DSpark 0", "eval:DFlash:t0 0", "eval:DSpark:t0 0", "eval:DFlash:t1 0",
+        "eval:DSpark:t1 0", "batch 0",
+    }  # fmt: skip
+    times = {}
+    for line in (h200 / "stub_times.txt").read_text().split("\n")[:-1]:
+        what, name, t = line.split()
+        times[what, name] = float(t)
+    names = ("DFlash", "DSpark")
+    assert max(times["start", n] for n in names) < min(times["end", n] for n in names)  # overlapping
+    calls = (h200 / "stub_evals.txt").read_text()
+    assert f"DSpark T=0 engine=fast calibrate=true calibration.file={cal}" in calls
+    assert "DFlash T=1 engine=fast\n" in calls  # no confidence head: nothing to calibrate
+    t0, t1 = json.loads((h200 / "out" / "table1" / "table1.json").read_text())
+    assert list(t0["rows"]) == list(t1["rows"]) == ["DFlash", "DSpark"]
+    with tarfile.open(tmp_path / "out" / "bundle.tgz") as tar:
+        members = set(tar.getnames())
+    assert {"out/table1/table1.json", "out/table1/fig2_acceptance_T0.png", "session/stages.txt"} <= members
+    with tarfile.open(tmp_path / "out" / "evals.tgz") as tar:
+        members = set(tar.getnames())
+    assert "eval_DSpark_t1/results.json" in members
+    assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in members)
