@@ -59,9 +59,11 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
     e2e.main(
         ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2",
          "--concurrency", "1,2", "--max-new-tokens", "4", "--policies", "fixed,mtp1,draft_aware",
-         "--temperature", "0,1", "--cost-table", str(cost), "--out", str(out), "target=tiny"]
+         "--temperature", "0,1", "--cost-table", str(cost), "--repeats", "2", "--out", str(out),
+         "target=tiny"]
     )  # fmt: skip
     report = json.loads(out.read_text())
+    assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     rows = report["rows"]
     runs = ["target_only", "dspark/fixed", "dspark/mtp1", "dspark/draft_aware"]
     assert [(r["temperature"], r["run"], r["concurrency"]) for r in rows] == [
@@ -73,6 +75,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
         slow = r["slowest_round"]  # the record of the round behind max_ms_round
         assert slow["ms"] == r["max_ms_round"] and 0 <= slow["index"] < slow["of"] == r["rounds"]
         assert slow["batch"] >= 1 and slow["host_ms"] > 0
+        assert isinstance(slow["events_near"], dict) and isinstance(r["events"], dict)
         assert r["host_ms_per_round"] > 0 and r["wait_ms_per_round"] >= 0
         assert r["readback_ms_per_round"] == 0  # no policy here reads its width back
         assert r["gpu_ms_per_round"] is None and r["gap_ms_per_round"] is None  # no device clock
@@ -202,3 +205,33 @@ def test_measure_warms_each_run_without_changing_it(tiny_target, monkeypatch):
         if warmup:  # the warm-up of R = 2 requests, then the timed run of all three
             assert budgets[-2:] == [{WARMUP_TOKENS}, {None}]
     assert (runs[True]["tau"], runs[True]["rounds"]) == (runs[False]["tau"], runs[False]["rounds"])
+
+
+def test_measure_repeats_keep_the_median_run_and_list_every_run(tiny_target, monkeypatch):
+    """repeats=3: three timed runs from the same seed (the same rounds under a stateless policy);
+    the point is the run of median throughput, whose one-off stall (here a slow clock in one run)
+    neither sets the point nor disappears from the record."""
+    drafter = Oracle(tiny_target, gamma=3)
+    prompts = prompts_for(tiny_target, 2, seed=4)
+    inner, calls = Engine.generate, []
+
+    def generate(self, reqs, *args, **kw):
+        res = inner(self, reqs, *args, **kw)
+        if all(getattr(r, "max_new_tokens", None) is None for r in reqs):  # a timed run
+            calls.append(len(calls))
+            slow = {0: 1e3, 1: 4e4, 2: 2e3}.get(calls[-1], 0.0)  # ms per round: over the CPU's noise
+            for s in res.steps:
+                s["ms"] += slow
+        return res
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
+                  max_new_tokens=16, seed=5, warmup=False, repeats=3)["fixed"][0]  # fmt: skip
+    assert len(calls) == 3 and len(out["repeats"]) == 3
+    speeds = [r["throughput"] for r in out["repeats"]]
+    assert speeds[1] < speeds[2] < speeds[0]  # the runs in order: +1 s, +40 s, +2 s per round
+    assert out["throughput"] == speeds[2]  # the median run, not the stalled one nor the fastest
+    assert out["repeats"][1]["max_ms_round"] > out["max_ms_round"]  # the stall stays on record
+    single = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
+                     max_new_tokens=16, seed=5, warmup=False)["fixed"][0]  # fmt: skip
+    assert "repeats" not in single and (single["tau"], single["rounds"]) == (out["tau"], out["rounds"])

@@ -393,7 +393,7 @@ def test_unsupported_architecture_is_refused():
 def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
     """Under every kind of choice (the whole block, draft graphs per drafted length and plain
     rounds, a width read back): graph replay == the eager static path (== the plain engine at T = 0),
-    and every round is timed on the device."""
+    every round is timed on the device, and none captures a graph or compiles a kernel."""
     t = small_target.to("cuda")
     try:
         drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0].to("cuda")
@@ -419,6 +419,9 @@ def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
         assert [r.accepted for r in graphed.rounds] == [r.accepted for r in eager.rounds]
         assert [s["drafted"] for s in graphed.steps] == [s["drafted"] for s in eager.steps]
         assert all(s["gpu_ms"] > 0 and s["ms"] >= 0.99 * s["gpu_ms"] for s in graphed.steps)
+        # prepare left no first use to the rounds: no capture, no kernel compiled inside them
+        first_uses = {"graph_captures", "triton_compiles"}
+        assert not [s["events"] for s in graphed.steps if first_uses & set(s["events"])]
         if temperature == 0:
             plain = engine(Engine).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]

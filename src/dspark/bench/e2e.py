@@ -4,15 +4,18 @@
         [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
         [--concurrency 1,64,256] [--max-new-tokens 128] [--temperature 0[,1]] \\
         [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
-        [--no-compile] [--out e2e.json]
+        [--repeats 3] [--no-compile] [--out e2e.json]
 
 For each temperature and concurrency R the same prompts (repeated to fill R slots) run target-only
 and with the drafter under each policy, each timed run after an untimed warm-up of R short
-requests. Reported per run, from the engine's own round timings (prefill excluded, as in
+requests, ``--repeats`` times from the same seed: the run of median throughput is the point, every
+run's speeds are listed with it, so one run's one-off stall neither sets nor hides in the numbers.
+Reported per point, from the engine's own round timings (prefill excluded, as in
 ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
 tokens/s per user, τ, the mean round's time on the device's timeline (and its median and slowest
-round), the device's work, the host's own work, its waits for a read-back of the verify width, the
-device's idle gap before the round, and the drafted positions; the drafter's
+round, with the one-off work counted around it: graph captures, compiles, GC passes), the device's
+work, the host's own work, its waits for a read-back of the verify width, the device's idle gap
+before the round, and the drafted positions; the drafter's
 speed-up over target-only at the same R; and per R the best policy against target-only and whether
 hardware_aware beats every fixed length (``goals``). The fast engine compiles the target and the
 drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
@@ -43,6 +46,10 @@ def _parse(argv):
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the fast engine's target and drafter layers (default: on CUDA)",
     )  # fmt: skip
+    ap.add_argument(
+        "--repeats", type=int, default=3,
+        help="timed runs per point, same seed; the run of median throughput is reported (all listed)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="e2e.json")
     return ap.parse_known_args(argv)
@@ -53,6 +60,7 @@ def main(argv=None) -> dict:
 
     from ..artifacts import DrafterFolder
     from ..checkpoints import load_drafter
+    from ..core.errors import ConfigError
     from ..core.io import atomic_write_json
     from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
@@ -65,6 +73,8 @@ def main(argv=None) -> dict:
     args, overrides = _parse(argv)
     target_cfg = compose_target(overrides)
     temperatures = _temperatures(args.temperature)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: give at least 1 timed run per point (default 3)")
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
     names = [p for p in args.policies.split(",") if p]
@@ -89,6 +99,7 @@ def main(argv=None) -> dict:
         "prompts": len(prompts),
         "temperature": temperatures[0] if len(temperatures) == 1 else temperatures,
         "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
         "gamma": gamma,
         "cost_table": None if cost is None else cost.to_dict(),
         "rows": [],
@@ -97,7 +108,7 @@ def main(argv=None) -> dict:
     for temperature in temperatures:  # the report is rewritten after each: a cut-off run keeps its part
         rows, goals = compare(
             target, drafter, names, conc, prompts, [temperature], cost=cost, calibration=calibration,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, engine_kind=args.engine,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats, engine_kind=args.engine,
             engine_kw={"compile": args.compile} if args.engine == "fast" else None,
         )  # fmt: skip
         report["rows"] += rows

@@ -36,6 +36,7 @@ def measure(
     max_new_tokens: int = 64,
     seed: int = 0,
     warmup: bool = True,
+    repeats: int = 1,
     progress: bool = False,
     engine_kind: str = "plain",
     engine_kw: dict | None = None,
@@ -47,9 +48,15 @@ def measure(
     not model it); tok/s/user = mean over requests of its tokens / the time of the rounds it was in
     (the tail, when fewer than R requests remain, counts: that is how a finite job behaves).
     ``warmup``: one tiny run first, then before each timed run an untimed one of R requests of
-    ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it)."""
+    ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it).
+    ``repeats``: timed runs per point, each from the same seed (a stateless policy replays the same
+    rounds, so only their timing differs; an adaptive one starts each from what it learnt); the
+    point is the run of median throughput and lists every run's speeds (``repeats``), so one run's
+    one-off stall neither sets the point nor goes unseen."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
+    if int(repeats) < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     first = next(iter(policies.values()))
 
     def engine(R: int, n_new: int):
@@ -83,34 +90,48 @@ def measure(
                 eng.prepare(reqs)  # sizes the caches for the timed run and captures its CUDA graphs
             if warmup:  # this policy's first-use costs at this R (lazy inits, kernels) stay untimed
                 eng.generate([Request(prompt=r.prompt, max_new_tokens=WARMUP_TOKENS) for r in reqs[:R]])
-            eng.generator.manual_seed(seed)
-            res = eng.generate(reqs)
-            step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
-            total_s = sum(step_s.values())
-            toks: dict = {}
-            secs: dict = {}
-            for rec in res.rounds:
-                toks[rec.request] = toks.get(rec.request, 0) + rec.emitted
-                secs[rec.request] = secs.get(rec.request, 0.0) + step_s[rec.step]
-            emitted = sum(toks.values())
-            users = [toks[r] / secs[r] for r in toks if secs[r] > 0]
-            rounds = max(len(res.rounds), 1)
-            out[name].append(
-                {
-                    "concurrency": R,
-                    "throughput": emitted / total_s if total_s > 0 else float("nan"),
-                    "tps_per_user": float(np.mean(users)) if users else float("nan"),
-                    "budget": sum(r.proposed for r in res.rounds) / rounds,
-                    "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
-                    **_round_means(res.steps),
-                }
-            )
+            runs = []
+            for _ in range(int(repeats)):  # the same seed each time: the same draws
+                eng.generator.manual_seed(seed)
+                runs.append(_point(R, eng.generate(reqs)))
+            out[name].append(_median_run(runs))
             log.info("%s R=%d: %s", name, R, out[name][-1])
             if bar is not None:
                 bar.update(1)
     if bar is not None:
         bar.close()
     return out
+
+
+def _point(R: int, res) -> dict:
+    """One timed run's point: throughput, per-user speed, τ, verify budget and round means."""
+    step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
+    total_s = sum(step_s.values())
+    toks: dict = {}
+    secs: dict = {}
+    for rec in res.rounds:
+        toks[rec.request] = toks.get(rec.request, 0) + rec.emitted
+        secs[rec.request] = secs.get(rec.request, 0.0) + step_s[rec.step]
+    emitted = sum(toks.values())
+    users = [toks[r] / secs[r] for r in toks if secs[r] > 0]
+    rounds = max(len(res.rounds), 1)
+    return {
+        "concurrency": R,
+        "throughput": emitted / total_s if total_s > 0 else float("nan"),
+        "tps_per_user": float(np.mean(users)) if users else float("nan"),
+        "budget": sum(r.proposed for r in res.rounds) / rounds,
+        "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
+        **_round_means(res.steps),
+    }
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (the lower middle of an even count), with every run's speeds."""
+    if len(runs) == 1:
+        return runs[0]
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["throughput"])
+    keys = ("throughput", "tps_per_user", "max_ms_round")
+    return {**runs[order[(len(runs) - 1) // 2]], "repeats": [{k: r[k] for k in keys} for r in runs]}
 
 
 def _round_means(steps: list[dict]) -> dict:
@@ -120,7 +141,8 @@ def _round_means(steps: list[dict]) -> dict:
     read-back of its verify width (``readback_ms``: a bubble on the device), the device's work
     (``gpu_ms``, CUDA only), the device's idle time before the round (``gap_ms = ms - gpu_ms``:
     the host late, or device work between rounds such as row moves) and the positions drafted
-    (``drafted``: 0 in a plain decoding round); ``slowest_round`` is that round's record."""
+    (``drafted``: 0 in a plain decoding round); ``slowest_round`` is that round's record;
+    ``events`` the run's one-off work (``decoding.stall_watch``), which a warmed run keeps at 0."""
 
     def values(key):
         return [s[key] for s in steps if s.get(key) is not None]
@@ -139,7 +161,22 @@ def _round_means(steps: list[dict]) -> dict:
         "median_ms_per_round": float(np.median(ms)) if ms else None,
         "max_ms_round": float(max(ms)) if ms else None,
         "slowest_round": _slowest(steps),
+        "events": _events_sum(steps),
     }
+
+
+def _events_sum(steps: list[dict]) -> dict:
+    """The run's one-off work (graph captures, compiles, GC passes), summed over its rounds."""
+    total: dict = {}
+    for s in steps:
+        for key, value in s.get("events", {}).items():
+            if key == "triton_kernels":
+                kernels = total.setdefault(key, {})
+                for name, n in value.items():
+                    kernels[name] = kernels.get(name, 0) + n
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 def _slowest(steps: list[dict]) -> dict | None:
@@ -150,7 +187,11 @@ def _slowest(steps: list[dict]) -> dict | None:
         return None
     i = max(range(len(timed)), key=lambda j: timed[j]["ms"])
     keys = ("step", "batch", "drafted", "verified", "ms", "gpu_ms", "host_ms", "wait_ms", "readback_ms")
-    return {"index": i, "of": len(timed), **{k: timed[i].get(k) for k in keys}}
+    # A stall between rounds shows in the next round's span, while its work is counted in the
+    # record of the round completed around it: the neighbours' events are the suspects too.
+    near = {f"{j - i:+d}": timed[j]["events"] for j in range(max(i - 2, 0), min(i + 2, len(timed)))
+            if timed[j].get("events")}  # fmt: skip
+    return {"index": i, "of": len(timed), **{k: timed[i].get(k) for k in keys}, "events_near": near}
 
 
 def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> list[dict]:

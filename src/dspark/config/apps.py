@@ -76,6 +76,7 @@ class Measured:
     max_new_tokens: Count = 64
     temperature: NonNegative = 1.0
     warmup: bool = True
+    repeats: Count = 1  # timed runs per point from the same seed; the run of median throughput is kept
     engine: ENGINE = "plain"
     compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
 

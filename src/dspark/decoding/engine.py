@@ -35,7 +35,9 @@ span on the device's timeline, or the host's clock on the CPU), ``gpu_ms`` (the 
 from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
 launching it and reading its outcome, waits excluded), ``wait_ms`` (the host blocked on the
 round's outcome: its device work was the longer) and ``readback_ms`` (the host blocked on a
-read-back of the verify width, a bubble on the device). A round that drafts nothing runs
+read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
+the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
+a round far slower than its median finds its cause. A round that drafts nothing runs
 ``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
 such rounds and writes it in one batch before the next draft). While ``generate`` runs, the
 objects alive before it are frozen out of Python's cyclic garbage collector (``gc.freeze``): a
@@ -70,6 +72,7 @@ from ..core.types import Shared
 from ..scheduling.policies import Fixed, Policy
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
+from .stall_watch import StallWatch
 from .verify import verify
 
 __all__ = [
@@ -288,6 +291,7 @@ class Engine:
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
         self._temps_dev: Tensor | None = None
         self._clock = _Clock(self.device)
+        self._watch: StallWatch | None = None  # set while generate runs
 
     def set_policy(self, policy: Policy | None = None) -> None:
         """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
@@ -361,8 +365,10 @@ class Engine:
         if freeze:
             gc.freeze()
         try:
-            self._rounds_loop(reqs, queue, live, rounds, steps, finished, bar)
+            with StallWatch() as self._watch:
+                self._rounds_loop(reqs, queue, live, rounds, steps, finished, bar)
         finally:
+            self._watch = None
             if freeze:
                 gc.unfreeze()
         if bar is not None:
@@ -679,6 +685,8 @@ class Engine:
             "wait_ms": 1e3 * wait_s,
             "readback_ms": 1e3 * rnd.readback_s,
             "gpu_ms": timing.get("gpu_ms"),
+            # one-off work since the previous round's record (graph captures, compiles, GC passes)
+            "events": self._watch.increments() if self._watch is not None else {},
         }
         return recs, ended, info
 

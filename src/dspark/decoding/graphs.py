@@ -28,6 +28,8 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 
 
 class GraphBank:
+    captured = 0  # graphs captured by every bank of the process (what ``StallWatch`` counts)
+
     def __init__(self, device: torch.device, warmup: int = 2):
         self.device = device
         self.warmup = warmup
@@ -50,6 +52,7 @@ class GraphBank:
             with torch.cuda.graph(graph, pool=pool):
                 out = step()
             self.graphs[key] = (graph, out)
+            GraphBank.captured += 1
         graph, out = self.graphs[key]
         graph.replay()
         return out

@@ -97,6 +97,7 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
         max_new_tokens=int(cfg.measured.max_new_tokens),
         seed=int(cfg.seed),
         warmup=bool(cfg.measured.warmup),
+        repeats=int(cfg.measured.repeats),
         progress=bool(cfg.progress),
         engine_kind=str(cfg.measured.get("engine", "plain")),
         engine_kw={"compile": cfg.measured.get("compile")} if cfg.measured.get("engine") == "fast" else None,
