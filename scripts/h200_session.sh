@@ -114,7 +114,7 @@ pipeline)
   }
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in
-    data) run data bash scripts/h200_drafter.sh data "${N:-30000}" || break ;;
+    data) run data bash scripts/h200_drafter.sh data "${N:-30000}" || break; gpu_tested=1 ;;
     train)
       if ! run train train; then
         [ -f "outputs/h200/$name/checkpoints/last.ckpt" ] && break
@@ -124,7 +124,10 @@ pipeline)
       ;;
     eval0) run eval0 env EVAL_T=0 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;
     eval1) run eval1 env EVAL_T=1 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;
-    spec) run spec env OUT=outputs/h200/out/speculation bash scripts/h200_speculation.sh "outputs/h200/$name/drafter" ;;
+    spec)  # the data stage ran the engine's GPU tests already: the study skips them
+      run spec env OUT=outputs/h200/out/speculation GPU_TESTS_DONE=${gpu_tested:-} \
+        bash scripts/h200_speculation.sh "outputs/h200/$name/drafter"
+      ;;
     batch) run batch batch ;;
     *) echo "unknown stage '$stage'"; break ;;
     esac

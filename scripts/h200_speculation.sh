@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200, issue 18 (speculation that pays at every load), in about 8 minutes (15 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
-#      sync, the compiled drafter against the eager one);
+#      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
 #   2. the cost table: the verify curve, the draft step per R and drafted length, a round's
 #      overhead beyond its steps and the cost of reading its width back, the draft step's parts
 #      (python -m dspark.bench.engine_sps);
@@ -33,9 +33,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 [ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 
-stage "GPU tests of the engine"
-timeout 60 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
-  -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
+if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data stage ran them (~55 s)
+  stage "GPU tests of the engine"
+  timeout 60 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
+    -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
+fi
 
 stage "cost table"
 timeout 110 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
