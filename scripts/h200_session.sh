@@ -22,10 +22,15 @@
 #           STS fitted on held-out validation prompts: the data's first CAL_PROMPTS (60), or the
 #           turns-JSONL CAL_FILE), then python -m dspark.report mode=table1 and
 #           mode=figures into outputs/h200/out/table1/. Steps per drafter are in each run's summary:
-#           state the budget as minutes on a shared GPU, or compare at equal steps.
+#           state the budget as minutes on a shared GPU, or compare at equal steps: put
+#           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
+#           learning-rate schedule follows whichever of steps and clock is further along), so rows
+#           trained in different sessions, alone or side by side, had the same budget.
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). Settings travel as environment
 # variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
+#   NAME=DSpark-Markov STAGES="data batch spec" RUNS="DSpark-Markov:drafter=dspark head=markov" TRAIN_MINUTES=11 \
+#     TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3 trainer.max_steps=5000" bash scripts/h200_session.sh start
 #   STAGES="data batch" RUNS="DFlash:drafter=dflash;Eagle3:drafter=eagle3;DSpark-Markov:drafter=dspark head=markov" \
 #     TRAIN_MINUTES=12 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 set -uo pipefail
