@@ -1,5 +1,6 @@
-"""The fast engine (static caches, CUDA graphs): the same forward as Hugging Face, the same tokens,
-rounds and confidences as the plain engine (which test_engine holds lossless), clear refusals.
+"""The fast engine (static caches, CUDA graphs): the same forward as Hugging Face (Llama and Gemma 3
+targets), the same tokens, rounds and confidences as the plain engine (which test_engine holds
+lossless), clear refusals.
 
 On the CPU the fast engine runs its static-cache path eagerly; the CUDA-graph replay is compared
 with that eager path in the ``gpu`` tests at the end.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import Cycling, make_drafter, prompts_for
+from test_engine import Cycling, hf_greedy, make_drafter, prompts_for
 
 from dspark.core.types import Shared
 from dspark.decoding.engine import Engine, Request, retire_order
@@ -19,6 +20,7 @@ from dspark.decoding.kv import RaggedKV
 from dspark.decoding.static_target import StaticTarget, UnsupportedTarget
 from dspark.scheduling.cost import CostModel
 from dspark.scheduling.policies import DraftAware, build_policy
+from dspark.target import Target
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])
@@ -369,17 +371,165 @@ def test_fast_engine_refusals(small_target):
 
 
 def test_unsupported_architecture_is_refused():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    t = Target(Phi3ForCausalLM(cfg), None, layer_ids=[0], mask_token_id=3, eos_token_ids=[], name="phi3")
+    with pytest.raises(UnsupportedTarget, match="'phi3'.*engine=plain"):
+        FastEngine(t, None).generate([[1, 2]])
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma 3: sliding / full layers, (1 + w) sandwich norms, scaled embeddings, two RoPE tables
+
+GEMMA3_WINDOW = 4  # prompts of 5-10 tokens and decoding past them cross it
+
+
+def tiny_gemma3(window: int = GEMMA3_WINDOW, **config) -> Target:
+    """A random 4-layer Gemma 3 text model (sliding, full, sliding, sliding) whose options are
+    all in play: q/k scale from query_pre_attn_scalar, not head_dim; local and global RoPE bases
+    apart, the global one linearly scaled; a final-logit soft-cap; its (1 + w) norms drawn around
+    0 rather than left at transformers' w = 0. Small embeddings (x sqrt(d) still) and an untied,
+    larger LM head: the next token depends on the context (attention, hence the window), not on
+    the current token's embedding alone, and is peaky (~2 nats) as the engine tests want."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from dspark.target import Target
-
+    torch.manual_seed(0)
     cfg = Gemma3TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        query_pre_attn_scalar=48, rope_theta=1e5, rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, final_logit_softcapping=30.0,
+        max_position_embeddings=512, initializer_range=0.5, pad_token_id=0, tie_word_embeddings=False,
+        **config,
     )  # fmt: skip
-    t = Target(Gemma3ForCausalLM(cfg), None, layer_ids=[0], mask_token_id=3, eos_token_ids=[], name="g3")
-    with pytest.raises(UnsupportedTarget, match="engine=plain"):
-        FastEngine(t, None).generate([[1, 2]])
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    return Target(model, None, layer_ids=[-1, 0, 1, 2], mask_token_id=3, eos_token_ids=[], name="gemma3-tiny")
+
+
+@pytest.fixture(scope="module")
+def gemma3_target():
+    return tiny_gemma3()
+
+
+def test_gemma3_static_forward_matches_hugging_face(gemma3_target):
+    """Ragged prompts longer than the window, then steps of widths 4, 1 and 3 (junk beyond the
+    kept tokens) at later positions: final hidden states and taps (embeddings included) equal
+    Hugging Face's over RaggedKV (our sliding / full masks), and the last step equals Hugging
+    Face's own uncached forward of each row's committed tokens (its own masks)."""
+    t = gemma3_target
+    prompts = prompts_for(t, 3, seed=2, lo=5, hi=11)
+    assert min(map(len, prompts)) > GEMMA3_WINDOW
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    static = StaticTarget(t, rows=4, capacity=48)
+    kv = RaggedKV.empty(t.model.config, 3, 48, t.dtype, "cpu")
+    committed = [list(p) for p in prompts]
+    g = torch.Generator().manual_seed(4)
+    steps = [(ids, torch.arange(width).expand(3, -1), lens)]
+    for w, keep in ((4, [4, 1, 2]), (1, [1, 1, 1]), (3, [3, 3, 3])):
+        steps.append((torch.randint(4, 300, (3, w), generator=g), None, keep))
+    with torch.inference_mode():
+        for step_ids, step_pos, keep in steps:
+            keep = torch.as_tensor(keep)
+            if step_pos is None:
+                step_pos = kv.length[:, None] + torch.arange(step_ids.shape[1])
+                for row, (tokens, n) in enumerate(zip(step_ids.tolist(), keep.tolist())):
+                    committed[row] += tokens[:n]
+            hidden, taps = static.forward(step_ids, step_pos, start=1)  # rows 1..3 of the static cache
+            ref = t(
+                step_ids, positions=step_pos, cache=kv, attention_mask=kv.plan(step_ids.shape[1], t.dtype)
+            )
+            kv.commit(keep)
+            torch.testing.assert_close(hidden, ref.last_hidden, atol=1e-5, rtol=1e-5)
+            scale = float(ref.taps.abs().max())
+            torch.testing.assert_close(taps, ref.taps, atol=1e-5 * scale, rtol=1e-5)
+        for row, tokens in enumerate(committed):  # the last step kept all of its 3 tokens
+            own = t(torch.tensor([tokens])).last_hidden[0, -3:]
+            torch.testing.assert_close(hidden[row], own, atol=1e-5, rtol=1e-5)
+    assert int(kv.length.max()) > 3 * GEMMA3_WINDOW
+
+
+def test_gemma3_sliding_window_is_not_vacuous(gemma3_target):
+    """The same weights with a window wider than the sequence (every layer then sees the whole
+    prefix): equal below the window, different at every position from the window on, so the parity
+    above could not hold if the fast path ignored the window. The fast path follows each model,
+    and greedy decoding differs between the two (the engine test below sees the window too)."""
+    t = gemma3_target
+    wide = tiny_gemma3(window=4096)
+    wide.model.load_state_dict(t.model.state_dict())
+    prompt = prompts_for(t, 1, seed=5, lo=14, hi=15)[0]
+    ids, pos = torch.tensor([prompt]), torch.arange(len(prompt))[None]
+    with torch.inference_mode():
+        local, full = t(ids).last_hidden, wide(ids).last_hidden
+        fast_local = StaticTarget(t, rows=1, capacity=32).forward(ids, pos)[0]
+        fast_full = StaticTarget(wide, rows=1, capacity=32).forward(ids, pos)[0]
+    w = GEMMA3_WINDOW
+    torch.testing.assert_close(local[:, :w], full[:, :w], atol=1e-5, rtol=1e-5)
+    gap = (local[0, w:] - full[0, w:]).norm(dim=-1) / full[0, w:].norm(dim=-1)
+    assert float(gap.min()) > 1e-2, gap
+    torch.testing.assert_close(fast_local, local, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_full, full, atol=1e-5, rtol=1e-5)
+    kw = dict(temperature=0.0, concurrency=1, eos_token_ids=(), max_new_tokens=12)
+    assert Engine(t, None, **kw).generate([prompt]).generations[0].tokens != (
+        Engine(wide, None, **kw).generate([prompt]).generations[0].tokens
+    )
+
+
+@pytest.mark.parametrize("kind", ["target", "dspark-rnn"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_engine_reproduces_plain_engine_on_gemma3(gemma3_target, kind, temperature):
+    """Seven requests through three slots on the Gemma 3 target (rows decode up to ~40 positions,
+    ten windows): the same tokens and rounds as the plain engine, target-only and with a drafter
+    reading the taps; greedy target-only decoding also equals transformers' own DynamicCache."""
+    t = gemma3_target
+    drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0] if kind != "target" else None
+    prompts = prompts_for(t, 7, seed=12)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+    plain, fast = _engines(t, drafter, temperature, seed=7)
+    a, b = plain.generate(reqs), fast.generate(reqs)
+    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
+    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
+        (r.request, r.accepted, r.proposed) for r in a.rounds
+    ]
+    if drafter is None and temperature == 0.0:
+        assert b.generations[1].tokens == hf_greedy(t, prompts[1], 30)
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (dict(use_bidirectional_attention=True), "bidirectional attention"),
+        (dict(hidden_activation="gelu"), "activation 'gelu'"),
+    ],
+)
+def test_gemma3_options_the_fast_engine_does_not_implement_are_refused(option, message):
+    """Attention-logit soft-capping (which transformers' Gemma 3 does not apply either),
+    bidirectional attention, another activation: refused, not silently run differently."""
+    with pytest.raises(UnsupportedTarget, match=f"{message}.*engine=plain"):
+        StaticTarget(tiny_gemma3(**option), rows=1, capacity=16)
+
+
+@pytest.mark.slow  # inductor's C++ build takes minutes on 2 cores
+def test_compiled_gemma3_layers_match_eager(gemma3_target):
+    """The torch.compile'd Gemma layer functions against the eager ones (CPU)."""
+    eager = _forward_twice(gemma3_target, False, "cpu")
+    fused = _forward_twice(gemma3_target, True, "cpu")
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

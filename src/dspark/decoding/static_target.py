@@ -12,16 +12,32 @@ never change:
   only, so rejected drafts and padding are invisible and overwritten later ("crop" = set length).
 * grouped-query attention runs without repeating the cache: the G query heads of each KV head are
   folded into the query axis ([R, Hkv, G·W, hd]), so SDPA reads each cached key once.
-* RoPE comes from the model's own rotary module, tabulated once for positions 0..capacity-1.
+* RoPE comes from the model's own rotary module(s), tabulated once for positions 0..capacity-1.
 
-Llama-family decoders (llama, mistral without sliding window, qwen2, qwen3) are supported; other
-architectures are refused with a message pointing at the plain engine. ``tests/test_fast_engine``
-holds this forward equal to the Hugging Face one through ``dspark.target.Target``.
+Supported decoders (``SUPPORTED``), each an ``Arch`` (its layer tensors and two layer functions):
+
+* Llama family (llama, mistral without sliding window, qwen2, qwen3): pre-norm, SwiGLU;
+* Gemma 3 text (``gemma3_text``: Gemma3ForCausalLM, e.g. gemma-3-270m; the text config of a nested
+  multimodal ``gemma3`` reports it too): embeddings scaled by √d (the model's own embedding
+  module), ``(1 + w)`` RMSNorms, four per layer (the attention and MLP outputs are normed before
+  their residual adds), per-head q/k norms, scale ``query_pre_attn_scalar ** -0.5``, a GELU-tanh
+  gated MLP, and per-layer attention types from ``config.layer_types``: sliding layers (a query at
+  p sees keys in (p - window, p]) with the local RoPE table, full layers with the global one.
+  Sliding layers keep full-capacity caches (slot == position, as every layer): one row layout for
+  every layer, at the price of memory a ring of ``window`` slots would save.
+
+Other architectures, and Gemma 3 with attention-logit soft-capping or bidirectional attention,
+are refused with a message pointing at the plain engine. The final-logit soft-cap is not applied
+here: the forward returns the final normed hidden state and the caller's ``Target.lm_head``
+applies it, as for the plain engine. ``tests/test_fast_engine`` holds this forward equal to the
+Hugging Face one through ``dspark.target.Target``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +45,9 @@ from torch import Tensor
 
 __all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = (*LLAMA_FAMILY, "gemma3_text")
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
 
 class UnsupportedTarget(ValueError):
@@ -41,11 +59,23 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama/Qwen RMSNorm, in the same operation order as transformers (float32 statistics)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _gemma_rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm: weights stored around 0 and applied as ``1 + w``, and (unlike Llama) the
+    scaling done in float32 before the cast back, as transformers does it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
 
 
 def move_rows(tensors: list[Tensor], dst: Tensor, src: Tensor) -> None:
@@ -56,6 +86,22 @@ def move_rows(tensors: list[Tensor], dst: Tensor, src: Tensor) -> None:
         t[dst] = t[src]
 
 
+def _no_mlp_bias(layer) -> None:
+    m = layer.mlp
+    if any(getattr(p, "bias", None) is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
+        raise UnsupportedTarget("MLP biases are not implemented by the fast engine: use engine=plain")
+
+
+def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q [R, H, W, hd], k/v [R, Hkv, W, hd] of the normed input ``h`` [R, W, d]."""
+    r, t, _ = h.shape
+    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1).transpose(1, 2)
+    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    return q, k, v
+
+
+# ---- Llama family -----------------------------------------------------------------------------
 @dataclass
 class LayerWeights:
     """One decoder layer as plain tensors (shared with the model, never copied): the layer
@@ -80,8 +126,7 @@ class LayerWeights:
     @classmethod
     def of(cls, layer) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
-        if any(getattr(p, "bias", None) is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
-            raise UnsupportedTarget("MLP biases are not implemented by the fast engine: use engine=plain")
+        _no_mlp_bias(layer)
         return cls(
             ln1=layer.input_layernorm.weight, q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight,
             o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight, gate=m.gate_proj.weight,
@@ -96,14 +141,10 @@ def attention_inputs(
     x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
 ):
     """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE: q [R, H, W, hd], k/v [R, Hkv, W, hd]."""
-    r, t, _ = x.shape
-    h = _rms(x, w.ln1, eps)
-    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1).transpose(1, 2)
-    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1).transpose(1, 2)
-    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    q, k, v = _qkv(_rms(x, w.ln1, eps), w, heads, kv_heads)
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
 def layer_output(x: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor:
@@ -111,6 +152,138 @@ def layer_output(x: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor
     x = x + F.linear(attn, w.o, w.o_bias)
     h = _rms(x, w.ln2, eps)
     return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+
+
+# ---- Gemma 3 ----------------------------------------------------------------------------------
+@dataclass
+class GemmaLayerWeights:
+    """A Gemma 3 layer's tensors: Llama's plus the per-head q/k norms and the norms around the
+    MLP (``ln_attn_out`` norms the attention output, ``ln_mlp_in`` / ``ln_mlp_out`` the MLP's
+    input and output)."""
+
+    ln1: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    q_norm: Tensor
+    k_norm: Tensor
+    ln_attn_out: Tensor
+    ln_mlp_in: Tensor
+    ln_mlp_out: Tensor
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+
+    @classmethod
+    def of(cls, layer) -> GemmaLayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        _no_mlp_bias(layer)
+        return cls(
+            ln1=layer.input_layernorm.weight, q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight,
+            o=a.o_proj.weight, q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
+            ln_attn_out=layer.post_attention_layernorm.weight,
+            ln_mlp_in=layer.pre_feedforward_layernorm.weight,
+            ln_mlp_out=layer.post_feedforward_layernorm.weight, gate=m.gate_proj.weight,
+            up=m.up_proj.weight, down=m.down_proj.weight, q_bias=a.q_proj.bias, k_bias=a.k_proj.bias,
+            v_bias=a.v_proj.bias, o_bias=a.o_proj.bias,
+        )  # fmt: skip
+
+
+def gemma_attention_inputs(
+    x: Tensor, w: GemmaLayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
+):
+    """Gemma pre-norm, q/k/v projections, per-head q/k norms, RoPE (the layer type's table)."""
+    q, k, v = _qkv(_gemma_rms(x, w.ln1, eps), w, heads, kv_heads)
+    q, k = _gemma_rms(q, w.q_norm, eps), _gemma_rms(k, w.k_norm, eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def gemma_layer_output(x: Tensor, attn: Tensor, w: GemmaLayerWeights, eps: float) -> Tensor:
+    """Sandwich norms: the attention output and the GELU-tanh gated MLP's output are each normed
+    before their residual add; the MLP reads its own pre-norm."""
+    x = x + _gemma_rms(F.linear(attn, w.o, w.o_bias), w.ln_attn_out, eps)
+    h = _gemma_rms(x, w.ln_mlp_in, eps)
+    h = F.linear(F.gelu(F.linear(h, w.gate), approximate="tanh") * F.linear(h, w.up), w.down)
+    return x + _gemma_rms(h, w.ln_mlp_out, eps)
+
+
+# ---- what differs per architecture ------------------------------------------------------------
+@dataclass(frozen=True)
+class Arch:
+    """A decoder family: its layer tensors, its two layer functions, and how its config is
+    checked and read (``check`` raises UnsupportedTarget; ``layer_types`` says, per layer,
+    FULL or SLIDING; ``typed_rope``: one RoPE table per layer type, from the rotary module)."""
+
+    weights: Callable
+    inputs: Callable
+    output: Callable
+    check: Callable[[object, str], None]
+    layer_types: Callable[[object], list[str]]
+    typed_rope: bool = False
+
+
+def _refuse(name: str, why: str) -> NoReturn:
+    raise UnsupportedTarget(
+        f"target {name} {why}, which the fast engine does not implement: use engine=plain"
+    )
+
+
+def _check_llama(cfg, name: str) -> None:
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        _refuse(name, "uses sliding-window attention")
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        _refuse(name, f"uses activation '{cfg.hidden_act}' (SiLU MLPs only)")
+
+
+def _check_gemma3(cfg, name: str) -> None:
+    if getattr(cfg, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        _refuse(name, f"uses activation '{cfg.hidden_activation}' (GELU-tanh only)")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        # transformers' Gemma 3 (5.x) stores it but does not apply it: refuse rather than pick.
+        _refuse(name, "sets attn_logit_softcapping")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        _refuse(name, "uses bidirectional attention")
+    types = set(_gemma3_layer_types(cfg))
+    if not types <= {FULL, SLIDING}:
+        _refuse(name, f"has layer types {sorted(types)}")
+    if SLIDING in types and not getattr(cfg, "sliding_window", None):
+        _refuse(name, "has sliding layers without a sliding_window")
+
+
+def _gemma3_layer_types(cfg) -> list[str]:
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:  # configs from before layer_types: every pattern-th layer is global
+        pattern = int(getattr(cfg, "sliding_window_pattern", 6))
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(cfg.num_hidden_layers)]
+    return types
+
+
+LLAMA = Arch(
+    LayerWeights.of, attention_inputs, layer_output, _check_llama, lambda cfg: [FULL] * cfg.num_hidden_layers
+)
+GEMMA3 = Arch(
+    GemmaLayerWeights.of, gemma_attention_inputs, gemma_layer_output, _check_gemma3, _gemma3_layer_types,
+    typed_rope=True,
+)  # fmt: skip
+ARCHS = {**dict.fromkeys(LLAMA_FAMILY, LLAMA), "gemma3_text": GEMMA3}
+
+
+def _rope_table(base, layer_type: str, typed: bool, probe: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [capacity, hd] from the model's own rotary module: Llama's one table, or a Gemma 3
+    layer type's (transformers 5: one module keyed by layer type; 4.x: ``rotary_emb_local``)."""
+    if not typed:
+        cos, sin = base.rotary_emb(probe, position_ids=pos)
+    elif hasattr(base, "rotary_emb_local"):
+        module = base.rotary_emb_local if layer_type == SLIDING else base.rotary_emb
+        cos, sin = module(probe, pos)
+    else:
+        cos, sin = base.rotary_emb(probe, pos, layer_type)
+    return cos[0], sin[0]
 
 
 class StaticTarget:
@@ -123,28 +296,24 @@ class StaticTarget:
         kind = getattr(cfg, "model_type", "?")
         if kind not in SUPPORTED:
             raise UnsupportedTarget(
-                f"the fast engine runs Llama-family targets ({', '.join(SUPPORTED)}); target "
-                f"{target.name} is '{kind}': evaluate it with engine=plain"
+                f"the fast engine runs {', '.join(SUPPORTED)} targets; target {target.name} is "
+                f"'{kind}': evaluate it with engine=plain"
             )
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise UnsupportedTarget(
-                f"target {target.name} uses sliding-window attention, which the fast engine does not "
-                f"implement: evaluate it with engine=plain"
-            )
-        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-            raise UnsupportedTarget(
-                f"target {target.name} uses activation '{cfg.hidden_act}'; the fast engine implements SiLU "
-                f"MLPs only: evaluate it with engine=plain"
-            )
+        arch = ARCHS[kind]
+        arch.check(cfg, target.name)
         self.target = target
-        self.base = model.base_model
-        self.weights = [LayerWeights.of(layer) for layer in self.base.layers]
+        # A multimodal wrapper (Gemma3ForConditionalGeneration) keeps its text decoder under
+        # language_model; dspark.target.Target itself wraps text-only models today.
+        self.base = getattr(model.base_model, "language_model", model.base_model)
+        self.weights = [arch.weights(layer) for layer in self.base.layers]
         self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        # torch.compile fuses the norms, RoPE and SiLU·mul around the GEMMs (fewer kernels per
-        # step); tensors in, tensors out, so one graph serves every layer. The cache writes and
-        # the attention stay eager.
-        self._inputs = torch.compile(attention_inputs, dynamic=True) if compile else attention_inputs
-        self._output = torch.compile(layer_output, dynamic=True) if compile else layer_output
+        self.layer_types = arch.layer_types(cfg)
+        self.window = int(cfg.sliding_window) if SLIDING in self.layer_types else None
+        # torch.compile fuses the norms, RoPE and the gated activation around the GEMMs (fewer
+        # kernels per step); tensors in, tensors out, so one graph serves every layer. The cache
+        # writes and the attention stay eager.
+        self._inputs = torch.compile(arch.inputs, dynamic=True) if compile else arch.inputs
+        self._output = torch.compile(arch.output, dynamic=True) if compile else arch.output
         self.rows, self.capacity = int(rows), int(capacity)
         self.num_heads = target.num_heads
         self.num_kv_heads = target.num_kv_heads
@@ -159,8 +328,7 @@ class StaticTarget:
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)  # committed per row
         pos = torch.arange(self.capacity, device=device)[None]
         probe = torch.zeros(1, 1, self.head_dim, device=device, dtype=dtype)
-        cos, sin = self.base.rotary_emb(probe, position_ids=pos)
-        self.cos, self.sin = cos[0], sin[0]  # [capacity, hd]
+        self.rope = {t: _rope_table(self.base, t, arch.typed_rope, probe, pos) for t in set(self.layer_types)}
         self.slots = torch.arange(self.capacity, device=device)
 
     # ---------------------------------------------------------------------------------------
@@ -173,17 +341,26 @@ class StaticTarget:
         Shapes only: no host synchronisation."""
         r, w = ids.shape
         rows = slice(start, start + r)
-        x = self.base.embed_tokens(ids)
+        x = self.base.embed_tokens(ids)  # Gemma's module scales by √d itself
         tapped = {-1: x} if -1 in self.taps else {}
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [R, 1, W, hd]
-        # query (r, head, t) may read slot s <= its position; heads folded as [R, Hkv, G·W].
+        # Per layer type: cos/sin [R, 1, W, hd], and the mask of the slots each query may read.
+        rope = {t: (cos[positions][:, None], sin[positions][:, None]) for t, (cos, sin) in self.rope.items()}
         visible = self.slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
-        mask = visible[:, None, None].expand(r, 1, self.groups, w, self.capacity)
-        mask = mask.reshape(r, 1, self.groups * w, self.capacity)
+        masks = {FULL: visible}
+        if self.window is not None:
+            masks[SLIDING] = visible & (self.slots[None, None, :] > positions[:, :, None] - self.window)
+        # query (r, head, t) as row (r, kv head, g·W + t) of the folded heads: [R, 1, G·W, C].
+        masks = {
+            t: m[:, None, None].expand(r, 1, self.groups, w, self.capacity).reshape(r, 1, -1, self.capacity)
+            for t, m in masks.items()
+            if t in self.rope
+        }
         row_index = torch.arange(start, start + r, device=ids.device)[:, None].expand(r, w)
-        for i, weights in enumerate(self.weights):
+        for i, (weights, kind) in enumerate(zip(self.weights, self.layer_types)):
+            cos, sin = rope[kind]
             q, k, v = self._inputs(x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads)
-            x = self._output(x, self._attend(q, k, v, mask, row_index, positions, i, rows), weights, self.eps)
+            attn = self._attend(q, k, v, masks[kind], row_index, positions, i, rows)
+            x = self._output(x, attn, weights, self.eps)
             if i in self.taps:
                 tapped[i] = x
         hidden = self.base.norm(x)
