@@ -7,10 +7,17 @@
 This is the convention of ``dspark.decoding.verify.sample_from``; ``sample_from_reference``
 below restates it so the kernels never import decoding code (decoding may import kernels).
 Greedy ties break to the lowest index, like ``torch.argmax``.
+
+Two Triton paths. With many rows, one program per row streams the row three times (the grid
+fills the GPU). With few rows that leaves most SMs idle, so each row's vocabulary is cut into C
+chunks handled by C programs (grid R x C, three launches): per-chunk statistics, then p and each
+chunk's mass, then one program per row finds the chunk holding u·total and searches it.
+``choose_chunks`` picks C; ``chunks=1`` forces the single-program kernel.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -18,7 +25,12 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 
-__all__ = ["SampleStep", "sample_from_reference", "sample_step_reference", "sample_step"]
+__all__ = ["SampleStep", "choose_chunks", "sample_from_reference", "sample_step_reference", "sample_step"]
+
+BLOCK = 4096  # columns per piece on the GPU (the interpreter uses 128)
+# Programs the split path aims for: about one per SM (H200: 132). R >= SM_TARGET rows fill the
+# GPU with one program per row, so they keep the single-program kernel.
+SM_TARGET = 128
 
 
 class SampleStep(NamedTuple):
@@ -150,15 +162,227 @@ if HAS_TRITON:
                 carry = tl.max(cdf, axis=0)
             tl.store(tokens_ptr + r, tl.minimum(first, last))
 
+    # Split-V path: chunk c of row r covers [c·CHUNK, (c + 1)·CHUNK) ∩ [0, V), CHUNK a multiple of
+    # BLOCK, so every loop below has constexpr bounds. Small [R, CHUNKS] arrays carry the chunk
+    # statistics between launches (a launch boundary orders one phase's writes before the next).
 
-def _sample_step_triton(base_logits, bias, temperature, u) -> SampleStep:
+    @triton.jit
+    def _split_stats_kernel(
+        base_ptr,
+        bias_ptr,
+        m_ptr,
+        s_ptr,
+        arg_ptr,
+        V: tl.constexpr,
+        stride_base,
+        stride_bias,
+        temperature,
+        HAS_BIAS: tl.constexpr,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):
+        # Phase 1: the chunk's max and sum-exp of z / T relative to it (greedy: max and argmax).
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        start = c * CHUNK
+        lane = tl.arange(0, BLOCK)
+        at = r * CHUNKS + c
+        if GREEDY:
+            best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
+            best_i = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + start
+            for v0 in range(0, CHUNK, BLOCK):
+                z = _load_logits(
+                    base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS
+                )
+                m = tl.max(z, axis=0)
+                i = tl.argmax(z, axis=0).to(tl.int64) + start + v0
+                take = m > best  # strict: earlier pieces win ties, like torch.argmax
+                best_i = tl.where(take, i, best_i)
+                best = tl.where(take, m, best)
+            tl.store(m_ptr + at, best)
+            tl.store(arg_ptr + at, best_i)
+        else:
+            m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
+            s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+            for v0 in range(0, CHUNK, BLOCK):
+                y = (
+                    _load_logits(
+                        base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS
+                    )
+                    / temperature
+                )
+                m_new = tl.maximum(m, tl.max(y, axis=0))
+                scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))  # all-masked so far
+                s = s * scale + tl.sum(tl.where(y == float("-inf"), 0.0, tl.exp(y - m_new)), axis=0)
+                m = m_new
+            tl.store(m_ptr + at, m)
+            tl.store(s_ptr + at, s)
+
+    @triton.jit
+    def _split_write_kernel(
+        base_ptr,
+        bias_ptr,
+        m_ptr,
+        s_ptr,
+        arg_ptr,
+        mass_ptr,
+        tokens_ptr,
+        probs_ptr,
+        V: tl.constexpr,
+        stride_base,
+        stride_bias,
+        temperature,
+        HAS_BIAS: tl.constexpr,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        CHUNKS_P2: tl.constexpr,
+    ):
+        # Phase 2: every program combines its row's chunk statistics (the same loads and the same
+        # reductions in every program, so all chunks of a row use bit-identical max and sum) and
+        # writes p over its chunk; sampling also stores the chunk's mass.
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        start = c * CHUNK
+        lane = tl.arange(0, BLOCK)
+        ci = tl.arange(0, CHUNKS_P2)
+        cok = ci < CHUNKS
+        cm = tl.load(m_ptr + r * CHUNKS + ci, mask=cok, other=float("-inf"))
+        out_row = probs_ptr + r * V
+        if GREEDY:
+            carg = tl.load(arg_ptr + r * CHUNKS + ci, mask=cok, other=V)
+            best = tl.max(cm, axis=0)
+            # Each chunk's argmax is its lowest maximal index, so the lowest among the tied chunks
+            # is the row's lowest: torch.argmax's tie break.
+            token = tl.min(tl.where(cok & (cm == best), carg, V), axis=0)
+            for v0 in range(0, CHUNK, BLOCK):
+                offs = start + v0 + lane
+                tl.store(out_row + offs, (offs == token).to(tl.float32), mask=offs < V)
+            tl.store(tokens_ptr + r, token, mask=c == 0)
+        else:
+            cs = tl.load(s_ptr + r * CHUNKS + ci, mask=cok, other=0.0)
+            m = tl.max(cm, axis=0)
+            s = tl.sum(tl.where(cm == float("-inf"), 0.0, cs * tl.exp(cm - m)), axis=0)
+            mass = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+            for v0 in range(0, CHUNK, BLOCK):
+                offs = start + v0 + lane
+                y = (
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
+                    / temperature
+                )
+                p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
+                tl.store(out_row + offs, p, mask=offs < V)
+                # The same blockwise running cdf, from 0 at the chunk's start, as phase 3's search.
+                mass = tl.max(mass + tl.cumsum(p, axis=0), axis=0)
+            tl.store(mass_ptr + r * CHUNKS + c, mass)
+
+    @triton.jit
+    def _split_search_kernel(
+        u_ptr,
+        mass_ptr,
+        tokens_ptr,
+        probs_ptr,
+        V: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        CHUNKS_P2: tl.constexpr,
+    ):
+        # Phase 3, one program per row. Consistency of threshold and cdf: the row's cdf is
+        # defined as incl[k-1] + local_k, incl being the inclusive cumsum of the chunk masses
+        # (computed once, here) and local_k chunk k's running cdf from 0. The total is incl's last
+        # element, the chunk is the first whose incl exceeds u·total, so the threshold and the
+        # chunk choice come from the same numbers. Inside the chunk the search reads back the
+        # returned p (not a recomputation, so the draw is from exactly the p returned) and runs
+        # phase 2's scan, whose end is the chunk's mass. The one rounding step left, t - incl[k-1],
+        # can put the local threshold at or past the chunk's end when u·total sits within an ulp
+        # of incl[k]; the clamp to the chunk's last nonzero p then answers, which is also the
+        # reference's clamp when k is the last chunk with mass.
+        r = tl.program_id(0).to(tl.int64)
+        lane = tl.arange(0, BLOCK)
+        ci = tl.arange(0, CHUNKS_P2)
+        cok = ci < CHUNKS
+        cmass = tl.load(mass_ptr + r * CHUNKS + ci, mask=cok, other=0.0)
+        incl = tl.cumsum(cmass, axis=0)
+        total = tl.sum(tl.where(ci == CHUNKS - 1, incl, 0.0), axis=0)  # picking by mask is exact
+        threshold = tl.load(u_ptr + r).to(tl.float32) * total
+        k = tl.min(tl.where(cok & (incl > threshold), ci, CHUNKS), axis=0)
+        last_c = tl.max(tl.where(cok & (cmass > 0), ci, -1), axis=0)
+        k = tl.minimum(k, tl.where(last_c < 0, CHUNKS - 1, last_c))  # u·total at or past the end
+        local = threshold - tl.sum(tl.where(ci == k - 1, incl, 0.0), axis=0)
+        start = k.to(tl.int64) * CHUNK
+        row = probs_ptr + r * V
+        carry = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+        first = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + V
+        last = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) - 1
+        for v0 in range(0, CHUNK, BLOCK):
+            offs = start + v0 + lane
+            p = tl.load(row + offs, mask=offs < V, other=0.0)
+            cdf = carry + tl.cumsum(p, axis=0)
+            # p > 0: a scan's rounding can never hand the draw a zero-probability token.
+            hit = (cdf > local) & (p > 0)
+            first = tl.minimum(first, tl.min(tl.where(hit, offs, V), axis=0).to(tl.int64))
+            last = tl.maximum(last, tl.max(tl.where(p > 0, offs, -1), axis=0).to(tl.int64))
+            carry = tl.max(cdf, axis=0)
+        last = tl.where(last < 0, V - 1, last)  # no mass anywhere (NaN rows): V - 1, as the reference
+        tl.store(tokens_ptr + r, tl.minimum(first, last))
+
+
+def _chunk_layout(chunks: int, vocab: int, block: int) -> tuple[int, int]:
+    """(C, CHUNK): at most ``chunks`` chunks of whole blocks, none of them empty."""
+    blocks = math.ceil(vocab / block)
+    per = math.ceil(blocks / max(1, min(chunks, blocks)))
+    return math.ceil(blocks / per), per * block
+
+
+def choose_chunks(rows: int, vocab: int, block: int = BLOCK) -> int:
+    """Chunks per row of the split path for ``rows`` rows: enough programs for ~SM_TARGET in all,
+    each at least one block wide; 1 (the single-program kernel) from SM_TARGET rows up."""
+    want = max(1, min(vocab // block, SM_TARGET // max(1, rows)))
+    return _chunk_layout(want, vocab, block)[0]
+
+
+def _sample_step_split(base, bias, temperature, u, chunks: int, block: int) -> SampleStep:
+    r, v = base.shape
+    chunks, chunk = _chunk_layout(chunks, v, block)
+    device = base.device
+    tokens = torch.empty(r, device=device, dtype=torch.int64)
+    probs = torch.empty((r, v), device=device, dtype=torch.float32)
+    stats = torch.empty((3, r, chunks), device=device, dtype=torch.float32)  # max, sum-exp, mass
+    arg = torch.empty((r, chunks), device=device, dtype=torch.int64)  # greedy: chunk argmax
+    bias_arg = base if bias is None else bias
+    stride_bias = 0 if bias is None else bias.stride(0)
+    greedy = temperature == 0
+    shape = {"BLOCK": block, "CHUNK": chunk, "CHUNKS": chunks}
+    common = (v, base.stride(0), stride_bias, float(temperature))
+    flags = {"HAS_BIAS": bias is not None, "GREEDY": greedy}
+    _split_stats_kernel[(r, chunks)](base, bias_arg, stats[0], stats[1], arg, *common, **flags, **shape)
+    _split_write_kernel[(r, chunks)](
+        base, bias_arg, stats[0], stats[1], arg, stats[2], tokens, probs, *common, **flags, **shape,
+        CHUNKS_P2=triton.next_power_of_2(chunks),
+    )  # fmt: skip
+    if not greedy:
+        _split_search_kernel[(r,)](
+            u.float().contiguous(), stats[2], tokens, probs, v, **shape,
+            CHUNKS_P2=triton.next_power_of_2(chunks),
+        )  # fmt: skip
+    return SampleStep(tokens, probs)
+
+
+def _sample_step_triton(base_logits, bias, temperature, u, chunks: int | None) -> SampleStep:
     r, v = base_logits.shape
     base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
+    block = 128 if triton_interpreting() else min(BLOCK, triton.next_power_of_2(v))
+    chunks = choose_chunks(r, v, block) if chunks is None else _chunk_layout(chunks, v, block)[0]
+    if chunks > 1:
+        return _sample_step_split(base, bias, temperature, u, chunks, block)
     tokens = torch.empty(r, device=base.device, dtype=torch.int64)
     probs = torch.empty((r, v), device=base.device, dtype=torch.float32)
-    block = 128 if triton_interpreting() else min(4096, triton.next_power_of_2(v))
     _sample_step_kernel[(r,)](
         base,
         base if bias is None else bias,
@@ -183,8 +407,15 @@ def sample_step(
     u: Tensor,
     *,
     impl: str = "auto",
+    chunks: int | None = 1,
 ) -> SampleStep:
-    """Sample one token per row from softmax((base + bias) / T); see the module docstring."""
+    """Sample one token per row from softmax((base + bias) / T); see the module docstring.
+
+    ``chunks`` (Triton only): programs per row; 1 (the default) the single-program kernel, None
+    lets ``choose_chunks`` split the vocabulary when rows are few, C > 1 forces C. The split path is
+    not the default until the H200 has run it: its GPU tests and ``engine_sps --draft-parts``'
+    graph-timed ``sampling_split_ms`` against ``sampling_fused_ms`` decide. The PyTorch path
+    ignores it."""
     if base_logits.dim() != 2:
         raise ValueError(f"base_logits must be [R, V], got {tuple(base_logits.shape)}")
     if bias is not None and bias.shape != base_logits.shape:
@@ -193,7 +424,9 @@ def sample_step(
         raise ValueError(f"u must be [R]={base_logits.shape[0]}, got {tuple(u.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be None or an int >= 1, got {chunks!r}")
     tensors = (base_logits, u) if bias is None else (base_logits, bias, u)
     if resolve_impl(impl, *tensors) == "triton":
-        return _sample_step_triton(base_logits, bias, temperature, u)
+        return _sample_step_triton(base_logits, bias, temperature, u, chunks)
     return sample_step_reference(base_logits, bias, temperature, u)

@@ -36,6 +36,7 @@ from dspark.kernels import (
     triton_available,
     triton_interpreting,
 )
+from dspark.kernels.sample_step import BLOCK, SM_TARGET, _chunk_layout, choose_chunks
 
 try:  # the colleague-owned references; tests fall back to the local ones if absent
     from dspark.core.sampling import probs_from_logits, sample_from
@@ -215,6 +216,52 @@ def valid_inverse_cdf(dist, u, tokens, eps):
     return bool(torch.all(ok & (dist.gather(1, tokens[:, None]).squeeze(1) > 0)))
 
 
+def unambiguous(dist, u, eps):
+    """Rows whose inverse-CDF answer is the same for every threshold within eps·total of u·total:
+    there two summation orders must draw the same token."""
+    cdf = dist.double().cumsum(-1)
+    total = cdf[:, -1:]
+    thr = u.double()[:, None] * total
+    before = torch.cat([torch.zeros_like(cdf[:, :1]), cdf[:, :-1]], 1)
+    ok = (cdf > thr - eps * total) & (before <= thr + eps * total) & (dist > 0)
+    return ok.sum(-1) == 1
+
+
+def split_rows(r=8, v=1000, *, seed=0):
+    """``sampling_rows`` plus the split path's edges: chunks without mass before the mass, a
+    masked tail with u = 1 (u·total is the total: no chunk holds it, the clamp to the last nonzero
+    p answers), a single live entry, u = 0 and a greedy tie inside the first chunk."""
+    base, bias, u = sampling_rows(r, v, seed=seed)
+    base[3, :600] = float("-inf")
+    base[4, 300:] = float("-inf")
+    base[4, 299], bias[4, 299] = base[4].max() + 4, 0.0
+    u[4] = 1.0
+    base[5] = float("-inf")
+    base[5, 517] = 0.0
+    u[6] = 0.0
+    base[7, 10] = base[7, 200] = base[7].max() + 10
+    bias[7, 10] = bias[7, 200] = 0.0
+    return base, bias, u
+
+
+def assert_split_matches(got, base, bias, temperature, u):
+    tokens, probs = expected_sample(base, bias, temperature, u)
+    assert got.probs.dtype == torch.float32 and got.tokens.dtype == torch.int64
+    assert torch.all(got.probs[probs == 0] == 0)  # masked entries stay exactly 0
+    if temperature == 0:
+        assert torch.equal(got.tokens, tokens)
+        assert torch.equal(got.probs, probs)
+        return
+    torch.testing.assert_close(got.probs, probs, rtol=0, atol=1e-6)
+    # The token is an inverse-CDF draw from the returned probs, with nonzero probability ...
+    assert valid_inverse_cdf(got.probs, u, got.tokens, 1e-6)
+    # ... and, away from cdf steps, exactly the reference's draw from either distribution.
+    sure = unambiguous(probs, u, 1e-5) & unambiguous(got.probs, u, 1e-5)
+    assert sure.sum() >= len(u) - 2
+    assert torch.equal(got.tokens[sure], tokens[sure])
+    assert torch.equal(got.tokens[sure], sample_from_reference(got.probs, u)[sure])
+
+
 def assert_same_draws(got, ref, dist, u):
     """Inverse-CDF draws from two summation orders: equal except where the threshold sits
     within float32 round-off of a cdf step (at V=49152 and flat rows that is ~1% of draws)."""
@@ -257,6 +304,31 @@ def test_sample_step_reference(temperature, with_bias):
     if temperature == 0:
         assert got.tokens[1] == 3  # tie broken to the lowest index
     assert got.probs.dtype == torch.float32 and got.tokens.dtype == torch.int64
+
+
+def test_choose_chunks():
+    """Few rows split the vocabulary over about SM_TARGET programs, SM_TARGET rows and more keep
+    one program per row; chunks are whole blocks and never empty."""
+    assert choose_chunks(1, 49152) == 49152 // BLOCK > 1
+    assert choose_chunks(1, 262144) == 64 and choose_chunks(4, 262144) == 32
+    assert choose_chunks(64, 49152) == 2
+    for rows in (SM_TARGET, SM_TARGET + 1, 512):
+        assert choose_chunks(rows, 49152) == 1 and choose_chunks(rows, 262144) == 1
+    assert choose_chunks(1, 3000) == 1  # under one block
+    for v in (1000, 4097, 49152, 262144):
+        for want in range(1, 80):
+            c, chunk = _chunk_layout(want, v, 128)
+            assert 1 <= c <= want and chunk % 128 == 0 and (c - 1) * chunk < v <= c * chunk
+
+
+def test_sample_step_chunks_argument():
+    base, bias, u = sampling_rows(4, 100, seed=3)
+    ref = sample_step_reference(base, bias, 0.7, u)
+    got = sample_step(base, bias, 0.7, u, impl="torch", chunks=3)  # ignored off Triton
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.probs, ref.probs)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="chunks"):
+            sample_step(base, bias, 0.7, u, chunks=bad)
 
 
 # ----------------------------------------------------------------------------- verify helpers
@@ -369,15 +441,60 @@ def test_interp_fused_loss(softcap):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("chunks", [1, None], ids=["single", "auto"])  # auto: 2 chunks here
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_interp_sample_step(temperature, with_bias):
+def test_interp_sample_step(temperature, with_bias, chunks):
     base, bias, u = sampling_rows(6, 300, seed=11)
     bias = bias if with_bias else None
-    got = sample_step(base, bias, temperature, u, impl="triton")
+    got = sample_step(base, bias, temperature, u, impl="triton", chunks=chunks)
     tokens, probs = expected_sample(base, bias, temperature, u)
     torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
     assert torch.equal(got.tokens, tokens)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chunks", [2, 3])  # V=1000 in 128-wide blocks: 4+4 and 3+3+2 blocks
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_interp_sample_step_split(temperature, with_bias, chunks):
+    base, bias, u = split_rows(seed=13)
+    bias = bias if with_bias else None
+    got = sample_step(base, bias, temperature, u, impl="triton", chunks=chunks)
+    assert_split_matches(got, base, bias, temperature, u)
+    if temperature == 0:
+        assert got.tokens[1] == 3 and got.tokens[7] == 10 and got.tokens[5] == 517  # lowest index
+    else:
+        assert got.tokens[4] == 299 and got.tokens[5] == 517
+
+
+@needs_interpreter
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_interp_sample_step_split_one_row(temperature):
+    """chunks=None at R=1 takes the split path (4 chunks of 2 blocks at V=1000)."""
+    base, bias, u = split_rows(seed=14)
+    for i in (3, 4, 7):
+        row = (base[i : i + 1], bias[i : i + 1], temperature, u[i : i + 1])
+        got = sample_step(*row, impl="triton", chunks=None)
+        forced = sample_step(*row, impl="triton", chunks=choose_chunks(1, 1000, 128))
+        assert choose_chunks(1, 1000, 128) == 4
+        assert torch.equal(got.tokens, forced.tokens) and torch.equal(got.probs, forced.probs)
+        assert_split_matches(got, *row)
+
+
+@needs_interpreter
+def test_interp_sample_step_split_frequencies():
+    """Stratified uniforms over copies of one row: each token is drawn N·p ± 1 times, p being the
+    returned probabilities (a deterministic frequency check of the draw)."""
+    n, v = 48, 300
+    g = torch.Generator().manual_seed(15)
+    base = (torch.randn(v, generator=g) * 3).expand(n, v).contiguous()
+    u = (torch.arange(n) + 0.5) / n
+    got = sample_step(base, None, 1.0, u, impl="triton", chunks=3)
+    assert torch.equal(got.probs, got.probs[:1].expand(n, v))
+    counts = torch.bincount(got.tokens, minlength=v).double()
+    assert (counts - n * got.probs[0].double()).abs().max() < 1 + 1e-6
+    assert torch.all(got.probs[0, got.tokens] > 0)
 
 
 @needs_interpreter
@@ -419,16 +536,41 @@ def test_gpu_fused_loss(dtype, softcap):
 
 @pytest.mark.gpu
 @needs_cuda_triton
+@pytest.mark.parametrize("chunks", [1, 12, 5], ids=["single", "split12", "split5"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_gpu_sample_step(temperature):
+def test_gpu_sample_step(temperature, chunks):
     base, bias, u = sampling_rows(512, GPU_V, seed=21, device="cuda")
-    got = sample_step(base.bfloat16(), bias.bfloat16(), temperature, u, impl="triton")
+    got = sample_step(base.bfloat16(), bias.bfloat16(), temperature, u, impl="triton", chunks=chunks)
     tokens, probs = expected_sample(base.bfloat16(), bias.bfloat16(), temperature, u)
     torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
     if temperature == 0:
         assert torch.equal(got.tokens, tokens)
     else:
         assert_same_draws(got.tokens, tokens, probs, u)
+        assert valid_inverse_cdf(got.probs, u, got.tokens, 1e-5)  # drawn from the returned probs
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("v", [GPU_V, 262144], ids=["smollm2", "gemma3"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_sample_step_few_rows(temperature, v):
+    """The chooser's split path (chunks=None) at the drafter's row counts (R = 1 and 8) against the
+    reference: what must pass on the H200 before the split becomes sample_step's default."""
+    base, bias, u = split_rows(8, v, seed=23)
+    base, bias, u = base.cuda().bfloat16(), bias.cuda().bfloat16(), u.cuda()
+    assert choose_chunks(1, v) > 1 and choose_chunks(8, v) > 1
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 8)):
+        case = (base[rows], bias[rows], temperature, u[rows])
+        got = sample_step(*case, impl="triton", chunks=None)
+        tokens, probs = expected_sample(*case)
+        torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
+        if temperature == 0:
+            assert torch.equal(got.tokens, tokens)
+        else:
+            assert valid_inverse_cdf(got.probs, case[3], got.tokens, 1e-5)
+            sure = unambiguous(probs, case[3], 1e-5)
+            assert torch.equal(got.tokens[sure], tokens[sure])
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ import torch
 from ..checkpoints import load_drafter
 from ..decoding.engine import Engine
 from ..decoding.fast_engine import FastEngine
+from ..decoding.graphs import GraphBank
 from ..decoding.kv import RaggedKV
 from ..scheduling.policies import Fixed
 from .common import median_ms
@@ -140,7 +141,11 @@ def draft_parts(
     """The draft step's parts, each timed alone and eagerly (launch overheads included, which the
     captured step does not pay) per row count R: the backbone over the γ-block, the LM head over
     R × γ positions, the heads and sampling for all γ positions and for one, and the sampling
-    alone, fused kernel against its PyTorch reference. A block drafter only (``sample_block``)."""
+    alone: the fused single-program kernel, the split-V kernel (``choose_chunks``' C, at least 2, so
+    rows past the chooser's limit show what splitting would cost there) and the PyTorch reference,
+    these three as replays of a captured CUDA graph on CUDA (the price inside the draft step's graph,
+    which decides between them; eager they would time their launches). A block drafter only
+    (``sample_block``)."""
     if not hasattr(drafter, "sample_block"):
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
@@ -155,7 +160,7 @@ def draft_parts(
 
 
 def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int, repeats: int) -> dict:
-    from ..kernels.sample_step import sample_step
+    from ..kernels.sample_step import choose_chunks, sample_step
 
     drafter, shared, device = eng.drafter, eng.shared, eng.device
     gamma = drafter.gamma
@@ -172,9 +177,15 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
     hidden = drafter.backbone(drafter.block_inputs(anchors, shared), block, kv, mask)
     logits = hidden @ shared.lm_weight.t().to(hidden.dtype)
 
-    def sampling(impl: str) -> None:
+    def sampling(impl: str, chunks: int | None = None) -> None:
         for k in range(gamma):
-            sample_step(logits[:, k], None, temperature, u[:, k], impl=impl)
+            sample_step(logits[:, k], None, temperature, u[:, k], impl=impl, chunks=chunks)
+
+    split = max(2, choose_chunks(r, logits.shape[-1]))
+    bank = GraphBank(device) if device.type == "cuda" else None
+
+    def captured(name: str, fn):
+        return fn if bank is None else lambda: bank.run(name, fn)
 
     parts = {
         "propose_ms": lambda: drafter.propose(cache, anchors, pos, shared, temperature, uniforms=u),
@@ -184,8 +195,9 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
         "first_position_ms": lambda: drafter.sample_block(
             hidden[:, :1], anchors, shared, temperature, u[:, :1]
         ),
-        "sampling_fused_ms": lambda: sampling("auto"),
-        "sampling_reference_ms": lambda: sampling("torch"),
+        "sampling_fused_ms": captured("fused", lambda: sampling("auto", 1)),
+        "sampling_split_ms": captured("split", lambda: sampling("auto", split)),
+        "sampling_reference_ms": captured("reference", lambda: sampling("torch")),
     }
     return {"rows": r, **{name: median_ms(fn, device, warmup, repeats) for name, fn in parts.items()}}
 
