@@ -21,7 +21,7 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
          "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "--overhead",
-         "--draft-parts", "1,2", "target=tiny"]
+         "--draft-parts", "1,2", "--kernels", "2", "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -48,6 +48,13 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms"))
+    # --kernels: the verify step at widths 1 and γ + 1 and the draft step, each profiled (CPU ops here)
+    assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [
+        ("verify", 2, 1), ("verify", 2, 5), ("draft", 2, 4)
+    ]  # fmt: skip
+    for k in saved["kernels"]:
+        assert k["kernel_ms"] > 0 and k["kernels"] > 0 and k["top"]
+        assert k["top"] == sorted(k["top"], key=lambda t: -t["us"]) and all(t["calls"] > 0 for t in k["top"])
 
 
 def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):

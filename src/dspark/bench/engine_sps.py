@@ -3,13 +3,14 @@
     python -m dspark.bench.engine_sps target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
         [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
-        [--draft-parts 1,16,64,256]] [--no-compile]
+        [--draft-parts 1,16,64,256] [--kernels 1,256]] [--no-compile]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
 length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps and what reading its
 verify width back costs, with
-``--draft-parts`` the draft step's parts. The fast path is compiled on CUDA unless
+``--draft-parts`` the draft step's parts, with ``--kernels`` each step's kernels (count, device
+time, the costliest) from an eager, profiled run. The fast path is compiled on CUDA unless
 ``--no-compile``. Prints tables; writes JSON (and, with --cost-table, the verify curve, plus the
 draft curves and the round overhead when timed, as a scheduler cost table for
 ``python -m dspark.schedule cost_table=...``, ``python -m dspark.bench.e2e --cost-table ...``).
@@ -38,6 +39,10 @@ def _parse(argv):
         "--overhead", action="store_true", help="time a whole round's cost beyond its steps (R = 1)"
     )
     ap.add_argument("--draft-parts", default="", help="row counts to time the draft step's parts at")
+    ap.add_argument(
+        "--kernels", default="",
+        help="row counts to profile the verify (width 1 and γ+1) and draft steps at, kernel by kernel",
+    )  # fmt: skip
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
     return ap.parse_known_args(argv)
@@ -59,6 +64,7 @@ def main(argv=None) -> dict:
         load_served_drafter,
         round_overhead_ms,
         row_counts,
+        step_kernels,
         verify_step_times,
     )
 
@@ -106,6 +112,10 @@ def main(argv=None) -> dict:
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]
             report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
+    if args.kernels:  # last: the profiler's own cost stays out of every timing above
+        kernel_rows = [int(r) for r in args.kernels.split(",")]
+        served = drafter if args.drafter_dir else None
+        report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile)
     nan = float("nan")
     publish(
         args.out,

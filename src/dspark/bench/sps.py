@@ -7,7 +7,7 @@ probabilities over the vocabulary, exactly what a verification round asks of the
 the drafter's step per row count and drafted length (backbone + sequential head + confidence +
 sampling, the fast engine's graph), the parts of that step timed one by one, the host work of a
 whole round that none of the steps shows (the cost model's ``overhead_ms``) and what a round loses
-when its verify width is read back (``readback_ms``).
+when its verify width is read back (``readback_ms``), and the kernels of each step, profiled.
 ``python -m dspark.bench.engine_sps`` prints and publishes them."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "draft_step_times",
     "round_overhead_ms",
     "row_counts",
+    "step_kernels",
     "verify_step_times",
 ]
 
@@ -132,6 +133,49 @@ def draft_step_times(
                 out[m][r] = max([median_ms(step, device, warmup, repeats), *out[m].values()])
             times = "  ".join(f"R={r}: {t:.3f} ms" for r, t in out[m].items())
             print(f"draft γ_d={m}: {times}", flush=True)
+    return out
+
+
+def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | None = None) -> list[dict]:
+    """Per row count R, the kernels of a speculative round's two steps, run eagerly and profiled
+    (``kernel_profile.kernel_table``): the verify step at width 1 (a plain round) and γ + 1 (the
+    whole block; with a drafter it also writes the drafter's context, as in a round), and the
+    draft step of the whole block. Without a drafter, the verify step at width 1 and 8."""
+    from .kernel_profile import kernel_table
+
+    device = target.device
+    gamma = int(drafter.gamma) if drafter is not None else 7
+    widths = [1, gamma + 1]
+    cap = capacity(ctx, widths)
+    if drafter is not None:
+        eng = _draft_engine(target, drafter, rows, ctx, cap, compile)
+    else:
+        eng = FastEngine(target, None, concurrency=max(rows), buckets=rows, capacity=cap, compile=compile)
+        eng._allocate(cap)
+    eng.bank, eng.use_graphs = None, False  # eager: the profiler sees every kernel
+    out = []
+    with torch.inference_mode():
+        for buf in eng.static.k + eng.static.v:
+            buf.normal_()
+        eng.static.lengths.fill_(ctx)
+        for r in rows:
+            for w in widths:
+                ids = torch.randint(0, target.vocab_size, (r, w), device=device)
+                pos = ctx + torch.arange(w, device=device).expand(r, -1)
+                table = kernel_table(lambda i=ids, p=pos: eng._target_step(i, p), device)
+                out.append({"step": "verify", "rows": r, "width": w, **table})
+            if drafter is not None:
+                a = torch.randint(0, target.vocab_size, (r,), device=device)
+                p, u = torch.full((r,), ctx, device=device), torch.rand(r, gamma, device=device)
+                table = kernel_table(lambda a=a, p=p, u=u: eng._draft_step(a, p, u, gamma), device)
+                out.append({"step": "draft", "rows": r, "width": gamma, **table})
+            for row in out[-3 if drafter is not None else -2 :]:
+                names = ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in row["top"][:3])
+                print(
+                    f"kernels {row['step']} R={r} W={row['width']}: {row['kernels']:.0f} per step, "
+                    f"{row['kernel_ms']:.3f} ms; top: {names}",
+                    flush=True,
+                )
     return out
 
 
