@@ -8,7 +8,7 @@
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
 #     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
 #     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
-#   bash scripts/h200_drafter.sh pack                               # the data folder as ≤ 15 MiB pieces in $OUT
+#   bash scripts/h200_drafter.sh pack [DEST]                        # the data folder as ≤ 15 MiB pieces
 #   bash scripts/h200_drafter.sh probe [SECONDS]                    # where a real step's time goes (see below)
 # Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).
 # Everything worth keeping is copied under $OUT/<NAME>/ (logs, summaries, results; no weights).
@@ -103,9 +103,15 @@ EOF
   echo "fastest: '$(cat outputs/h200/probe_best.txt)'"
   ;;
 pack)
-  mkdir -p "$OUTDIR/pack"
-  tar -C outputs/h200/data -cf - "smollm2_${N}_bfloat16" | xz -T0 -3 | split -b 15M - "$OUTDIR/pack/data.tar.xz."
-  ls -la "$OUTDIR/pack"
+  # What training and evaluation read (the build key, DONE.json, prompts, tokens; not the answer
+  # shards, which tokens/ already holds), as <= 15 MiB pieces: a later session unpacks them with
+  # `h200_session.sh`'s data stage (DATA_PACK) instead of regenerating.
+  dest=${1:-$OUTDIR/pack}
+  mkdir -p "$dest"
+  name=smollm2_${N}_bfloat16
+  tar -C outputs/h200/data -cf - "$name/build.json" "$name/DONE.json" "$name/prompts" "$name/tokens" |
+    xz -T0 -6 | split -b 15M - "$dest/$name.tar.xz."
+  ls -la "$dest"
   ;;
 eval)
   name=$1

@@ -9,7 +9,10 @@
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
 # outputs/h200/out (the layout of h200_drafter.sh) and appends "stage status seconds" to
 # outputs/h200/session/stages.txt (the bundle leaves out the evaluations' rounds and generations):
-#   data    N conversations (N, default 30000) through the fast engine (h200_data.sh)
+#   data    N conversations (N, default 30000) through the fast engine (h200_data.sh); with
+#           PACK_DATA=1 also packed as <= 15 MiB pieces that `wait` brings back as files of their own
+#           (h200_drafter.sh pack); with DATA_PACK=<path prefix of such pieces, e.g.
+#           data/packs/smollm2_30000_bfloat16.tar.xz> unpacked instead of regenerated (no GPU time)
 #   train   NAME (dspark) for TRAIN_MINUTES (10) with TRAIN_EXTRA overrides; a run that fails before
 #           its first checkpoint is retried once as NAME_fallback with FALLBACK_EXTRA (dense attention,
 #           eager layers and target): a compiler failure costs one retry, not the session
@@ -43,6 +46,7 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
     [ -f "$log" ] && tr '\r' '\n' < "$log" | tail -300 > "outputs/h200/out/logs/$(basename "$log")"
   done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
+  cp outputs/h200/pack/* "$OUT/" 2>/dev/null || true  # PACK_DATA: the data's pieces, each its own file
   # rounds.jsonl / generations.jsonl: 10-20 MB per evaluation, over the 16 MiB a file may bring back.
   (cd outputs/h200 && ls -d eval_* 2>/dev/null |
     tar -czf "$OUT/evals.tgz" --exclude=rounds.jsonl --exclude=generations.jsonl -T - 2>/dev/null)
@@ -87,6 +91,13 @@ pipeline)
     CALL_LIMIT=$((minutes * 60 + 240)) bash scripts/h200_drafter.sh train "$name" "$minutes" \
       drafter=dspark head=markov ${TRAIN_EXTRA:-}
   }
+  unpack_data() {  # unpack_data PREFIX: PREFIX.aa, PREFIX.ab ... -> outputs/h200/data/, checked
+    mkdir -p outputs/h200/data
+    cat "$1".* | xz -d | tar -x -C outputs/h200/data || return 1
+    local dir=outputs/h200/data/$(basename "$1" .tar.xz)
+    [ -f "$dir/DONE.json" ] && ls "$dir"/tokens/*.safetensors > /dev/null || return 1
+    mkdir -p outputs/h200/out/data && cp "$dir/DONE.json" outputs/h200/out/data/
+  }
   batch() {
     local data=outputs/h200/data/smollm2_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
     local dest=outputs/h200/out/table1 specs n o t sources=()
@@ -119,7 +130,15 @@ pipeline)
   }
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in
-    data) run data bash scripts/h200_drafter.sh data "${N:-30000}" || break; gpu_tested=1 ;;
+    data)
+      if [ -n "${DATA_PACK:-}" ]; then  # the pieces an earlier session's PACK_DATA brought back
+        run data_unpack unpack_data "$DATA_PACK" || break
+      else
+        run data bash scripts/h200_drafter.sh data "${N:-30000}" || break
+        gpu_tested=1
+        [ -z "${PACK_DATA:-}" ] || run data_pack bash scripts/h200_drafter.sh pack outputs/h200/pack
+      fi
+      ;;
     train)
       if ! run train train; then
         [ -f "outputs/h200/$name/checkpoints/last.ckpt" ] && break

@@ -414,3 +414,50 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
         members = set(tar.getnames())
     assert "eval_DSpark_t1/results.json" in members
     assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in members)
+
+
+def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
+    """`h200_drafter.sh pack` keeps what training reads (build key, DONE.json, prompts, tokens; not
+    the answer shards) in <= 15 MiB pieces; `wait` brings pieces back as files of their own; a
+    later session's data stage with DATA_PACK unpacks them instead of generating (no data run)."""
+    (tmp_path / "scripts").mkdir()
+    for script in ("h200_session.sh", "h200_drafter.sh"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
+    name = "smollm2_30000_bfloat16"
+    data = tmp_path / "outputs" / "h200" / "data" / name
+    for rel, text in [("build.json", "{}"), ("DONE.json", '{"conversations": 2}'),
+                      ("prompts/val.jsonl", '{"prompt": "hi"}\n'), ("tokens/train.safetensors", "x" * 1000),
+                      ("answers/train-00000.jsonl", "not needed\n")]:  # fmt: skip
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_text(text)
+    env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out")}
+
+    def sh(*args, **more):
+        return subprocess.run(["bash", *args], cwd=tmp_path, env={**env, **more}, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    packed = sh("scripts/h200_drafter.sh", "pack", "packs")
+    assert packed.returncode == 0, packed.stderr
+    pieces = sorted((tmp_path / "packs").iterdir())
+    assert [p.name for p in pieces] == [f"{name}.tar.xz.aa"]
+    shutil.rmtree(tmp_path / "outputs")
+    prefix = str(tmp_path / "packs" / f"{name}.tar.xz")
+    assert sh("scripts/h200_session.sh", "start", STAGES="data", DATA_PACK=prefix).returncode == 0
+    (tmp_path / "outputs" / "h200" / "pack").mkdir(parents=True)
+    (tmp_path / "outputs" / "h200" / "pack" / "piece.aa").write_text("p")
+    done = sh("scripts/h200_session.sh", "wait", "60")
+    assert "PIPELINE DONE" in done.stdout, done.stdout + done.stderr
+    stages = (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().split()
+    assert stages[:2] == ["data_unpack", "0"]
+    assert (data / "tokens" / "train.safetensors").read_text() == "x" * 1000
+    assert (data / "prompts" / "val.jsonl").exists() and not (data / "answers").exists()
+    assert (tmp_path / "out" / "piece.aa").read_text() == "p"  # a piece comes back on its own
+    with tarfile.open(tmp_path / "out" / "bundle.tgz") as tar:
+        assert "out/data/DONE.json" in tar.getnames()
+    # A prefix with no pieces fails the stage (and ends the pipeline) instead of training on nothing.
+    shutil.rmtree(tmp_path / "outputs")
+    missing = f"{prefix}-missing"
+    assert sh("scripts/h200_session.sh", "start", STAGES="data train", DATA_PACK=missing).returncode == 0
+    sh("scripts/h200_session.sh", "wait", "60")
+    stages = (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().split()
+    assert stages[0] == "data_unpack" and stages[1] != "0" and "train" not in stages
