@@ -48,9 +48,10 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms"))
-    # --kernels: the verify step at widths 1 and γ + 1 and the draft step, each profiled (CPU ops here)
+    # --kernels: the verify step at widths 1 and γ + 1, the draft step and a plain round's step, each
+    # profiled (CPU ops here)
     assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [
-        ("verify", 2, 1), ("verify", 2, 5), ("draft", 2, 4)
+        ("verify", 2, 1), ("verify", 2, 5), ("draft", 2, 4), ("plain", 2, 1)
     ]  # fmt: skip
     for k in saved["kernels"]:
         assert k["kernel_ms"] > 0 and k["kernels"] > 0 and k["top"]

@@ -137,10 +137,11 @@ def draft_step_times(
 
 
 def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | None = None) -> list[dict]:
-    """Per row count R, the kernels of a speculative round's two steps, run eagerly and profiled
-    (``kernel_profile.kernel_table``): the verify step at width 1 (a plain round) and γ + 1 (the
-    whole block; with a drafter it also writes the drafter's context, as in a round), and the
-    draft step of the whole block. Without a drafter, the verify step at width 1 and 8."""
+    """Per row count R, the kernels of a round's steps, run eagerly and profiled
+    (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
+    writes the drafter's context, as in a round), the draft step of the whole block, and a plain
+    round's step (``plain``: what a round that drafts nothing costs a drafter engine). Without a
+    drafter, the verify step at width 1 and 8."""
     from .kernel_profile import kernel_table
 
     device = target.device
@@ -159,6 +160,7 @@ def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | Non
             buf.normal_()
         eng.static.lengths.fill_(ctx)
         for r in rows:
+            first = len(out)
             for w in widths:
                 ids = torch.randint(0, target.vocab_size, (r, w), device=device)
                 pos = ctx + torch.arange(w, device=device).expand(r, -1)
@@ -169,7 +171,14 @@ def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | Non
                 p, u = torch.full((r,), ctx, device=device), torch.rand(r, gamma, device=device)
                 table = kernel_table(lambda a=a, p=p, u=u: eng._draft_step(a, p, u, gamma), device)
                 out.append({"step": "draft", "rows": r, "width": gamma, **table})
-            for row in out[-3 if drafter is not None else -2 :]:
+                # A plain round of a drafter engine: target-only's step plus the drafter context's
+                # upkeep (taps into the ring, a flush every deferred_context rounds, amortised here).
+                ids, pos = a[:, None], p[:, None]
+                table = kernel_table(
+                    lambda i=ids, p=pos: eng._plain_step(i, p), device, steps=4 * max(eng.deferred_context, 2)
+                )
+                out.append({"step": "plain", "rows": r, "width": 1, **table})
+            for row in out[first:]:
                 names = ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in row["top"][:3])
                 print(
                     f"kernels {row['step']} R={r} W={row['width']}: {row['kernels']:.0f} per step, "
