@@ -8,11 +8,12 @@
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware, at T = 0 and T = 1 (gsm8k, 32 prompts, 128 new
 #      tokens, bf16, fast engine, compiled on CUDA);
-#   4. the measured frontier per temperature (Fig. 7 layout: python -m dspark.schedule mode=e2e).
+#   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
+#      dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
-# Writes 9 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
-# cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T0.png/.json, fig7_T1.png/.json. Each stage has
+# Writes 13 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
+# cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T{0,1}.png/.json, fig8_T{0,1}.png/.json. Each stage has
 # its own time limit (60 + 150 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
@@ -59,6 +60,8 @@ for t in 0 1; do
   timeout 60 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e_T$t.json" e2e_temperature=$t \
     out_dir="$WORK/frontier_T$t" hydra.run.dir="$WORK/hydra" 2>&1 | quiet | tail -8 &&
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
-    cp "$WORK/frontier_T$t/fig7_frontier.json" "$OUT/fig7_T$t.json"
+    cp "$WORK/frontier_T$t/fig7_frontier.json" "$OUT/fig7_T$t.json" &&
+    cp "$WORK/frontier_T$t/fig8_budget.png" "$OUT/fig8_T$t.png" &&
+    cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json"
 done
 stage "done"
