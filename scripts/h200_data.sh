@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200: data at engine speed (issue #17). Prepares N conversations (default 30000) with SmolLM2:
+# H200: data at engine speed (issue #17). Prepares N conversations (default 30000) with SmolLM2
+# (or TARGET, a conf/target name whose GGUF is staged in /root/stage, e.g. gemma3_270m):
 # self-generated prompts, then the target's answers, both decoded by the fast engine (static KV
 # caches + CUDA graphs, data.engine=auto on CUDA), and prints conversations/min and answer tokens/s
 # against the loop it replaced (1508 conversations/min, 6980 answer tokens/s; goal >= 5x, 30k
@@ -14,7 +15,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
 N=${N:-30000}
 DTYPE=${DTYPE:-bfloat16}
 R=outputs/h200/data
-DIR=$R/smollm2_${N}_${DTYPE}
+TARGET=${TARGET:-smollm2_135m}
+DIR=$R/${TARGET%%_*}_${N}_${DTYPE}
 mkdir -p $R
 BENCH=()
 if [ -n "${BENCH_DIR:-}" ]; then BENCH=(data.benchmark_dir="$BENCH_DIR")
@@ -27,7 +29,7 @@ python3 -m pytest -p no:cacheprovider -m gpu -q -rA tests/test_fast_engine.py te
   echo "GPU TESTS FAILED (see $R/gpu_tests.log): the timings below are of a path that differs from its reference"
 # force=true: a fresh build, so the timings are this run's (a plain rerun would resume instead).
 LOG=$R/prepare_$N.log
-if ! python3 -m dspark.prepare target=smollm2_135m target.path=/root/stage target.device=cuda \
+if ! python3 -m dspark.prepare target=$TARGET target.path=/root/stage target.device=cuda \
   target.dtype=$DTYPE data=full data.num_prompts=$N data.dir=$DIR force=true ${BENCH[@]+"${BENCH[@]}"} \
   hydra.run.dir=$R/prepare_$N ${EXTRA:-} > $LOG 2>&1; then
   tr '\r' '\n' < $LOG | tail -30

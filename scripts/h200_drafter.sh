@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# H200: a strong SmolLM2-135M drafter (issue 17), in steps that each fit one device call on one
-# held machine (outputs/ survives between calls while the machine stays warm):
+# H200: a strong drafter for SmolLM2-135M (TARGET: another staged conf/target, e.g. gemma3_270m),
+# in steps that each fit one device call on one held machine (outputs/ survives between calls while
+# the machine stays warm):
 #   bash scripts/h200_drafter.sh data [N]                          # N conversations (30000) via the fast engine
 #   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
 #     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
@@ -18,8 +19,10 @@ export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 # DSPARK_INSTALLED=1: a caller (scripts/h200_table1.sh) installed the checkout already.
 [ -n "${DSPARK_INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 N=${N:-30000}
-T="target=smollm2_135m target.path=/root/stage target.device=cuda target.dtype=bfloat16"
-DIR=outputs/h200/data/smollm2_${N}_bfloat16  # what scripts/h200_data.sh writes
+TARGET=${TARGET:-smollm2_135m}  # a conf/target name whose GGUF is staged in /root/stage
+T="target=$TARGET target.path=/root/stage target.device=cuda target.dtype=bfloat16"
+DATA_NAME=${TARGET%%_*}_${N}_bfloat16  # what scripts/h200_data.sh writes (smollm2_30000_bfloat16)
+DIR=outputs/h200/data/$DATA_NAME
 DATA="data=full data.num_prompts=$N data.dir=$DIR"
 OUTDIR=${OUT:-outputs/h200/out}
 step=${1:?data | train | eval}
@@ -28,7 +31,7 @@ case $step in
 data)
   N=${1:-$N} bash scripts/h200_data.sh
   mkdir -p "$OUTDIR/data" && cp outputs/h200/data/summary_*.txt outputs/h200/data/gpu_tests.log "$OUTDIR/data/"
-  cp "outputs/h200/data/smollm2_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
+  cp "outputs/h200/data/${TARGET%%_*}_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
   ;;
 train)
   name=$1 minutes=$2
@@ -108,7 +111,7 @@ pack)
   # `h200_session.sh`'s data stage (DATA_PACK) instead of regenerating.
   dest=${1:-$OUTDIR/pack}
   mkdir -p "$dest"
-  name=smollm2_${N}_bfloat16
+  name=$DATA_NAME
   tar -C outputs/h200/data -cf - "$name/build.json" "$name/DONE.json" "$name/prompts" "$name/tokens" |
     xz -T0 -6 | split -b 15M - "$dest/$name.tar.xz."
   ls -la "$dest"

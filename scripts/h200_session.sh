@@ -29,11 +29,12 @@
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
 #           learning-rate schedule follows whichever of steps and clock is further along), so rows
 #           trained in different sessions, alone or side by side, had the same budget.
-# Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). Settings travel as environment
+# Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
+# names the conf/target whose GGUF is staged there, for every stage. Settings travel as environment
 # variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 #   NAME=DSpark-Markov STAGES="data batch spec" RUNS="DSpark-Markov:drafter=dspark head=markov" TRAIN_MINUTES=11 \
-#     TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3 trainer.max_steps=5000" bash scripts/h200_session.sh start
+#     TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3 trainer.max_steps=4500" bash scripts/h200_session.sh start
 #   STAGES="data batch" RUNS="DFlash:drafter=dflash;Eagle3:drafter=eagle3;DSpark-Markov:drafter=dspark head=markov" \
 #     TRAIN_MINUTES=12 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 set -uo pipefail
@@ -99,7 +100,8 @@ pipeline)
     mkdir -p outputs/h200/out/data && cp "$dir/DONE.json" outputs/h200/out/data/
   }
   batch() {
-    local data=outputs/h200/data/smollm2_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
+    local tgt=${TARGET:-smollm2_135m}
+    local data=outputs/h200/data/${tgt%%_*}_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
     local dest=outputs/h200/out/table1 specs n o t sources=()
     IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage}"
     specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2

@@ -25,7 +25,7 @@ OUT=${OUT:-outputs/h200/speculation}
 WORK=outputs/h200/speculation/work
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-T="target=smollm2_135m target.path=/root/stage target.device=cuda target.dtype=bfloat16"
+T="target=${TARGET:-smollm2_135m} target.path=/root/stage target.device=cuda target.dtype=bfloat16"
 quiet() { grep -v -e "^Loading" -e "FutureWarning" -e "return forward_call"; }
 started=$SECONDS
 stage() { echo "== $1 ($((SECONDS - started)) s)"; }
