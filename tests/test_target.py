@@ -1,10 +1,13 @@
 """Target loading, taps, and bad-input messages."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_group
+from conftest import ROOT, load_group
 
 from dspark.target import TargetError, evenly_spaced_taps, load_target, resolve_source, validate_layer_ids
 
@@ -192,3 +195,15 @@ def test_a_failing_compiler_falls_back_to_the_eager_forward(caplog):
     taps, _ = target.features(ids)
     torch.testing.assert_close(taps, target._features(ids)[0])
     assert target._compiled_features is None and "training goes on eager" in caplog.text
+
+
+def test_gguf_path_script_names_the_file_an_offline_target_loads():
+    """scripts/gguf_path.py (for staging a target on the GPU machine) prints the packaged GGUF of
+    the offline default target, and refuses a target that has none with a message and status 1."""
+    script = str(ROOT / "scripts" / "gguf_path.py")
+    ok = subprocess.run([sys.executable, script, "smollm2_135m"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    path = Path(ok.stdout.strip())
+    assert path.suffix == ".gguf" and path.is_file()
+    bad = subprocess.run([sys.executable, script, "tiny"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "tiny" in bad.stderr
