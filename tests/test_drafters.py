@@ -345,3 +345,38 @@ def test_training_layers_compile_once_for_every_batch_shape(tiny_target):
             ctx_kv = layer.context_kv(ctx, torch.arange(t).expand(2, -1))
             compiled(x, pos, ctx_kv, flex_block_mask(anchors, t, gamma))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_grouped_query_attention_folds_heads_instead_of_repeating_keys(with_mask):
+    """The draft layer's attention with G = 3 query heads per KV head (context keys before the
+    draft's own, a ragged mask) equals attention over keys and values repeated per query head."""
+    import torch.nn.functional as F
+
+    from dspark.drafters.layers import Attention, LayerShape, apply_rope, rope
+
+    torch.manual_seed(0)
+    s = LayerShape(
+        hidden_size=48, intermediate_size=96, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=1e4
+    )
+    attn = Attention(s)
+    b, t, c = 3, 4, 5
+    x = torch.randn(b, t, 48)
+    pos = torch.arange(c, c + t).expand(b, -1)
+    ctx = (torch.randn(b, 2, c, 8), torch.randn(b, 2, c, 8))
+    mask = torch.rand(b, t, c + t) > 0.3 if with_mask else None
+    if mask is not None:
+        mask[..., c:] = True  # every query sees the block (and so at least one key)
+    out, (k_self, v_self) = attn(x, pos, ctx, mask)
+
+    q = attn.q_norm(attn._heads(attn.q_proj(x), 6))
+    cos, sin = rope(pos, 8, 1e4)
+    q = apply_rope(q, cos, sin)
+    k = torch.cat([ctx[0], k_self], dim=2).repeat_interleave(3, dim=1)
+    v = torch.cat([ctx[1], v_self], dim=2).repeat_interleave(3, dim=1)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+    ref = attn.o_proj(ref.transpose(1, 2).reshape(b, t, -1))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if mask is not None:  # the mask matters: without it the output differs
+        unmasked, _ = attn(x, pos, ctx, None)
+        assert not torch.allclose(unmasked, out, atol=1e-3)

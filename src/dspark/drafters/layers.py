@@ -112,13 +112,20 @@ class Attention(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
             out = flex(q, k, v, mask).transpose(1, 2).reshape(*x.shape[:-1], -1)
             return self.o_proj(out), (k_self, v_self)
-        groups = self.s.num_heads // self.s.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        attn_mask = None if mask is None else mask[:, None]
+        # Grouped-query attention without repeating keys and values: the G query heads of each KV
+        # head are folded into the query axis ([B, Hkv, G·Q, hd]), so each key is read once
+        # (repeating them copied the whole context G times per layer: most of a draft step's
+        # memory traffic at R = 256).
+        b, heads, t, hd = q.shape
+        groups = heads // self.s.num_kv_heads
+        q = q.reshape(b, self.s.num_kv_heads, groups * t, hd)
+        attn_mask = None
+        if mask is not None:
+            attn_mask = (
+                mask[:, None, None].expand(b, 1, groups, t, mask.shape[-1]).reshape(b, 1, groups * t, -1)
+            )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+        out = out.reshape(b, heads, t, hd).transpose(1, 2).reshape(*x.shape[:-1], -1)
         return self.o_proj(out), (k_self, v_self)
 
 
