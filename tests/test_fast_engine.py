@@ -674,3 +674,38 @@ def test_compiled_drafter_matches_eager(small_target):
         assert [len(g.tokens) for g in res.generations] == [16] * 4 and res.steps
     finally:
         small_target.to("cpu")
+
+
+@pytest.mark.parametrize("kind,head", [("dspark", "rnn"), ("dflash", "none")])
+def test_block_keys_written_in_place_equal_concatenated(small_target, kind, head):
+    """A static cache's room for the block (DraftCache.block_slots): the draft step writes the
+    block's own keys/values there instead of concatenating them after the context; its proposal
+    equals the concatenating path's over the same context, whatever the room held before."""
+    from dspark.core.types import DraftCache, Shared
+
+    t = small_target
+    drafter = make_drafter(t, kind, head, gamma=4, seed=5)[0]
+    r, c = 3, 16
+    block = drafter.block_size
+    g = torch.Generator().manual_seed(6)
+    cat = drafter.new_cache(r, "cpu", capacity=c)
+    for buf in cat.k + cat.v:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    cat.length.copy_(torch.tensor([5, 16, 9]))
+    room = DraftCache(
+        k=[torch.cat([k, torch.randn(r, k.shape[1], block, k.shape[3], generator=g)], 2) for k in cat.k],
+        v=[torch.cat([v, torch.randn(r, v.shape[1], block, v.shape[3], generator=g)], 2) for v in cat.v],
+        length=cat.length.clone(),
+        block_slots=block,
+    )
+    anchors, pos = torch.tensor([7, 8, 9]), cat.length.clone()
+    u = torch.rand(r, drafter.gamma, generator=g)
+    with torch.inference_mode():
+        want = drafter.propose(cat, anchors, pos, Shared.of(t), 1.0, uniforms=u)
+        got = drafter.propose(room, anchors, pos, Shared.of(t), 1.0, uniforms=u)
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.probs, want.probs, atol=1e-6, rtol=1e-5)
+        assert all(torch.equal(a[:, :, :c], b) for a, b in zip(room.k, cat.k))  # the context is untouched
+        small = DraftCache(k=room.k, v=room.v, length=room.length, block_slots=block - 1)
+        with pytest.raises(ValueError, match="block room"):
+            drafter.propose(small, anchors, pos, Shared.of(t), 1.0, uniforms=u)

@@ -84,9 +84,13 @@ class Proposal:
 @dataclass
 class DraftCache:
     """Per-request drafter state across rounds: per-layer context keys/values [R, Hkv, C, hd]
-    (padded; `length` says how many are real) and anything else a drafter keeps in `extra`."""
+    (padded; `length` says how many are real) and anything else a drafter keeps in `extra`.
+    `block_slots` > 0: the last that many of the C slots are no context but room where a draft
+    step writes its block's own keys/values in place (a static cache), instead of concatenating
+    them after the context (which copies the whole context once per layer and step)."""
 
     k: list[Tensor]
     v: list[Tensor]
     length: Tensor  # [R] long
     extra: dict = field(default_factory=dict)
+    block_slots: int = 0

@@ -186,10 +186,12 @@ class FastEngine(Engine):
             if self.drafter is not None:
                 # The draft step attends over context + block keys (γ, or γ + 1 when the anchor
                 # slot drafts nothing): keep that length a multiple of 16 (fused attention kernels
-                # want aligned mask rows).
+                # want aligned mask rows). The block's own keys go to the buffers' last `block`
+                # slots, written in place (DraftCache.block_slots): no copy of the context per layer.
                 block = int(getattr(self.drafter, "block_size", self._gamma))
                 slots = capacity + (-(capacity + block)) % 16
-                self.dcache = self.drafter.new_cache(rows, self.device, capacity=slots)
+                self.dcache = self.drafter.new_cache(rows, self.device, capacity=slots + block)
+                self.dcache.block_slots = block
             # Static inputs of the captured steps.
             width = self.max_width
             self.in_ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
@@ -215,7 +217,12 @@ class FastEngine(Engine):
 
     def _draft_cache(self, rows: int) -> DraftCache:
         c = self.dcache
-        return DraftCache(k=[k[:rows] for k in c.k], v=[v[:rows] for v in c.v], length=c.length[:rows])
+        return DraftCache(
+            k=[k[:rows] for k in c.k],
+            v=[v[:rows] for v in c.v],
+            length=c.length[:rows],
+            block_slots=c.block_slots,
+        )
 
     def _write_context(self, taps: Tensor, positions: Tensor, row0: int) -> None:
         """Drafter context of taps [R, W, m·d] at slot == position, rows row0.. (the drafter's hook)."""

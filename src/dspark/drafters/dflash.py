@@ -243,9 +243,18 @@ class BlockDrafter(Drafter):
     def context(self, taps: Tensor) -> Tensor:
         return self.hidden_norm(self.fc(matmul_input(taps, self.fc.weight)))
 
-    def backbone(self, x: Tensor, positions: Tensor, ctx_kv_per_layer, mask: Tensor, layers=None) -> Tensor:
+    def backbone(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        ctx_kv_per_layer,
+        mask: Tensor,
+        layers=None,
+        tail: int | None = None,
+    ) -> Tensor:
+        """``tail``: see ``Attention.forward`` (a static cache's room for the block's own keys)."""
         for layer, ctx_kv in zip(layers or self.layers, ctx_kv_per_layer):
-            x, _ = layer(x, positions, ctx_kv, mask)
+            x, _ = layer(x, positions, ctx_kv, mask, tail)
         return self.norm(x)
 
     def training_layers(self, device) -> list:
@@ -358,11 +367,16 @@ class BlockDrafter(Drafter):
         width = self.block_size
         x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
         pos = anchor_pos[:, None] + torch.arange(width, device=device)
-        c = cache.k[0].shape[2]
+        c = cache.k[0].shape[2] - cache.block_slots  # context slots; the block's own keys follow
+        if cache.block_slots and cache.block_slots < width:
+            raise ValueError(
+                f"the cache's block room ({cache.block_slots} slots) is below the block ({width})"
+            )
         sees_ctx = torch.arange(c, device=device)[None, :] < cache.length[:, None]
         mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
         mask = mask[:, None, :].expand(r, width, -1)
-        backbone = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask, self._inference_layers)
+        tail = c if cache.block_slots else None
+        backbone = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask, self._inference_layers, tail)
         hidden = self.drafting_slots(backbone)  # [R, γ, d]
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
         # Contiguous: the LM head over a strided [R, n < γ, d] view would run as R batched GEMMs

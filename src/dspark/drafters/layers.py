@@ -95,18 +95,30 @@ class Attention(nn.Module):
         return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype)), v
 
     def forward(
-        self, x: Tensor, positions: Tensor, ctx_kv: tuple[Tensor, Tensor] | None, mask: Tensor | None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        ctx_kv: tuple[Tensor, Tensor] | None,
+        mask: Tensor | None,
+        tail: int | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [B, Q, d] draft tokens; ctx_kv: keys/values [B, Hkv, C, hd] placed before the draft's own;
         mask: bool [B, Q, C + Q] (True = may attend), a flex-attention BlockMask over the same
-        layout, or None for full attention.
+        layout, or None for full attention. ``tail`` (a static cache's room for the block, slots
+        tail..tail+Q of ctx_kv's buffers): the draft's own keys/values are written there in place and
+        the buffers attended as they are (C = tail), instead of concatenated.
         Returns the output and the draft tokens' own (k, v)."""
         q = self.q_norm(self._heads(self.q_proj(x), self.s.num_heads))
         cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k_self, v_self = self.kv(x, positions)
         k, v = k_self, v_self
-        if ctx_kv is not None:
+        if ctx_kv is not None and tail is not None:
+            t = x.shape[-2]
+            ctx_kv[0][:, :, tail : tail + t] = k_self.to(ctx_kv[0].dtype)
+            ctx_kv[1][:, :, tail : tail + t] = v_self.to(ctx_kv[1].dtype)
+            k, v = ctx_kv[0][:, :, : tail + t], ctx_kv[1][:, :, : tail + t]
+        elif ctx_kv is not None:
             k = torch.cat([ctx_kv[0], k_self], dim=2)
             v = torch.cat([ctx_kv[1], v_self], dim=2)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
@@ -154,7 +166,7 @@ class DraftLayer(nn.Module):
     def context_kv(self, ctx: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.attn.kv(ctx, positions)
 
-    def forward(self, x, positions, ctx_kv, mask):
-        h, own_kv = self.attn(self.input_norm(x), positions, ctx_kv, mask)
+    def forward(self, x, positions, ctx_kv, mask, tail: int | None = None):
+        h, own_kv = self.attn(self.input_norm(x), positions, ctx_kv, mask, tail)
         x = x + h
         return x + self.mlp(self.post_norm(x)), own_kv
