@@ -24,7 +24,7 @@
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (the evaluate overrides it needs,
 #           STS fitted on held-out validation prompts: the data's first CAL_PROMPTS (60), or the
 #           turns-JSONL CAL_FILE), then python -m dspark.report mode=table1 and
-#           mode=figures into outputs/h200/out/table1/. Steps per drafter are in each run's summary:
+#           mode=figures into outputs/h200/out/table1/, and the runs' dashboard into its dashboard/. Steps per drafter are in each run's summary:
 #           state the budget as minutes on a shared GPU, or compare at equal steps: put
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
 #           learning-rate schedule follows whichever of steps and clock is further along), so rows
@@ -129,6 +129,16 @@ pipeline)
     local list="runs=[$(IFS=,; echo "${sources[*]}")]"
     python3 -m dspark.report mode=table1 "$list" table1="$dest/table1.json" hydra.run.dir="$dest/table1_log"
     python3 -m dspark.report mode=figures "$list" hydra.run.dir="$dest"
+    # The ablation dashboard of these runs (curves, configs, the key that differs across them) with
+    # their evaluations.
+    local folders=()
+    while IFS=$'\t' read -r n o; do
+      for f in "outputs/h200/$n" "outputs/h200/eval_${n}_t0" "outputs/h200/eval_${n}_t1"; do
+        [ -d "$f" ] && folders+=("$f")
+      done
+    done <<< "$specs"
+    python3 -m dspark.report "runs=[$(IFS=,; echo "${folders[*]}")]" hydra.run.dir="$dest/dashboard" ||
+      echo "dashboard of the batch failed (Table 1 and the figures stand)"
   }
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in

@@ -367,8 +367,8 @@ esac
 
 def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     """`h200_session.sh start` with STAGES=batch runs the drafters' trainings at the same time,
-    evaluates each at T = 0 and 1 with the overrides its drafter needs, gathers Table 1 and the
-    figures, and `wait` brings back a bundle without rounds or generations."""
+    evaluates each at T = 0 and 1 with the overrides its drafter needs, gathers Table 1, the
+    figures and the dashboard, and `wait` brings back a bundle without rounds or generations."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
     (tmp_path / "scripts" / "h200_drafter.sh").write_text(STUB)
@@ -410,6 +410,7 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     with tarfile.open(tmp_path / "out" / "bundle.tgz") as tar:
         members = set(tar.getnames())
     assert {"out/table1/table1.json", "out/table1/fig2_acceptance_T0.png", "session/stages.txt"} <= members
+    assert "out/table1/dashboard/index.html" in members  # the batch's dashboard, from its evaluations here
     with tarfile.open(tmp_path / "out" / "evals.tgz") as tar:
         members = set(tar.getnames())
     assert "eval_DSpark_t1/results.json" in members
