@@ -294,7 +294,10 @@ def test_script_plans_a_fresh_batch(tmp_path):
     steps = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
     assert len(steps) == 6  # per drafter: train, eval T = 0, eval T = 1
     assert steps[0].endswith("h200_drafter.sh train Eagle3 3 drafter=eagle3")
-    assert "CALL_LIMIT=490 " in steps[0]  # 560 s a call, 40 s kept for gathering, 30 for the save
+    # 560 s a call, 40 s kept for gathering, 30 for the save, less the seconds the dry run took to
+    # get there (a loaded CI machine once took one: 489)
+    limit = int(steps[0].split("CALL_LIMIT=")[1].split()[0])
+    assert 480 <= limit <= 490
     assert "EVAL_T=0 " in steps[1] and "EVAL_T=1 " in steps[2] and "eval Eagle3" in steps[2]
     assert steps[3].endswith("train DSpark-Markov 3 drafter=dspark head=markov")
     assert "batch complete" in proc.stdout
