@@ -22,7 +22,7 @@ export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFF
 export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DRAFTER=${1:-outputs/h200/dspark/drafter}
 OUT=${OUT:-outputs/h200/speculation}
-WORK=outputs/h200/speculation/work
+WORK=outputs/h200/speculation/scratch
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T="target=${TARGET:-smollm2_135m} target.path=/root/stage target.device=cuda target.dtype=bfloat16"
