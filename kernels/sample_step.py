@@ -84,6 +84,41 @@ if HAS_TRITON:
         return z
 
     @triton.jit
+    def _span_argmax(base_ptr, bias_ptr, r, start, V: tl.constexpr, SPAN: tl.constexpr, stride_base,
+                     stride_bias, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Max and lowest argmax of z over [start, start + SPAN) ∩ [0, V), BLOCK-wide pieces."""
+        lane = tl.arange(0, BLOCK)
+        best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
+        best_i = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + start
+        for v0 in range(0, SPAN, BLOCK):
+            z = _load_logits(base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
+            m = tl.max(z, axis=0)
+            i = tl.argmax(z, axis=0).to(tl.int64) + start + v0
+            take = m > best  # strict: earlier pieces win ties, like torch.argmax
+            best_i = tl.where(take, i, best_i)
+            best = tl.where(take, m, best)
+        return best, best_i
+
+    @triton.jit
+    def _span_max_sumexp(base_ptr, bias_ptr, r, start, V: tl.constexpr, SPAN: tl.constexpr, stride_base,
+                         stride_bias, temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Online max m and sum of exp(z / T - m) over [start, start + SPAN) ∩ [0, V)."""
+        lane = tl.arange(0, BLOCK)
+        m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
+        s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+        for v0 in range(0, SPAN, BLOCK):
+            y = (
+                _load_logits(base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
+                / temperature
+            )
+            m_new = tl.maximum(m, tl.max(y, axis=0))
+            # Guard -inf - -inf (all-masked pieces) which would give NaN.
+            scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+            s = s * scale + tl.sum(tl.where(y == float("-inf"), 0.0, tl.exp(y - m_new)), axis=0)
+            m = m_new
+        return m, s
+
+    @triton.jit
     def _sample_step_kernel(
         base_ptr,
         bias_ptr,
@@ -104,33 +139,18 @@ if HAS_TRITON:
         lane = tl.arange(0, BLOCK)
         out_row = probs_ptr + r * V
         if GREEDY:
-            best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
-            best_i = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0)
-            for v0 in range(0, V, BLOCK):
-                z = _load_logits(base_ptr, bias_ptr, r, v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
-                m = tl.max(z, axis=0)
-                i = tl.argmax(z, axis=0).to(tl.int64) + v0
-                take = m > best  # strict: earlier pieces win ties, like torch.argmax
-                best_i = tl.where(take, i, best_i)
-                best = tl.where(take, m, best)
+            _, best_i = _span_argmax(
+                base_ptr, bias_ptr, r, 0, V, V, stride_base, stride_bias, HAS_BIAS, BLOCK
+            )
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
                 tl.store(out_row + offs, (offs == best_i).to(tl.float32), mask=offs < V)
             tl.store(tokens_ptr + r, best_i)
         else:
             # Pass 1: online max / sum-exp of z / T.
-            m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
-            s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
-            for v0 in range(0, V, BLOCK):
-                y = (
-                    _load_logits(base_ptr, bias_ptr, r, v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
-                    / temperature
-                )
-                m_new = tl.maximum(m, tl.max(y, axis=0))
-                # Guard -inf - -inf (all-masked pieces) which would give NaN.
-                scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-                s = s * scale + tl.sum(tl.where(y == float("-inf"), 0.0, tl.exp(y - m_new)), axis=0)
-                m = m_new
+            m, s = _span_max_sumexp(
+                base_ptr, bias_ptr, r, 0, V, V, stride_base, stride_bias, temperature, HAS_BIAS, BLOCK
+            )
             # Pass 2: write p; the sampling total is the cdf's last element, built by the same
             # blockwise scan that pass 3 repeats, so threshold and cdf agree exactly.
             carry = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
@@ -187,36 +207,17 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
         start = c * CHUNK
-        lane = tl.arange(0, BLOCK)
         at = r * CHUNKS + c
         if GREEDY:
-            best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
-            best_i = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + start
-            for v0 in range(0, CHUNK, BLOCK):
-                z = _load_logits(
-                    base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS
-                )
-                m = tl.max(z, axis=0)
-                i = tl.argmax(z, axis=0).to(tl.int64) + start + v0
-                take = m > best  # strict: earlier pieces win ties, like torch.argmax
-                best_i = tl.where(take, i, best_i)
-                best = tl.where(take, m, best)
+            best, best_i = _span_argmax(
+                base_ptr, bias_ptr, r, start, V, CHUNK, stride_base, stride_bias, HAS_BIAS, BLOCK
+            )
             tl.store(m_ptr + at, best)
             tl.store(arg_ptr + at, best_i)
         else:
-            m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
-            s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
-            for v0 in range(0, CHUNK, BLOCK):
-                y = (
-                    _load_logits(
-                        base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS
-                    )
-                    / temperature
-                )
-                m_new = tl.maximum(m, tl.max(y, axis=0))
-                scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))  # all-masked so far
-                s = s * scale + tl.sum(tl.where(y == float("-inf"), 0.0, tl.exp(y - m_new)), axis=0)
-                m = m_new
+            m, s = _span_max_sumexp(
+                base_ptr, bias_ptr, r, start, V, CHUNK, stride_base, stride_bias, temperature, HAS_BIAS, BLOCK
+            )
             tl.store(m_ptr + at, m)
             tl.store(s_ptr + at, s)
 
