@@ -92,6 +92,14 @@ def _no_mlp_bias(layer) -> None:
         raise UnsupportedTarget("MLP biases are not implemented by the fast engine: use engine=plain")
 
 
+def _projections(attn) -> dict:
+    """The attention's q/k/v/o weights and (possibly None) biases, as layer-weights fields."""
+    return {
+        **{n: getattr(attn, f"{n}_proj").weight for n in "qkvo"},
+        **{f"{n}_bias": getattr(attn, f"{n}_proj").bias for n in "qkvo"},
+    }
+
+
 def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """q [R, H, W, hd], k/v [R, Hkv, W, hd] of the normed input ``h`` [R, W, d]."""
     r, t, _ = h.shape
@@ -128,10 +136,8 @@ class LayerWeights:
         a, m = layer.self_attn, layer.mlp
         _no_mlp_bias(layer)
         return cls(
-            ln1=layer.input_layernorm.weight, q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight,
-            o=a.o_proj.weight, ln2=layer.post_attention_layernorm.weight, gate=m.gate_proj.weight,
-            up=m.up_proj.weight, down=m.down_proj.weight, q_bias=a.q_proj.bias, k_bias=a.k_proj.bias,
-            v_bias=a.v_proj.bias, o_bias=a.o_proj.bias,
+            ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+            gate=m.gate_proj.weight, up=m.up_proj.weight, down=m.down_proj.weight, **_projections(a),
             q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
             k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
         )  # fmt: skip
@@ -184,13 +190,11 @@ class GemmaLayerWeights:
         a, m = layer.self_attn, layer.mlp
         _no_mlp_bias(layer)
         return cls(
-            ln1=layer.input_layernorm.weight, q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight,
-            o=a.o_proj.weight, q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
+            ln1=layer.input_layernorm.weight, q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
             ln_attn_out=layer.post_attention_layernorm.weight,
             ln_mlp_in=layer.pre_feedforward_layernorm.weight,
             ln_mlp_out=layer.post_feedforward_layernorm.weight, gate=m.gate_proj.weight,
-            up=m.up_proj.weight, down=m.down_proj.weight, q_bias=a.q_proj.bias, k_bias=a.k_proj.bias,
-            v_bias=a.v_proj.bias, o_bias=a.o_proj.bias,
+            up=m.up_proj.weight, down=m.down_proj.weight, **_projections(a),
         )  # fmt: skip
 
 
