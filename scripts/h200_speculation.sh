@@ -6,8 +6,8 @@
 #      overhead beyond its steps and the cost of reading its width back, the draft step's parts,
 #      each step's kernels at R = 1 and 256 (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
-#      threshold, hardware_aware and draft_aware, at T = 0 and T = 1 (gsm8k, 32 prompts, 128 new
-#      tokens, bf16, fast engine, compiled on CUDA);
+#      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
+#      T = 0 and T = 1 (gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
@@ -51,7 +51,7 @@ for t in 0 1; do
   timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency 1,16,64,256 --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" \
-    --policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table "$OUT/cost_table.json" \
+    --policies "${E2E_POLICIES:-fixed,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -36
 done
 

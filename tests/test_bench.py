@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_engine import Oracle, prompts_for
 from test_evaluate import _bench, _save
 
@@ -95,6 +96,32 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
         assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
     assert report["cost_table"] == CostModel.load(cost).to_dict()
     assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
+
+
+def test_e2e_keeps_the_points_of_a_run_cut_short(tiny_target, tmp_path, monkeypatch):
+    """The report is written after every concurrency: a run killed by its time limit keeps what it
+    finished (it used to write once per temperature, so a cut lost the whole temperature)."""
+    from dspark.bench import measure
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    bench, out, real, calls = _bench(tmp_path / "bench"), tmp_path / "e2e.json", measure.compare, []
+
+    def cut_at_the_second_point(*args, **kw):
+        calls.append(args[3])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the time limit's signal does
+        return real(*args, **kw)
+
+    monkeypatch.setattr(measure, "compare", cut_at_the_second_point)
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(
+            ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2", "--concurrency",
+             "1,2", "--max-new-tokens", "4", "--repeats", "1", "--out", str(out), "target=tiny"]
+        )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert calls == [[1], [2]]
+    assert {(r["run"], r["concurrency"]) for r in report["rows"]} == {("target_only", 1), ("dspark/fixed", 1)}
+    assert [g["concurrency"] for g in report["goals"]["0"]] == [1]
 
 
 # Qwen3's template in miniature: the thinking switch changes the prompt the target sees.

@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     from ..scheduling.cost import CostModel
     from ..target import load_target
     from .common import compose_target, publish
-    from .measure import check_policies, compare
+    from .measure import check_policies, compare, goal_checks
 
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = _parse(argv)
@@ -105,15 +105,21 @@ def main(argv=None) -> dict:
         "rows": [],
         "goals": {},
     }
-    for temperature in temperatures:  # the report is rewritten after each: a cut-off run keeps its part
-        rows, goals = compare(
-            target, drafter, names, conc, prompts, [temperature], cost=cost, calibration=calibration,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats, engine_kind=args.engine,
-            engine_kw={"compile": args.compile} if args.engine == "fast" else None,
-        )  # fmt: skip
-        report["rows"] += rows
-        report["goals"].update(goals)
-        atomic_write_json(args.out, report)
+    # One concurrency at a time, the report rewritten after each: a run cut off by a time limit keeps
+    # every point it finished (policies start afresh at each R, so each point stands alone).
+    for temperature in temperatures:
+        these = []
+        engine_kw = {"compile": args.compile} if args.engine == "fast" else None
+        for R in conc:
+            rows, _ = compare(
+                target, drafter, names, [R], prompts, [temperature], cost=cost, calibration=calibration,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats,
+                engine_kind=args.engine, engine_kw=engine_kw,
+            )  # fmt: skip
+            these += rows
+            report["rows"] += rows
+            report["goals"][f"{temperature:g}"] = goal_checks(these)
+            atomic_write_json(args.out, report)
     rows, goals = report["rows"], report["goals"]
     publish(
         args.out,
