@@ -73,6 +73,8 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
+    for r in report["rows"]:  # each repeat says where its slowest round was
+        assert all(rep["slowest_round"]["ms"] == rep["max_ms_round"] for rep in r["repeats"])
     rows = report["rows"]
     runs = ["target_only", "dspark/fixed", "dspark/mtp1", "dspark/draft_aware"]
     assert [(r["temperature"], r["run"], r["concurrency"]) for r in rows] == [

@@ -126,11 +126,12 @@ def _point(R: int, res) -> dict:
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run of median throughput (the lower middle of an even count), with every run's speeds."""
+    """The run of median throughput (the lower middle of an even count), with every run's speeds
+    and slowest round (its record and the one-off work around it: where a stalled run lost its time)."""
     if len(runs) == 1:
         return runs[0]
     order = sorted(range(len(runs)), key=lambda i: runs[i]["throughput"])
-    keys = ("throughput", "tps_per_user", "max_ms_round")
+    keys = ("throughput", "tps_per_user", "max_ms_round", "slowest_round")
     return {**runs[order[(len(runs) - 1) // 2]], "repeats": [{k: r[k] for k in keys} for r in runs]}
 
 
