@@ -6,6 +6,7 @@ set before this package is imported).
 """
 
 from ._common import triton_available, triton_interpreting
+from .cache_attention import cache_attention, cache_attention_reference, folded_mask
 from .fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 from .rejection import RejectionResult, rejection_verify, rejection_verify_reference
 from .sample_step import SampleStep, sample_from_reference, sample_step, sample_step_reference
@@ -24,4 +25,7 @@ __all__ = [
     "RejectionResult",
     "rejection_verify_reference",
     "rejection_verify",
+    "cache_attention",
+    "cache_attention_reference",
+    "folded_mask",
 ]

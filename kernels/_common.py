@@ -27,6 +27,25 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 IMPLS = ("auto", "torch", "triton")
 
 
+def _interpreter_loop_bounds_fix() -> None:
+    """Triton 3.6's interpreter turns a runtime loop bound into an int with ``int(array)``, which
+    NumPy >= 2.4 refuses for its one-element arrays (triton-lang/triton#9171, fixed upstream after
+    3.6): every kernel with a data-dependent ``range`` fails under ``TRITON_INTERPRET=1``. Squeeze
+    first, as the upstream fix does. Interpreter only; compiled kernels never see this path."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_dspark_squeezes", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch._dspark_squeezes = True
+    interpreter._patch_lang_tensor = patch
+
+
 def triton_available() -> bool:
     """True when ``triton`` imports (kernels can run on CUDA, or on CPU under the interpreter)."""
     return HAS_TRITON
@@ -39,6 +58,10 @@ def triton_interpreting() -> bool:
     before ``dspark.kernels`` (and ``triton``) are first imported in the process.
     """
     return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+if triton_interpreting():
+    _interpreter_loop_bounds_fix()
 
 
 def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:

@@ -644,6 +644,43 @@ def test_rounds_launch_without_a_host_sync(small_target, policy):
         small_target.to("cpu")
 
 
+def _static_steps(t, impl: str, device: str) -> list[torch.Tensor]:
+    """A prompt step (width 12, then 20: kernel width and SDPA width), then steps of widths 4, 1
+    and 8 at ragged positions, through a fresh StaticTarget attending with ``impl``: every
+    output (hidden states and taps)."""
+    g = torch.Generator().manual_seed(8)
+    static = StaticTarget(t, rows=5, capacity=96)
+    static.attention_impl = impl
+    out = []
+    with torch.inference_mode():
+        for start, width in ((0, 12), (3, 20)):
+            ids = torch.randint(4, 256, (2, width), generator=g).to(device)
+            out += static.forward(ids, torch.arange(width, device=device).expand(2, -1), start=start)
+        for width in (4, 1, 8):
+            at = torch.randint(20, 80, (4, 1), generator=g) + torch.arange(width)
+            ids = torch.randint(4, 256, (4, width), generator=g)
+            out += static.forward(ids.to(device), at.to(device), start=1)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_cache_attention_kernel_matches_sdpa_in_the_static_forward(small_target, gemma3_target, which):
+    """On CUDA the decode and verify steps attend with the Triton kernel (float32 in IEEE
+    precision): their outputs equal the SDPA reference path's (held equal to Hugging Face by the
+    CPU parity tests above), sliding-window layers included."""
+    t = {"llama": small_target, "gemma3": gemma3_target}[which].to("cuda")
+    try:
+        assert StaticTarget(t, rows=1, capacity=32).attention_impl == "auto"  # the kernel is taken
+        fast, ref = _static_steps(t, "auto", "cuda"), _static_steps(t, "torch", "cuda")
+        for a, b in zip(fast, ref):
+            scale = float(b.abs().max())
+            torch.testing.assert_close(a, b, atol=1e-5 * scale, rtol=1e-5)
+    finally:
+        t.to("cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_drafter_matches_eager(small_target):

@@ -26,6 +26,8 @@ import torch
 
 from dspark.kernels import (
     RowWeights,
+    cache_attention,
+    cache_attention_reference,
     fused_draft_loss,
     materialized_draft_loss,
     rejection_verify,
@@ -393,6 +395,59 @@ def test_rejection_draws_uniforms_like_verify():
     assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.next_token, ref.next_token)
 
 
+# ----------------------------------------------------------------------------- cache attention
+
+
+def cache_case(r=3, w=4, heads=6, kv_heads=2, hd=16, cap=40, rows=5, row0=1, *, seed=0, dtype=torch.float32,
+               device="cpu"):  # fmt: skip
+    """Random queries and caches; each row's W positions consecutive (a step's tokens), starting
+    anywhere that leaves room in the capacity."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(r, w, heads, hd, generator=g)
+    k = torch.randn(rows, kv_heads, cap, hd, generator=g)
+    v = torch.randn(rows, kv_heads, cap, hd, generator=g)
+    start = torch.randint(0, cap - w + 1, (r, 1), generator=g)
+    pos = start + torch.arange(w)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)] + [pos.to(device)]
+
+
+def naive_cache_attention(q, k, v, pos, scale, row0, window=None):
+    """Per query, in float64: softmax over exactly the slots the rule allows."""
+    r, w, heads, hd = q.shape
+    groups = heads // k.shape[1]
+    out = torch.zeros(r, w, heads, hd, dtype=torch.float64)
+    for i in range(r):
+        for t in range(w):
+            p = int(pos[i, t])
+            lo = 0 if window is None else max(0, p - window + 1)
+            for h in range(heads):
+                keys = k[row0 + i, h // groups, lo : p + 1].double()
+                vals = v[row0 + i, h // groups, lo : p + 1].double()
+                att = torch.softmax(keys @ q[i, t, h].double() * scale, dim=0)
+                out[i, t, h] = att @ vals
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_cache_attention_reference_is_the_rule(window):
+    """SDPA with the folded mask equals attention written out query by query (float64), with
+    grouped heads, an offset row range and a sliding window."""
+    q, k, v, pos = cache_case(seed=1)
+    got = cache_attention_reference(q, k, v, pos, scale=0.25, row0=1, window=window)
+    want = naive_cache_attention(q, k, v, pos, 0.25, 1, window)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_cache_attention_refusals():
+    q, k, v, pos = cache_case()
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache_attention(q, k, v, pos, scale=1.0, row0=3)
+    with pytest.raises(ValueError, match="positions"):
+        cache_attention(q, k, v, pos[:, :2], scale=1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        cache_attention(q[..., :8], k, v, pos, scale=1.0)
+
+
 # ----------------------------------------------------------------------------- triton, interpreter
 
 
@@ -508,6 +563,45 @@ def test_interp_rejection(g):
     assert torch.equal(got.next_token, ref.next_token)
 
 
+@needs_interpreter
+@pytest.mark.parametrize(
+    "shape,window",
+    [
+        (dict(), None),
+        (dict(), 6),
+        (dict(r=1, w=1, heads=9, kv_heads=3, hd=64, cap=300, rows=1, row0=0), None),  # a decode step
+        (dict(r=2, w=8, heads=9, kv_heads=3, hd=64, cap=200, rows=4, row0=2), None),  # a verify step
+        (dict(r=2, w=12, heads=8, kv_heads=1, hd=32, cap=150, rows=2, row0=0), 20),  # two query tiles
+    ],
+    ids=["small", "window", "decode", "verify", "tiles"],
+)
+def test_interp_cache_attention(shape, window):
+    """The kernel against the reference; the slots past each row's last position hold NaN, so a
+    kernel that read past the live context (or attended to it) would fail."""
+    q, k, v, pos = cache_case(**shape, seed=2)
+    row0, r = shape.get("row0", 1), q.shape[0]
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125, row0=row0, window=window)
+    for i in range(r):
+        k[row0 + i, :, int(pos[i, -1]) + 1 :] = float("nan")
+        v[row0 + i, :, int(pos[i, -1]) + 1 :] = float("nan")
+    got = cache_attention(q, k, v, pos, scale=0.125, row0=row0, window=window, impl="triton")
+    assert got.shape == q.shape and torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_interpreter
+def test_interp_static_forward_with_the_cache_kernel(small_target):
+    """The target's static-cache forward with the kernel in its decode and verify steps equals
+    its SDPA path, step for step (prompts wider than the kernel's widths keep SDPA), for a Llama
+    target and a Gemma 3 one with sliding-window layers."""
+    from test_fast_engine import _static_steps, tiny_gemma3
+
+    for t in (small_target, tiny_gemma3()):
+        fast, ref = _static_steps(t, "triton", "cpu"), _static_steps(t, "torch", "cpu")
+        for a, b in zip(fast, ref):
+            torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- triton, GPU
 
 GPU_N, GPU_D, GPU_R, GPU_V = 512 * 7, 576, 256, 49152
@@ -588,3 +682,26 @@ def test_gpu_rejection():
     resid = (dist - pd[rows, ref.accepted.clamp(max=pd.shape[1] - 1)]).clamp_min(0)
     use = (ref.accepted < lengths) & (resid.sum(-1) > 0)
     assert_same_draws(got.next_token, ref.next_token, torch.where(use[:, None], resid, dist), us)
+
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize(
+    "shape,window",
+    [
+        (dict(r=1, w=1, heads=9, kv_heads=3, hd=64, cap=650, rows=1, row0=0), None),
+        (dict(r=1, w=8, heads=9, kv_heads=3, hd=64, cap=650, rows=1, row0=0), None),
+        (dict(r=256, w=8, heads=9, kv_heads=3, hd=64, cap=650, rows=256, row0=0), None),
+        (dict(r=32, w=1, heads=4, kv_heads=1, hd=256, cap=1200, rows=64, row0=32), 512),  # Gemma 3
+        (dict(r=8, w=16, heads=32, kv_heads=8, hd=128, cap=900, rows=8, row0=0), None),  # Qwen3-8B-like
+    ],
+    ids=["smollm2-decode", "smollm2-verify", "smollm2-verify-256", "gemma3-sliding", "qwen3-wide"],
+)
+def test_gpu_cache_attention(shape, window):
+    """bf16 on the GPU at the engine's shapes against the reference (SDPA over the capacity)."""
+    q, k, v, pos = cache_case(**shape, seed=3, dtype=torch.bfloat16, device="cuda")
+    scale = q.shape[-1] ** -0.5
+    ref = cache_attention_reference(q, k, v, pos, scale=scale, row0=shape["row0"], window=window)
+    got = cache_attention(q, k, v, pos, scale=scale, row0=shape["row0"], window=window, impl="triton")
+    assert rel_err(got, ref) < 1e-2

@@ -10,8 +10,11 @@ never change:
   position, like ``RaggedKV``. A forward writes every one of its tokens at its position; the
   caller's ``lengths`` say which slots are committed, and a query at position p sees slots <= p
   only, so rejected drafts and padding are invisible and overwritten later ("crop" = set length).
-* grouped-query attention runs without repeating the cache: the G query heads of each KV head are
-  folded into the query axis ([R, Hkv, G·W, hd]), so SDPA reads each cached key once.
+* q/k/v stay in the projections' layout ([R, W, heads, hd]): the cache stores take them as they
+  are, and the decode and verify steps (widths up to ``KERNEL_MAX_WIDTH``) attend on CUDA with
+  ``kernels.cache_attention`` (one launch a layer, the mask computed from positions, keys read
+  only up to each row's last position); prompts, and the CPU, use SDPA over the capacity with
+  the G query heads of each KV head folded into the query axis (each cached key read once).
 * RoPE comes from the model's own rotary module(s), tabulated once for positions 0..capacity-1.
 
 Supported decoders (``SUPPORTED``), each an ``Arch`` (its layer tensors and two layer functions):
@@ -43,7 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
+from ..kernels import cache_attention, folded_mask, triton_available
+from ..kernels.cache_attention import triton_fits
+
+__all__ = ["KERNEL_MAX_WIDTH", "SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
+
+KERNEL_MAX_WIDTH = 16  # widest step that attends with the cache kernel (decode, verify); prompts use SDPA
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (*LLAMA_FAMILY, "gemma3_text")
@@ -101,11 +109,12 @@ def _projections(attn) -> dict:
 
 
 def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q [R, H, W, hd], k/v [R, Hkv, W, hd] of the normed input ``h`` [R, W, d]."""
+    """q [R, W, H, hd], k/v [R, W, Hkv, hd] of the normed input ``h`` [R, W, d]: the projections'
+    own layout, which the cache stores and the attention kernel read without a transposed copy."""
     r, t, _ = h.shape
-    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1).transpose(1, 2)
-    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1).transpose(1, 2)
-    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1).transpose(1, 2)
+    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1)
+    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1)
+    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1)
     return q, k, v
 
 
@@ -146,7 +155,8 @@ class LayerWeights:
 def attention_inputs(
     x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
 ):
-    """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE: q [R, H, W, hd], k/v [R, Hkv, W, hd]."""
+    """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE: q [R, W, H, hd] and k/v
+    [R, W, Hkv, hd]."""
     q, k, v = _qkv(_rms(x, w.ln1, eps), w, heads, kv_heads)
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
@@ -333,7 +343,10 @@ class StaticTarget:
         pos = torch.arange(self.capacity, device=device)[None]
         probe = torch.zeros(1, 1, self.head_dim, device=device, dtype=dtype)
         self.rope = {t: _rope_table(self.base, t, arch.typed_rope, probe, pos) for t in set(self.layer_types)}
-        self.slots = torch.arange(self.capacity, device=device)
+        # The decode and verify steps attend with the Triton kernel on CUDA; prompts (wider than
+        # KERNEL_MAX_WIDTH) and the CPU with SDPA, the kernel's reference.
+        cuda_kernel = device.type == "cuda" and triton_available() and triton_fits(self.head_dim)
+        self.attention_impl = "auto" if cuda_kernel else "torch"
 
     # ---------------------------------------------------------------------------------------
     def forward(
@@ -344,43 +357,33 @@ class StaticTarget:
         when ``taps`` is false). Writes the K/V of every token; does not touch ``lengths``.
         Shapes only: no host synchronisation."""
         r, w = ids.shape
-        rows = slice(start, start + r)
         x = self.base.embed_tokens(ids)  # Gemma's module scales by √d itself
         tapped = {-1: x} if -1 in self.taps else {}
-        # Per layer type: cos/sin [R, 1, W, hd], and the mask of the slots each query may read.
-        rope = {t: (cos[positions][:, None], sin[positions][:, None]) for t, (cos, sin) in self.rope.items()}
-        visible = self.slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
-        masks = {FULL: visible}
-        if self.window is not None:
-            masks[SLIDING] = visible & (self.slots[None, None, :] > positions[:, :, None] - self.window)
-        # query (r, head, t) as row (r, kv head, g·W + t) of the folded heads: [R, 1, G·W, C].
-        masks = {
-            t: m[:, None, None].expand(r, 1, self.groups, w, self.capacity).reshape(r, 1, -1, self.capacity)
-            for t, m in masks.items()
-            if t in self.rope
-        }
+        # Per layer type: cos/sin [R, W, 1, hd]; the attention's window; and, where SDPA runs (the
+        # reference: prompts, the CPU), the mask of the slots each query reads, built once a step.
+        rope = {t: (c[positions][:, :, None], s[positions][:, :, None]) for t, (c, s) in self.rope.items()}
+        impl = self.attention_impl if w <= KERNEL_MAX_WIDTH else "torch"
+        windows = {t: self.window if t == SLIDING else None for t in self.rope}
+        masks = dict.fromkeys(self.rope)
+        if impl == "torch":
+            masks = {t: folded_mask(positions, self.capacity, self.groups, windows[t]) for t in self.rope}
         row_index = torch.arange(start, start + r, device=ids.device)[:, None].expand(r, w)
         for i, (weights, kind) in enumerate(zip(self.weights, self.layer_types)):
             cos, sin = rope[kind]
             q, k, v = self._inputs(x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads)
-            attn = self._attend(q, k, v, masks[kind], row_index, positions, i, rows)
-            x = self._output(x, attn, weights, self.eps)
+            # Write this step's keys/values at their positions (advanced indices around a slice:
+            # cache[rows, :, slots] is [R, W, Hkv, hd], the projections' own layout), then attend.
+            self.k[i][row_index, :, positions] = k.to(self.k[i].dtype)
+            self.v[i][row_index, :, positions] = v.to(self.v[i].dtype)
+            attn = cache_attention(
+                q, self.k[i], self.v[i], positions, scale=self.scale, row0=start, window=windows[kind],
+                mask=masks[kind], impl=impl,
+            )  # fmt: skip
+            x = self._output(x, attn.reshape(r, w, -1), weights, self.eps)
             if i in self.taps:
                 tapped[i] = x
         hidden = self.base.norm(x)
         return hidden, torch.cat([tapped[i] for i in self.taps], dim=-1) if taps else None
-
-    def _attend(self, q, k, v, mask, row_index, positions, i, rows) -> Tensor:
-        """Write this step's keys/values at their positions, attend over the row's cache."""
-        r, _, w, _ = q.shape
-        # Advanced indices around a slice: cache[rows, :, slots] is [R, W, Hkv, hd].
-        self.k[i][row_index, :, positions] = k.transpose(1, 2).to(self.k[i].dtype)
-        self.v[i][row_index, :, positions] = v.transpose(1, 2).to(self.v[i].dtype)
-        q = q.reshape(r, self.num_kv_heads, self.groups * w, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q, self.k[i][rows], self.v[i][rows], attn_mask=mask, scale=self.scale
-        )
-        return out.reshape(r, self.num_heads, w, self.head_dim).transpose(1, 2).reshape(r, w, -1)
 
     # ---- rows (continuous batching) -----------------------------------------------------------
     def move_rows(self, dst: Tensor, src: Tensor) -> None:

@@ -1,0 +1,202 @@
+"""Attention of a few new tokens per row over a static KV cache (decode and verify steps).
+
+    out[r, w, h] = softmax_s(q[r, w, h] · k[row0 + r, h // G, s] · scale) · v[row0 + r, h // G, s]
+                   over the slots s <= positions[r, w]  (and s > positions[r, w] - window)
+
+The cache holds each row's tokens at slot == position (``decoding.static_target``), so the
+mask is a function of the query's position alone. ``cache_attention_reference`` builds that mask
+and runs SDPA over the whole capacity with the G query heads of each KV head folded into the query
+axis (each key read once). The Triton kernel computes the same without a mask tensor: one program
+per (row, KV head, tile of its G·W queries) reads keys only up to the row's last query position,
+so it never touches the capacity past the live context (at R = 256 most of it), and it reads the
+queries and writes the output in the [R, W, H, hd] layout the projections use: no transposed copy
+on either side, and one launch where SDPA took five (mask conversion, fills, workspace, kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._common import HAS_TRITON, resolve_impl, tl, triton
+
+__all__ = ["cache_attention", "cache_attention_reference", "folded_mask", "triton_fits"]
+
+
+def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0: int) -> None:
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"need q [R, W, H, hd] and caches [rows, Hkv, C, hd] alike, got q {tuple(q.shape)}, "
+            f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
+    r, w, h, hd = q.shape
+    rows, hkv, _, chd = k_cache.shape
+    if chd != hd or h % hkv:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head_dim, heads % kv heads)"
+        )
+    if positions.shape != (r, w):
+        raise ValueError(f"positions must be [R, W] = {(r, w)}, got {tuple(positions.shape)}")
+    if not 0 <= row0 <= rows - r:
+        raise ValueError(f"rows {row0}..{row0 + r - 1} are outside the cache's {rows} rows")
+
+
+def folded_mask(positions: Tensor, capacity: int, groups: int, window: int | None = None) -> Tensor:
+    """The slots each query may read, [R, 1, G·W, C], for queries folded as the reference folds
+    them (query (r, head, t) is row (r, kv head, g·W + t)). A step builds it once for all layers."""
+    r, w = positions.shape
+    slots = torch.arange(capacity, device=positions.device)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
+    if window is not None:
+        visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
+    return visible[:, None, None].expand(r, 1, groups, w, capacity).reshape(r, 1, groups * w, capacity)
+
+
+def cache_attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    positions: Tensor,
+    *,
+    scale: float,
+    row0: int = 0,
+    window: int | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """The rule in the module docstring with a materialised mask (``folded_mask``; pass it when
+    several layers share it) and SDPA over the whole capacity."""
+    _check(q, k_cache, v_cache, positions, row0)
+    r, w, h, hd = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    groups = h // hkv
+    if mask is None:
+        mask = folded_mask(positions, cap, groups, window)
+    qf = q.transpose(1, 2).reshape(r, hkv, groups * w, hd)
+    rows = slice(row0, row0 + r)
+    out = F.scaled_dot_product_attention(qf, k_cache[rows], v_cache[rows], attn_mask=mask, scale=scale)
+    return out.reshape(r, h, w, hd).transpose(1, 2).contiguous()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _cache_attention_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
+        row0, W, scale, window,
+        stride_qr, stride_qw, stride_qh,
+        stride_kr, stride_kh, stride_kc,
+        stride_pr,
+        stride_or, stride_ow, stride_oh,
+        G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # query m = (w, g): w = m // G
+        w = m // G
+        head = kvh * G + m % G
+        live = w < W
+        pos = tl.load(pos_ptr + r * stride_pr + w, mask=live, other=0)
+        d = tl.arange(0, HD)
+        q = tl.load(
+            q_ptr + r * stride_qr + w[:, None] * stride_qw + head[:, None] * stride_qh + d[None, :],
+            mask=live[:, None], other=0.0,
+        )  # fmt: skip
+        # Positions ascend along W: the row's last query reads the most slots, its first the fewest.
+        hi = tl.load(pos_ptr + r * stride_pr + W - 1) + 1
+        lo = 0
+        if SLIDING:  # slots below every query's window are never read
+            lo = tl.maximum(tl.load(pos_ptr + r * stride_pr) - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        kv_row = (row0 + r) * stride_kr + kvh * stride_kh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            in_range = n < hi
+            at = kv_row + n[:, None] * stride_kc + d[None, :]
+            k = tl.load(k_ptr + at, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_ptr + at, mask=in_range[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            seen = (n[None, :] <= pos[:, None]) & in_range[None, :]
+            if SLIDING:
+                seen = seen & (n[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + r * stride_or + w[:, None] * stride_ow + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=live[:, None],
+        )  # fmt: skip
+
+
+def triton_fits(head_dim: int) -> bool:
+    """Whether the Triton kernel takes this head size (a power of two, at least 16: ``tl.dot``)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window) -> Tensor:
+    r, w, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    groups = h // hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((r, w, h, hd), device=q.device, dtype=q.dtype)
+    block_m = max(16, triton.next_power_of_2(groups * w))
+    block_m = min(block_m, 64)
+    positions = positions if positions.stride(-1) == 1 else positions.contiguous()
+    grid = (r, hkv, triton.cdiv(groups * w, block_m))
+    _cache_attention_kernel[grid](
+        q, k_cache, v_cache, positions, out,
+        row0, w, float(scale), int(window or 0),
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        positions.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        G=groups, HD=hd, BLOCK_M=block_m, BLOCK_N=64 if hd <= 128 else 32, SLIDING=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
+    )  # fmt: skip
+    return out
+
+
+def cache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    positions: Tensor,
+    *,
+    scale: float,
+    row0: int = 0,
+    window: int | None = None,
+    mask: Tensor | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """q [R, W, H, hd] of rows row0..row0+R-1 at ``positions`` [R, W] over caches
+    [rows, Hkv, C, hd] that already hold these tokens' keys/values; returns [R, W, H, hd]
+    (the module docstring's rule). Inputs are trusted: positions must lie in 0..C-1 and ascend
+    along W (a step's tokens are consecutive, a prefill's too). The Triton
+    kernel needs a power-of-two head_dim >= 16 and last-dim-contiguous caches; otherwise, and off
+    CUDA, the reference runs (``mask``: its ``folded_mask``, when the caller shares one across
+    layers)."""
+    _check(q, k_cache, v_cache, positions, row0)
+    hd = q.shape[-1]
+    fits = triton_fits(hd) and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
+    backend = resolve_impl(impl, q, k_cache, v_cache, positions)
+    if backend == "triton" and not fits and impl == "triton":
+        raise ValueError(
+            f"the Triton kernel needs a power-of-two head_dim >= 16 and caches alike with contiguous "
+            f"rows, got head_dim {hd}, strides {k_cache.stride()} / {v_cache.stride()}: use impl='auto'"
+        )
+    if backend == "triton" and fits:
+        return _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window)
+    return cache_attention_reference(
+        q, k_cache, v_cache, positions, scale=scale, row0=row0, window=window, mask=mask
+    )
