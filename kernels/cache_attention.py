@@ -15,13 +15,15 @@ on either side, and one launch where SDPA took five (mask conversion, fills, wor
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton
 
-__all__ = ["cache_attention", "cache_attention_reference", "folded_mask", "triton_fits"]
+__all__ = ["cache_attention", "cache_attention_reference", "folded_mask", "kernel_self_check", "triton_fits"]
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0: int) -> None:
@@ -141,6 +143,35 @@ if HAS_TRITON:
 def triton_fits(head_dim: int) -> bool:
     """Whether the Triton kernel takes this head size (a power of two, at least 16: ``tl.dot``)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+_SELF_CHECKS: dict[tuple, bool] = {}
+
+
+def kernel_self_check(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> bool:
+    """Run the kernel once on a small random case at these sizes against the reference (once per
+    process and sizes): False, with a warning, if it fails to compile or disagrees, so a caller
+    can keep the reference path instead of losing a run to a kernel the device rejects."""
+    key = (str(device), dtype, head_dim, groups)
+    if key not in _SELF_CHECKS:
+        ok, why = False, ""
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(2, 3, 2 * groups, head_dim, device=device, generator=g).to(dtype)
+            k, v = (torch.randn(2, 2, 70, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
+            pos = torch.tensor([[5, 6, 7], [60, 61, 62]], device=device)
+            got = cache_attention(q, k, v, pos, scale=head_dim**-0.5, impl="triton")
+            ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5)
+            err = float((got.float() - ref.float()).norm() / ref.float().norm())
+            ok, why = err < 2e-2, f"relative error {err:.2e} against the reference"
+        except Exception as exc:  # a compiler or launch failure on this device
+            why = f"{type(exc).__name__}: {exc}"
+        if not ok:
+            warnings.warn(
+                f"cache_attention's Triton kernel is off on {device} ({why}): SDPA runs instead", stacklevel=2
+            )
+        _SELF_CHECKS[key] = ok
+    return _SELF_CHECKS[key]
 
 
 def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window) -> Tensor:

@@ -24,8 +24,7 @@ elif [ -d bench ]; then BENCH=(data.benchmark_dir=bench); fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/machine.txt
 # The graph path against its eager twin (top-k / top-p inside the graphs) and the Triton kernels
 # against their PyTorch references, before the timed run.
-python3 -m pytest -p no:cacheprovider -m gpu -q -rA tests/test_fast_engine.py tests/test_kernels.py 2>&1 |
-  tee $R/gpu_tests.log | tail -3 ||
+bash scripts/h200_gpu_tests.sh $R/gpu_tests.log ||
   echo "GPU TESTS FAILED (see $R/gpu_tests.log): the timings below are of a path that differs from its reference"
 # force=true: a fresh build, so the timings are this run's (a plain rerun would resume instead).
 LOG=$R/prepare_$N.log

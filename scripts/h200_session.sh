@@ -17,6 +17,8 @@
 #           its first checkpoint is retried once as NAME_fallback with FALLBACK_EXTRA (dense attention,
 #           eager layers and target): a compiler failure costs one retry, not the session
 #   eval0   τ at T = 0 on the six benchmarks (EVAL_PROMPTS per benchmark, default 80)
+#   gputests  the GPU tests of the kernels and the fast engine (h200_gpu_tests.sh; the data stage
+#           runs them itself, so this is for sessions whose data comes from DATA_PACK)
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
@@ -163,6 +165,9 @@ pipeline)
     spec)  # the data stage ran the engine's GPU tests already: the study skips them
       run spec env OUT=outputs/h200/out/speculation GPU_TESTS_DONE=${gpu_tested:-} \
         bash scripts/h200_speculation.sh "outputs/h200/$name/drafter"
+      ;;
+    gputests)  # the data stage runs them itself; with DATA_PACK this stage does, before anything timed
+      run gputests bash scripts/h200_gpu_tests.sh outputs/h200/out/gpu_tests.log && gpu_tested=1
       ;;
     batch) run batch batch ;;
     *) echo "unknown stage '$stage'"; break ;;

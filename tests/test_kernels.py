@@ -438,6 +438,21 @@ def test_cache_attention_reference_is_the_rule(window):
     assert rel_err(got, want) < 1e-5
 
 
+def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch):
+    """A kernel the device cannot run (here: Triton on plain CPU tensors, which it refuses) makes
+    the self-check say no, once, with a warning naming the fallback; the static target then keeps
+    SDPA instead of failing its run."""
+    import importlib
+
+    module = importlib.import_module("dspark.kernels.cache_attention")  # the package's name is the function
+    monkeypatch.setattr(module, "_SELF_CHECKS", {})
+    if INTERPRETING:  # the interpreter runs it on the CPU: make it fail another way
+        monkeypatch.setattr(module, "_cache_attention_triton", lambda *a: 1 / 0)
+    with pytest.warns(UserWarning, match="SDPA runs instead"):
+        assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)
+    assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)  # remembered, silent
+
+
 def test_cache_attention_refusals():
     q, k, v, pos = cache_case()
     with pytest.raises(ValueError, match="outside the cache"):
@@ -587,6 +602,13 @@ def test_interp_cache_attention(shape, window):
     got = cache_attention(q, k, v, pos, scale=0.125, row0=row0, window=window, impl="triton")
     assert got.shape == q.shape and torch.isfinite(got).all()
     assert rel_err(got, ref) < 1e-5
+
+
+@needs_interpreter
+def test_interp_cache_attention_self_check():
+    from dspark.kernels.cache_attention import kernel_self_check
+
+    assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3)
 
 
 @needs_interpreter

@@ -465,3 +465,43 @@ def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp
     sh("scripts/h200_session.sh", "wait", "60")
     stages = (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().split()
     assert stages[0] == "data_unpack" and stages[1] != "0" and "train" not in stages
+
+
+def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
+    """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
+    (both test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
+    study is told they ran. A failing GPU test is recorded and the pipeline goes on."""
+    (tmp_path / "scripts").mkdir()
+    for script in ("h200_session.sh", "h200_gpu_tests.sh"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
+    spec = tmp_path / "scripts" / "h200_speculation.sh"
+    spec.write_text('echo "GPU_TESTS_DONE=${GPU_TESTS_DONE:-}" > spec.txt\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (tmp_path / "tests" / "test_kernels.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_kernel():\n    assert True\n\n"
+        "def test_cpu_only():\n    raise AssertionError('not a gpu test')\n"
+    )
+    outcome = {"pass": "assert True", "fail": "assert False"}
+    env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out")}
+    for case in ("pass", "fail"):
+        (tmp_path / "tests" / "test_fast_engine.py").write_text(
+            f"import pytest\n\n@pytest.mark.gpu\ndef test_gpu_engine():\n    {outcome[case]}\n"
+        )
+        shutil.rmtree(tmp_path / "outputs", ignore_errors=True)
+        for step in (["start"], ["wait", "60"]):
+            done = subprocess.run(["bash", "scripts/h200_session.sh", *step], cwd=tmp_path, text=True,
+                                  capture_output=True, timeout=120, env={**env, "STAGES": "gputests spec"})  # fmt: skip
+        assert "PIPELINE DONE" in done.stdout, done.stdout + done.stderr
+        stages = [line.split()[:2] for line in
+                  (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().splitlines()]
+        log = (tmp_path / "outputs" / "h200" / "out" / "gpu_tests.log").read_text()
+        told = (tmp_path / "spec.txt").read_text()
+        assert "PASSED tests/test_kernels.py::test_gpu_kernel" in log and "test_cpu_only" not in log
+        if case == "pass":
+            assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
+        else:
+            assert stages[0][0] == "gputests" and stages[0][1] != "0"
+            assert "FAILED tests/test_fast_engine.py::test_gpu_engine" in log
+            assert "GPU_TESTS_DONE=\n" in told  # the study runs its own
+        assert stages[1][0] == "spec"

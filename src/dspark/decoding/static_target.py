@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import cache_attention, folded_mask, triton_available
-from ..kernels.cache_attention import triton_fits
+from ..kernels.cache_attention import kernel_self_check, triton_fits
 
 __all__ = ["KERNEL_MAX_WIDTH", "SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
 
@@ -346,6 +346,8 @@ class StaticTarget:
         # The decode and verify steps attend with the Triton kernel on CUDA; prompts (wider than
         # KERNEL_MAX_WIDTH) and the CPU with SDPA, the kernel's reference.
         cuda_kernel = device.type == "cuda" and triton_available() and triton_fits(self.head_dim)
+        if cuda_kernel:  # a kernel this device cannot build or run costs a warning, not the run
+            cuda_kernel = kernel_self_check(device, dtype, self.head_dim, self.groups)
         self.attention_impl = "auto" if cuda_kernel else "torch"
 
     # ---------------------------------------------------------------------------------------
