@@ -483,7 +483,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         "def test_cpu_only():\n    raise AssertionError('not a gpu test')\n"
     )
     outcome = {"pass": "assert True", "fail": "assert False"}
-    env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out")}
+    env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "STAGES": "gputests spec"}
     for case in ("pass", "fail"):
         (tmp_path / "tests" / "test_fast_engine.py").write_text(
             f"import pytest\n\n@pytest.mark.gpu\ndef test_gpu_engine():\n    {outcome[case]}\n"
@@ -491,7 +491,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         shutil.rmtree(tmp_path / "outputs", ignore_errors=True)
         for step in (["start"], ["wait", "60"]):
             done = subprocess.run(["bash", "scripts/h200_session.sh", *step], cwd=tmp_path, text=True,
-                                  capture_output=True, timeout=120, env={**env, "STAGES": "gputests spec"})  # fmt: skip
+                                  capture_output=True, timeout=120, env=env)  # fmt: skip
         assert "PIPELINE DONE" in done.stdout, done.stdout + done.stderr
         stages = [line.split()[:2] for line in
                   (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().splitlines()]
