@@ -416,6 +416,29 @@ def test_confidence_lengths_after_a_planned_draft_are_lossless(small_target, sta
         assert {s["readback_ms"] > 0 for s in eng.last_steps if s["drafted"]} == {True}
 
 
+def test_shadow_walks_are_lossless_and_read_nothing_back(small_target, stat_prompt, exact):
+    """HardwareAware that believes walking never pays, exploring every round: each round verifies
+    its whole draft without a read-back, the walk runs in the shadow on the round's confidences
+    and its lengths reach the policy with the outcome (here they cut, so the estimate rises and
+    real walks resume); the output stays the target's distribution."""
+    drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
+    pol = HardwareAware(explore_every=1)
+    pol._realised = 0.0
+    seen = []
+    observe = pol.observe_shadow
+    pol.observe_shadow = lambda lengths: seen.append(lengths.copy()) or observe(lengths)
+    cost = CostModel(HARDWARE_AWARE_COST.verify_ms, draft_ms={500: 1.0}, padded=True, readback_ms=0.9)
+    samples, _ = _first_three(
+        small_target, drafter, stat_prompt, seed=8, policy=pol, concurrency=500, cost=cost
+    )
+    eng = _first_three.last
+    assert_matches(samples, exact, N_SAMPLES, "hardware_aware, shadow walks")
+    drafting = [s for s in eng.last_steps if s["drafted"]]
+    assert seen and all(len(w) == s["batch"] for w, s in zip(seen, drafting))
+    assert drafting[0]["readback_ms"] == 0 and min(int(w.max()) for w in seen) < 2  # shadows that cut
+    assert pol._realised > 0
+
+
 def test_deferred_drafter_context_is_lossless(small_target, stat_prompt, exact):
     """The fast engine's plain rounds (target-only step, the drafter's context written later in
     one batch before the next draft): Cycling starts with a plain round, so every draft of the

@@ -697,8 +697,10 @@ def test_hardware_aware_drafts_what_pays_and_reads_back_only_when_it_pays():
 
 def test_hardware_aware_reads_back_while_its_walks_pay():
     """The read-back pays only if walking shortens the verification: walks that keep every block
-    whole (a strong drafter at R = 1, issue 18's 0.23 ms a round) turn it off, one round in
-    ``explore_every`` still walks to follow the workload, and walks that cut bring it back."""
+    whole (a strong drafter at R = 1, issue 18's 0.23 ms a round) turn it off; then one round in
+    ``explore_every`` walks in the shadow (the round verifies its whole draft, nothing is read
+    back: fixed γ's cost, and the walk's lengths come back with the outcome), and shadow walks
+    that would have cut bring the real walk back."""
     verify = {1: 2.0, 64: 2.4, 512: 3.3}
     cost = CostModel(verify, draft_ms={64: 1.5}, padded=True, readback_ms=0.2)
     pol = HardwareAware(explore_every=8)
@@ -706,21 +708,33 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
         pol.observe_round(np.full(64, 7), np.full(64, 7))
 
     def rounds(n, width_of):
-        walked = []
+        """``n`` rounds as an engine runs them; a walk (real or shadow) returns width_of(γ_d)."""
+        walked, shadows = [], []
         for _ in range(n):
             m = pol.draft_length(64, 7, cost)
-            walked.append(pol.width(m) is None)
-            pol.observe_round(np.full(64, width_of(m)), np.full(64, width_of(m)))
-        return walked
+            conf = torch.full((64, m), 0.5)
+            real = pol.width(m) is None
+            shadow = pol.shadow_lengths(conf, cost)
+            assert not (real and shadow is not None)  # a round walks for real or in the shadow
+            assert real or pol.lengths(conf, cost).tolist() == [m] * 64  # else: the whole draft
+            walked.append(real)
+            shadows.append(shadow is not None)
+            verified = width_of(m) if real else m
+            pol.observe_round(np.full(64, verified), np.full(64, verified))  # every one accepted
+            if shadow is not None:
+                pol.observe_shadow(np.full(64, width_of(m)))
+        return walked, shadows
 
     # Largest saving 0.9 ms > 0.2: the first rounds walk; each keeps the whole block (saves 0).
-    first = rounds(3, lambda m: m)
+    first, _ = rounds(3, lambda m: m)
     assert first[0] and pol._realised < 0.2 / 0.9
-    later = rounds(24, lambda m: m)
-    assert sum(later) == 3 and not any(later[:4])  # exploration only, one in 8
-    # Walks that cut every block to nothing save all of it: the read-back pays again.
-    cut = rounds(12, lambda m: 0)
-    assert all(cut[-4:])
+    later, shadows = rounds(24, lambda m: m)
+    assert not any(later) and sum(shadows) == 3 and not any(shadows[:4])  # one round in 8, no read-back
+    # Shadow walks that would have cut every block to nothing: the read-back pays again.
+    cut, _ = rounds(24, lambda m: 0)
+    assert not any(cut[:4]) and all(cut[-4:])
+    # A policy without shadows (the default) never computes one.
+    assert Fixed().shadow_lengths(torch.full((2, 3), 0.5)) is None
     with pytest.raises(ValueError, match="explore_every"):
         HardwareAware(explore_every=0)
 

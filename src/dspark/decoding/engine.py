@@ -580,7 +580,7 @@ class Engine:
         drafted = 0
         if self.drafter is not None:
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
-        conf_logits = conf = None
+        conf_logits = conf = shadow = None
         if drafted:
             prop = self._propose(anchors, anchor_pos, drafted)
             if prop.confidence_logits is not None:
@@ -590,6 +590,7 @@ class Engine:
             lengths = (
                 self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, drafted)
             )
+            shadow = self.policy.shadow_lengths(scores, self.cost)  # read back with the outcome, unused here
             g = self.policy.width(drafted)
             if g is None:
                 t1 = time.perf_counter()
@@ -626,6 +627,8 @@ class Engine:
         out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
         if self.record_rounds and conf_logits is not None:
             out.update(conf_logits=conf_logits, conf=conf)
+        if shadow is not None:
+            out["shadow"] = shadow
         next_pos = anchor_pos + kept
         copies = {k: self._to_host(v) for k, v in out.items()}
         stamp = self._clock.end()  # after the copies: reading them waits for this event
@@ -672,6 +675,8 @@ class Engine:
             item.accepted += n_l[i]
         if self.drafter is not None:
             self.policy.observe_round(np.array([len_l[i] for i in rows]), np.array([n_l[i] for i in rows]))
+            if "shadow" in host:
+                self.policy.observe_shadow(np.array([host["shadow"][i] for i in rows]))
         wait_s = t1 - t0
         host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t1)
         info = {

@@ -278,6 +278,17 @@ class Policy:
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """A completed round's verified lengths and accepted counts (live rows only)."""
 
+    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+        """In a round whose width was known in advance: the lengths the policy would have chosen
+        had it looked at the confidences, computed on the device and read back with the round's
+        outcome (``observe_shadow``), never used for this round's verification; None (the
+        default): nothing to learn. Lets a policy find out whether looking pays without paying a
+        read-back."""
+        return None
+
+    def observe_shadow(self, lengths: np.ndarray) -> None:
+        """A completed round's ``shadow_lengths`` (live rows only), right after its ``observe_round``."""
+
     def reset(self) -> None:
         """A new ``generate``: forget the state of the rounds in flight (stateless policies have
         none); what a policy learned about the drafter may carry over (``DraftAware``)."""
@@ -389,8 +400,12 @@ class HardwareAware(Policy):
     (``T_verify(R·(1+γ_d)) - T_verify(R)``) times the share of it that completed walked rounds
     realised (an average that halves the weight of older walks, each a whole batch's evidence; all
     of it before any walk): at a high τ the walk keeps nearly every block whole and stops paying
-    for its read-back. While it does not pay, one round in ``explore_every`` walks anyway, so the
-    estimate follows the workload. Losslessness is untouched: the choice uses completed rounds only.
+    for its read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
+    the round verifies its whole draft like the others (nothing read back, the same cost as fixed
+    γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
+    with the round's outcome to update the estimate, so it follows the workload for free.
+    Losslessness is untouched: every choice uses completed rounds only, and a shadow walk never
+    shortens the round it sees.
 
     The walk stops at the first Θ that does not beat the best so far. With a ragged cost model it
     admits candidates ``(r, j)`` one by one in order of prefix survival; with a ``padded`` one
@@ -409,16 +424,18 @@ class HardwareAware(Policy):
         self.explore_every = int(explore_every)
         self._acceptance = AcceptanceEstimate(decay)
         self._walk = True  # this round: decide from the confidences (the width is read back)
+        self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
         self._since_walk = 0
         # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
         # flight, the bound only keeps a caller that never reports rounds from growing it.
         self._plans: deque = deque(maxlen=8)
+        self._observed = None  # the plan observe_round just completed (for its observe_shadow)
 
     def reset(self) -> None:
         """A new ``generate``: the estimates carry over (see ``DraftAware.reset``); the rounds in
         flight are gone."""
-        self._walk = True
+        self._walk, self._shadow, self._observed = True, False, None
         self._plans.clear()
 
     def forget(self) -> None:
@@ -436,9 +453,10 @@ class HardwareAware(Policy):
         drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
         largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
         expected = largest * (1.0 if self._realised is None else self._realised)
-        explore = self._since_walk + 1 >= self.explore_every
-        self._walk = drafted > 0 and largest > cost.readback_ms and (expected > cost.readback_ms or explore)
-        self._since_walk = 0 if self._walk else self._since_walk + 1
+        could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
+        self._walk = could and expected > cost.readback_ms
+        self._shadow = could and not self._walk and self._since_walk + 1 >= self.explore_every
+        self._since_walk = 0 if self._walk or self._shadow else self._since_walk + 1
         self._plans.append((rows, drafted, self._walk, cost))
         return drafted
 
@@ -449,9 +467,19 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if (e := _empty(confidences)) is not None:
             return e
-        R, G = confidences.shape
         if not self._walk:  # the width is the whole draft: every row verifies it at no extra cost
-            return torch.full((R,), G, dtype=torch.long, device=confidences.device)
+            return torch.full((confidences.shape[0],), confidences.shape[1], dtype=torch.long,
+                              device=confidences.device)  # fmt: skip
+        return self._walk_lengths(confidences, cost)
+
+    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+        if not self._shadow or _empty(confidences) is not None:
+            return None
+        return self._walk_lengths(confidences, _need_cost(self, cost))
+
+    def _walk_lengths(self, confidences: Tensor, cost: CostModel) -> Tensor:
+        """Algorithm 1's lengths on this round's confidences (see the class docstring)."""
+        R, G = confidences.shape
         if cost.padded:
             depth = _leading_run(depth_path(confidences, cost, cost.readback_ms))
             return depth.expand(R).clone()
@@ -463,12 +491,19 @@ class HardwareAware(Policy):
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self._acceptance.observe(lengths, accepted)
-        if not self._plans:  # a round this policy did not plan (the analytical replay)
-            return
-        rows, drafted, walked, cost = self._plans.popleft()  # rounds complete in launch order
-        if not walked:
-            return
-        width = int(np.max(lengths, initial=0))
+        # A round this policy did not plan (the analytical replay) teaches the estimate nothing.
+        self._observed = self._plans.popleft() if self._plans else None  # launch order
+        if self._observed is not None and self._observed[2]:  # walked: its lengths are the walk's
+            self._learn(lengths)
+
+    def observe_shadow(self, lengths: np.ndarray) -> None:
+        if self._observed is not None:
+            self._learn(lengths)
+
+    def _learn(self, walked: np.ndarray) -> None:
+        """Fold the share of the largest saving that a walk's lengths realised into the estimate."""
+        rows, drafted, _, cost = self._observed
+        width = int(np.max(walked, initial=0))
         largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
         saved = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows * (1 + width))
         share = float(np.clip(saved / largest, 0.0, 1.0)) if largest > 0 else 0.0
@@ -669,6 +704,12 @@ class Truncated(Policy):
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self.inner.observe_round(lengths, accepted)
+
+    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+        return self.inner.shadow_lengths(confidences[:, : self.gamma], cost)
+
+    def observe_shadow(self, lengths: np.ndarray) -> None:
+        self.inner.observe_shadow(lengths)
 
     def reset(self) -> None:
         self.inner.reset()
