@@ -81,6 +81,30 @@ def test_static_forward_matches_hugging_face(small_target):
             torch.testing.assert_close(taps, ref.taps, atol=1e-5 * scale, rtol=1e-5)
 
 
+def test_fused_projections_are_the_model_weights():
+    """q|k|v (and gate|up) become one weight whose row blocks ARE the layers' weights: same
+    values, shared memory (a write to one shows in the other), the same tensor again on a second
+    call, a new one only after a layer's weight is replaced."""
+    from torch import nn
+
+    from dspark.decoding.static_target import fused_rows
+
+    layers = [nn.Linear(8, 6), nn.Linear(8, 2), nn.Linear(8, 2)]
+    before = [m.weight.detach().clone() for m in layers]
+    x = torch.randn(3, 8)
+    outputs = [m(x) for m in layers]
+    fused = fused_rows(layers)
+    assert torch.equal(fused, torch.cat(before)) and fused_rows(layers) is fused
+    for m, y in zip(layers, outputs):
+        assert isinstance(m.weight, nn.Parameter) and torch.equal(m(x), y)
+    with torch.no_grad():
+        fused[6, 0] = 42.0
+    assert layers[1].weight[0, 0] == 42.0  # one memory
+    layers[2].weight = nn.Parameter(torch.zeros(2, 8))
+    again = fused_rows(layers)
+    assert again is not fused and torch.equal(again[8:], torch.zeros(2, 8))
+
+
 def _forward_twice(t, compile: bool, device: str):
     """Prefill then one ragged step through a fresh StaticTarget; returns both steps' outputs."""
     g = torch.Generator().manual_seed(3)

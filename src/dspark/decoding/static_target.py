@@ -3,8 +3,9 @@
 Hugging Face's forward is correct but launch-bound at serving batch sizes (≈21 ms per step on the
 H200 for SmolLM2-135M whatever the batch) and allocates as it goes, so it cannot be captured in a
 CUDA graph. ``StaticTarget`` re-runs the same decoder from the model's own weights (shared, never
-copied) as two pure functions per layer (optionally ``torch.compile``d) over caches whose addresses
-never change:
+copied: q|k|v and gate|up become one weight each whose row blocks the model's layers then view,
+``fused_rows``) as two pure functions per layer (optionally ``torch.compile``d) over caches whose
+addresses never change:
 
 * K/V per layer are ``[rows, Hkv, capacity, hd]``; row r holds request r's positions at slot ==
   position, like ``RaggedKV``. A forward writes every one of its tokens at its position; the
@@ -38,6 +39,7 @@ Hugging Face one through ``dspark.target.Target``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -100,22 +102,55 @@ def _no_mlp_bias(layer) -> None:
         raise UnsupportedTarget("MLP biases are not implemented by the fast engine: use engine=plain")
 
 
+# First module of a fused group -> (the fused weight, its members' data pointers when fused).
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fused_rows(modules) -> Tensor:
+    """One weight whose row blocks are the given linear layers' weights (q|k|v, gate|up), so one
+    GEMM computes what took several (a step at R = 1 is launch-bound: each GEMM saved is a
+    kernel). The layers' weights become views of it: the model computes the same, the memory is
+    not doubled, and a second call finds them fused already and returns the same tensor."""
+    weights = [m.weight for m in modules]
+    known = _FUSED.get(modules[0])
+    if known is not None and known[1] == tuple(w.data_ptr() for w in weights):
+        return known[0]
+    fused = torch.cat([w.detach() for w in weights])
+    row = 0
+    for m, w in zip(modules, weights):
+        m.weight.data = fused[row : row + w.shape[0]]
+        row += w.shape[0]
+    _FUSED[modules[0]] = (fused, tuple(m.weight.data_ptr() for m in modules))
+    return fused
+
+
 def _projections(attn) -> dict:
-    """The attention's q/k/v/o weights and (possibly None) biases, as layer-weights fields."""
+    """The attention's fused q|k|v weight (and bias, None without), and its o weight and bias."""
+    parts = [getattr(attn, f"{n}_proj") for n in "qkv"]
+    biases = [p.bias for p in parts]
     return {
-        **{n: getattr(attn, f"{n}_proj").weight for n in "qkvo"},
-        **{f"{n}_bias": getattr(attn, f"{n}_proj").bias for n in "qkvo"},
-    }
+        "qkv": fused_rows(parts),
+        "qkv_bias": None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else p.weight.new_zeros(p.weight.shape[0]) for b, p in zip(biases, parts)]
+        ),
+        "o": attn.o_proj.weight,
+        "o_bias": attn.o_proj.bias,
+    }  # fmt: skip
 
 
 def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q [R, W, H, hd], k/v [R, W, Hkv, hd] of the normed input ``h`` [R, W, d]: the projections'
-    own layout, which the cache stores and the attention kernel read without a transposed copy."""
+    """q [R, W, H, hd], k/v [R, W, Hkv, hd] of the normed input ``h`` [R, W, d], from one GEMM:
+    the projections' own layout, which the cache stores and the attention kernel read as they are."""
     r, t, _ = h.shape
-    q = F.linear(h, w.q, w.q_bias).view(r, t, heads, -1)
-    k = F.linear(h, w.k, w.k_bias).view(r, t, kv_heads, -1)
-    v = F.linear(h, w.v, w.v_bias).view(r, t, kv_heads, -1)
+    y = F.linear(h, w.qkv, w.qkv_bias).view(r, t, heads + 2 * kv_heads, -1)
+    q, k, v = y.split([heads, kv_heads, kv_heads], dim=2)
     return q, k, v
+
+
+def _gated(h: Tensor, w, act) -> Tensor:
+    """The gated MLP's inner activation act(h W_gateᵀ) ⊙ h W_upᵀ from one GEMM over gate|up."""
+    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+    return act(gate) * up
 
 
 # ---- Llama family -----------------------------------------------------------------------------
@@ -125,17 +160,12 @@ class LayerWeights:
     functions take tensors, not modules, so one compiled graph serves every layer."""
 
     ln1: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
+    qkv: Tensor  # q|k|v rows (``fused_rows``)
     o: Tensor
     ln2: Tensor
-    gate: Tensor
-    up: Tensor
+    gate_up: Tensor  # gate|up rows
     down: Tensor
-    q_bias: Tensor | None = None
-    k_bias: Tensor | None = None
-    v_bias: Tensor | None = None
+    qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None  # qwen3
     k_norm: Tensor | None = None
@@ -146,7 +176,7 @@ class LayerWeights:
         _no_mlp_bias(layer)
         return cls(
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            gate=m.gate_proj.weight, up=m.up_proj.weight, down=m.down_proj.weight, **_projections(a),
+            gate_up=fused_rows([m.gate_proj, m.up_proj]), down=m.down_proj.weight, **_projections(a),
             q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
             k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
         )  # fmt: skip
@@ -167,7 +197,7 @@ def layer_output(x: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor
     """Output projection + residual, then the SwiGLU MLP + residual."""
     x = x + F.linear(attn, w.o, w.o_bias)
     h = _rms(x, w.ln2, eps)
-    return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+    return x + F.linear(_gated(h, w, F.silu), w.down)
 
 
 # ---- Gemma 3 ----------------------------------------------------------------------------------
@@ -178,21 +208,16 @@ class GemmaLayerWeights:
     input and output)."""
 
     ln1: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
+    qkv: Tensor  # q|k|v rows (``fused_rows``)
     o: Tensor
     q_norm: Tensor
     k_norm: Tensor
     ln_attn_out: Tensor
     ln_mlp_in: Tensor
     ln_mlp_out: Tensor
-    gate: Tensor
-    up: Tensor
+    gate_up: Tensor  # gate|up rows
     down: Tensor
-    q_bias: Tensor | None = None
-    k_bias: Tensor | None = None
-    v_bias: Tensor | None = None
+    qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
 
     @classmethod
@@ -203,8 +228,8 @@ class GemmaLayerWeights:
             ln1=layer.input_layernorm.weight, q_norm=a.q_norm.weight, k_norm=a.k_norm.weight,
             ln_attn_out=layer.post_attention_layernorm.weight,
             ln_mlp_in=layer.pre_feedforward_layernorm.weight,
-            ln_mlp_out=layer.post_feedforward_layernorm.weight, gate=m.gate_proj.weight,
-            up=m.up_proj.weight, down=m.down_proj.weight, **_projections(a),
+            ln_mlp_out=layer.post_feedforward_layernorm.weight,
+            gate_up=fused_rows([m.gate_proj, m.up_proj]), down=m.down_proj.weight, **_projections(a),
         )  # fmt: skip
 
 
@@ -222,7 +247,7 @@ def gemma_layer_output(x: Tensor, attn: Tensor, w: GemmaLayerWeights, eps: float
     before their residual add; the MLP reads its own pre-norm."""
     x = x + _gemma_rms(F.linear(attn, w.o, w.o_bias), w.ln_attn_out, eps)
     h = _gemma_rms(x, w.ln_mlp_in, eps)
-    h = F.linear(F.gelu(F.linear(h, w.gate), approximate="tanh") * F.linear(h, w.up), w.down)
+    h = F.linear(_gated(h, w, lambda g: F.gelu(g, approximate="tanh")), w.down)
     return x + _gemma_rms(h, w.ln_mlp_out, eps)
 
 
