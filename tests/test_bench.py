@@ -48,7 +48,9 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     assert over["read_back_round_ms"] > 0 and model.readback_ms == over["readback_ms"] >= 0
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
-        assert all(v > 0 for k, v in part.items() if k.endswith("_ms"))
+        assert all(v > 0 for k, v in part.items() if k.endswith("_ms") and k != "sequential_head_ms")
+        head = part["head_sampling_graph_ms"] - part["parallel_sampling_graph_ms"]
+        assert part["sequential_head_ms"] == max(0.0, head)  # what the head adds to parallel sampling
     # --kernels: the verify step at widths 1 and γ + 1, the draft step and a plain round's step, each
     # profiled (CPU ops here)
     assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [

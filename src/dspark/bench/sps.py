@@ -197,8 +197,11 @@ def draft_parts(
     alone: the fused single-program kernel, the split-V kernel (``choose_chunks``' C, at least 2, so
     rows past the chooser's limit show what splitting would cost there) and the PyTorch reference,
     these three as replays of a captured CUDA graph on CUDA (the price inside the draft step's graph,
-    which decides between them; eager they would time their launches). A block drafter only
-    (``sample_block``)."""
+    which decides between them; eager they would time their launches). Also captured: the drafter's
+    own heads and sampling over the γ positions (``head_sampling_graph_ms``) against DFlash's
+    parallel sampling of the same hidden states (one LM-head product, one sampling pass over all
+    R × γ positions: ``parallel_sampling_graph_ms``); their difference is what the sequential head
+    costs a draft step (``sequential_head_ms``, Fig. 4). A block drafter only (``sample_block``)."""
     if not hasattr(drafter, "sample_block"):
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
@@ -240,6 +243,10 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
     def captured(name: str, fn):
         return fn if bank is None else lambda: bank.run(name, fn)
 
+    def parallel() -> None:  # DFlash's sample_block: no head, every position at once
+        flat = (hidden @ shared.lm_weight.t().to(hidden.dtype)).flatten(0, 1)
+        sample_step(flat, None, temperature, u.flatten())
+
     parts = {
         "propose_ms": lambda: drafter.propose(cache, anchors, pos, shared, temperature, uniforms=u),
         "backbone_ms": lambda: drafter.backbone(drafter.block_inputs(anchors, shared), block, kv, mask),
@@ -251,8 +258,14 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
         "sampling_fused_ms": captured("fused", lambda: sampling("auto", 1)),
         "sampling_split_ms": captured("split", lambda: sampling("auto", split)),
         "sampling_reference_ms": captured("reference", lambda: sampling("torch")),
+        "head_sampling_graph_ms": captured(
+            "heads", lambda: drafter.sample_block(hidden, anchors, shared, temperature, u)
+        ),
+        "parallel_sampling_graph_ms": captured("parallel", parallel),
     }
-    return {"rows": r, **{name: median_ms(fn, device, warmup, repeats) for name, fn in parts.items()}}
+    out = {"rows": r, **{name: median_ms(fn, device, warmup, repeats) for name, fn in parts.items()}}
+    out["sequential_head_ms"] = max(0.0, out["head_sampling_graph_ms"] - out["parallel_sampling_graph_ms"])
+    return out
 
 
 def round_overhead_ms(
