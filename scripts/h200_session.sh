@@ -39,6 +39,8 @@
 #     TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3 trainer.max_steps=4500" bash scripts/h200_session.sh start
 #   STAGES="data batch" RUNS="DFlash:drafter=dflash;Eagle3:drafter=eagle3;DSpark-Markov:drafter=dspark head=markov" \
 #     TRAIN_MINUTES=12 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
+#   DATA_PACK=data/packs/smollm2_30000_bfloat16.tar.xz STAGES="data gputests batch" RUNS=… TRAIN_EXTRA=… \
+#     bash scripts/h200_session.sh start      # the committed data instead of six minutes regenerating it
 set -uo pipefail
 S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
