@@ -17,6 +17,7 @@ from torch import Tensor
 from dspark.kernels.fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 
 from .core.errors import ConfigError
+from .core.phases import phase
 from .core.schema import Count, NonNegative, Positive, check
 from .core.types import DraftOutput
 
@@ -139,25 +140,28 @@ def block_loss(
     norm = pw.sum().clamp_min(1e-12)
     unit = pw / norm
     weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=torch.zeros_like(unit))
-    res = draft_target_distances(
-        x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows
-    )
+    with phase("fused_loss"):
+        res = draft_target_distances(
+            x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows
+        )
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     loss = res.loss
     metrics = {"ce": (unit * res.ce).sum(), "tv": (unit * res.tv).sum()}
     if out.confidence_logits is not None:
-        z = out.confidence_logits.reshape(-1).float()
-        bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
-        conf = (unit * bce).sum()
-        loss = loss + w.confidence * conf
-        pred = torch.sigmoid(z.detach())
-        count = valid.sum().clamp_min(1)
-        metrics.update(
-            conf_loss=conf.detach(),
-            conf_abs_err=((pred - c_star).abs() * valid).sum() / count,
-            conf_bias=((pred - c_star) * valid).sum() / count,
-        )
-    metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
+        with phase("confidence"):
+            z = out.confidence_logits.reshape(-1).float()
+            bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
+            conf = (unit * bce).sum()
+            loss = loss + w.confidence * conf
+            pred = torch.sigmoid(z.detach())
+            count = valid.sum().clamp_min(1)
+            metrics.update(
+                conf_loss=conf.detach(),
+                conf_abs_err=((pred - c_star).abs() * valid).sum() / count,
+                conf_bias=((pred - c_star) * valid).sum() / count,
+            )
+    with phase("acceptance_metrics"):
+        metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
     metrics.update(loss=loss, rows=valid.sum(), _c_star=c_star.view(out.valid.shape))
     return metrics
 
@@ -199,10 +203,11 @@ def eagle3_loss(
     sw = steps[k] * valid
     unit = sw / sw.sum().clamp_min(1e-12)
     zero = torch.zeros_like(unit)
-    res = draft_target_distances(
-        x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
-        softcap, w.impl, w.chunk_rows,
-    )  # fmt: skip
+    with phase("fused_loss"):
+        res = draft_target_distances(
+            x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
+            softcap, w.impl, w.chunk_rows,
+        )  # fmt: skip
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     metrics = {
         "loss": res.loss,

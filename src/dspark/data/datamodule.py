@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from ..core.errors import DataError
+from ..core.phases import phase
 from .cache import FeatureCache
 from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
@@ -275,6 +276,10 @@ class DraftDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self._load("train")
         self._load("val")
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        with phase("data_to_device"):  # a profiler range (core.phases); nothing without a profiler
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _world(self) -> tuple[int, int, int]:
         """(world_size, global rank, accumulate_grad_batches) of the attached trainer (1, 0, 1 without)."""
