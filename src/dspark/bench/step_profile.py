@@ -35,8 +35,8 @@ SCHEMA = "dspark.step_profile/v1"
 class StepProfile(L.Callback):
     """Records optimizer steps ``start_step`` … ``start_step + steps - 1`` (by the global step each
     starts at), after ``warmup_steps`` more recorded and left out (the profiler's own start-up).
-    Rank 0 only. ``exclude(seconds)`` is handed the time spent writing the files, which is not
-    training (the run's throughput leaves it out)."""
+    Rank 0 only. ``exclude(seconds)`` is handed the time spent starting the profiler and writing
+    the files, which is not training (the run's throughput leaves it out)."""
 
     def __init__(
         self,
@@ -80,6 +80,9 @@ class StepProfile(L.Callback):
                 self._walls.append(wall)
             if step == self.open_at and self.report is None and trainer.is_global_zero:
                 self._open(module.device)
+                self._last_end = time.perf_counter()
+                if self.exclude is not None:  # the profiler's start-up (CUPTI's, on a GPU): no training
+                    self.exclude(self._last_end - now)
             return
         self._range.__exit__(None, None, None)
         if len(self._recorded) < self.warmup + self.steps:
