@@ -6,7 +6,7 @@
 #   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
 #     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
 #     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
-#     Records a profile window of the run (callbacks.profile: steps PROFILE_START.. +4, after warm-up and
+#     Records a profile window of the run (callbacks.profile: steps PROFILE_START.. +9, after warm-up and
 #     compilation; PROFILE=false leaves it out) and copies it as $OUT/NAME/step_profile.{json,md} (+ the
 #     Chrome trace step_profile_trace.json.gz when it is at most TRACE_MAX_MB, default 12).
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks

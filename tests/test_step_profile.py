@@ -82,6 +82,7 @@ def test_step_report_charges_kernels_to_the_phase_that_launched_them():
     assert calls["cudaLaunchKernel"]["calls"] == 3
     text = markdown({**report, "steps": [11]})
     assert "device utilization" in text and "· target_forward" in text and "`gemm`" in text
+    assert "# Training step profile: step 11" in text and "the device idles" in text  # busy 35 %
     with pytest.raises(ValueError, match="none of the steps"):
         step_report(synthetic_trace(), steps=[12])
 

@@ -42,7 +42,7 @@ class StepProfile(L.Callback):
         self,
         folder: str | os.PathLike,
         start_step: int = 200,
-        steps: int = 5,
+        steps: int = 10,
         warmup_steps: int = 1,
         top: int = 30,
         keep_trace: bool = True,

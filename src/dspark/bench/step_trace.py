@@ -260,14 +260,15 @@ def reading(report: dict) -> str:
     util, host, busy = s.get("device_utilization"), s["host_ms"], s["device_busy_ms"]
     lag = (s.get("launch_lag_ms") or {}).get("median")
     waits = s["blocking_calls_ms"] or 0.0
-    parts = [f"the device was busy {100 * (util or 0):.0f} % of its timeline "
+    parts = [f"The device was busy {100 * (util or 0):.0f} % of its timeline "
              f"({_f(busy)} ms of kernels per {_f(host)} ms step)"]  # fmt: skip
     if lag is not None:
         parts.append(f"a kernel started {_f(lag, 3)} ms after its launch (median)")
     if waits > 0.05 * host:
         parts.append(f"the host waited {_f(waits)} ms per step in synchronising calls")
-    if util is not None and util > 0.9 and (lag or 0) > 1.0:
-        verdict = "device-bound: the host runs ahead, the kernels are the cost"
+    if util is not None and util >= 0.9:
+        ahead = "the host runs ahead" if (lag or 0) > 1.0 else "the host only just keeps up"
+        verdict = f"device-bound ({ahead}): the kernels are the cost"
     elif util is not None and util < 0.7:
         verdict = "the device idles: the host (Python, launches, or a wait) is the bound"
     else:
@@ -280,7 +281,10 @@ def markdown(report: dict) -> str:
     s = report["per_step"]
     cuda = report["device"] == "cuda"
     steps = report.get("steps") or []
-    span = f"steps {steps[0]}–{steps[-1]}" if steps else f"{report['steps_reported']} steps"
+    if steps:
+        span = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    else:
+        span = f"{report['steps_reported']} steps"
     lines = [f"# Training step profile: {span}, {report.get('device_name') or report['device']}", ""]
     lines += [reading(report), ""]
     if report.get("validation_in_window"):
@@ -315,7 +319,7 @@ def markdown(report: dict) -> str:
         name = ("  " * depth + "· " if depth else "") + r["phase"].rsplit("/", 1)[-1]
         cells = [_f(r["host_ms"]), _f(r["self_host_ms"])]
         if cuda:
-            cells += [_f(r["device_ms"]), _f(r["self_device_ms"])]
+            cells += [_f(r["device_ms"], 3), _f(r["self_device_ms"], 3)]
             cells += [_f(r["kernels"], 0), _f(r["self_kernels"], 0)]
         cells.append(_f(r["host_ops"], 0))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

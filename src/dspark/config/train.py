@@ -96,7 +96,7 @@ class ProfileConfig:
 
     enabled: bool = False
     start_step: Count = 200  # the first recorded optimizer step: after warm-up and compilation
-    steps: Count = 5
+    steps: Count = 10  # a log step among them when log_every_n_steps is 10: the steady average
     warmup_steps: Natural = 1  # recorded before start_step and left out (the profiler's start-up)
     top: Count = 30  # kernels listed
     keep_trace: bool = True  # profile/trace.json.gz beside the tables
