@@ -36,12 +36,15 @@ implementation (CPU, and the reference) and a Triton kernel (CUDA; the interpret
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DraftLoss",
@@ -464,23 +467,47 @@ def fused_draft_loss(
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     n = x.shape[0]
     group_targets = target_hidden.shape[0] * group_rows // n if group_rows and n else 0
-    if group_rows and n and group_targets < group_rows and group_targets <= chunk:
+    shares = group_rows and n and group_targets < group_rows and group_targets <= chunk
+
+    def run(plan, targets, index):
+        return _FusedDraftLoss.apply(
+            x,
+            trainable,
+            weight.detach().contiguous(),
+            targets.detach().contiguous(),
+            labels.contiguous(),
+            *(w.detach().to(_acc_dtype(x)).contiguous() for w in row_weights),
+            None if softcap is None else float(softcap),
+            plan,
+            None if index is None else index.contiguous(),
+            backend,
+            torch.is_grad_enabled(),
+        )
+
+    if shares and backend not in _SHARED_TARGETS_FAILED:
         plan = chunk_plan(n, chunk, group_rows, group_targets)
-    else:  # no sharing to exploit: each row its own target, as given or gathered
-        plan = chunk_plan(n, chunk)
-        if target_index is not None:
-            target_hidden, target_index = target_hidden.index_select(0, target_index), None
-    loss, ce, tv, kl = _FusedDraftLoss.apply(
-        x,
-        trainable,
-        weight.detach().contiguous(),
-        target_hidden.detach().contiguous(),
-        labels.contiguous(),
-        *(w.detach().to(_acc_dtype(x)).contiguous() for w in row_weights),
-        None if softcap is None else float(softcap),
-        plan,
-        None if target_index is None else target_index.contiguous(),
-        backend,
-        torch.is_grad_enabled(),
-    )
-    return DraftLoss(loss, ce, tv, kl)
+        try:
+            return DraftLoss(*run(plan, target_hidden, target_index))
+        except Exception as err:  # only what _falls_back allows is swallowed
+            if not _falls_back(backend, x):
+                raise
+            _SHARED_TARGETS_FAILED[backend] = f"{type(err).__name__}: {err}"
+            log.warning(
+                "the fused loss's shared-target %s row pass failed (%s): each row gathers its own target "
+                "from now on (the computation before shared targets)",
+                backend,
+                _SHARED_TARGETS_FAILED[backend][:300],
+            )
+    if target_index is not None:  # no sharing to exploit: each row its own target, gathered
+        target_hidden = target_hidden.index_select(0, target_index)
+    return DraftLoss(*run(chunk_plan(n, chunk), target_hidden, None))
+
+
+# The shared-target path is new where the per-row one has run for long; a kernel that does not
+# build on some GPU (a Triton compile error) must not stop a training run: it falls back, once,
+# to the per-row computation. Never on the CPU, where the tests must see every error.
+_SHARED_TARGETS_FAILED: dict[str, str] = {}
+
+
+def _falls_back(backend: str, x: Tensor) -> bool:
+    return backend == "triton" and x.is_cuda

@@ -235,6 +235,36 @@ def test_shared_targets_match_per_row_targets(softcap, chunk_rows, shared, monke
         assert rel_err(got[2], truth.tv) < max(tol, 1e-9)
 
 
+def test_shared_targets_fall_back_once_where_their_kernel_fails(monkeypatch, caplog):
+    """On a GPU where the shared-target row pass fails to build, the loss falls back (once, with a
+    warning) to one target per row; elsewhere the error surfaces (here: the CPU, as in tests)."""
+    from dspark.kernels import fused_loss
+
+    x, lm, bias, th, labels, rw, index = shared_targets_problem(3, 12, 5, 20, 6, 300, seed=5)
+    torch_rows = fused_loss._ROW_PASSES["torch"]
+    calls = []
+
+    def broken(zd, zt, *args):
+        calls.append(args[-1] is not None)
+        if args[-1] is not None:
+            raise RuntimeError("no kernel for you")
+        return torch_rows(zd, zt, *args)
+
+    monkeypatch.setitem(fused_loss._ROW_PASSES, "torch", broken)
+    monkeypatch.setattr(fused_loss, "_SHARED_TARGETS_FAILED", {})
+    with pytest.raises(RuntimeError, match="no kernel"):
+        fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    monkeypatch.setattr(fused_loss, "_falls_back", lambda backend, x: True)
+    ref = fused(x, lm, bias, th[index], labels, rw, impl="torch")
+    calls.clear()
+    got = fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    assert calls[0] and not any(calls[1:]) and "each row gathers its own target" in caplog.text
+    assert_loss_close(got, ref, 1e-6)
+    calls.clear()
+    fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    assert calls and not any(calls)  # given up for the rest of the run
+
+
 # ----------------------------------------------------------------------------- sampling helpers
 
 
