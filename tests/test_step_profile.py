@@ -106,6 +106,46 @@ def test_phase_is_a_profiler_range_only_while_one_records(tmp_path):
     assert "CPU run" in markdown(report)
 
 
+def drive(callback, steps: int) -> None:
+    """Lightning's side of a run without Lightning: optimizer steps 0 … steps-1, each some work."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, accumulate_grad_batches=1)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    for _ in range(steps):
+        with phase("training_step"):
+            torch.randn(64, 64).matmul(torch.randn(64, 64)).sum()
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+    callback.on_train_end(trainer, module)
+
+
+def test_a_failing_window_never_stops_the_training(tmp_path, monkeypatch, caplog):
+    from dspark.bench import step_profile
+
+    excluded = []
+    callback = step_profile.StepProfile(tmp_path / "ok", start_step=2, steps=2, exclude=excluded.append)
+    drive(callback, 6)
+    assert callback.report["steps"] == [2, 3] and callback.done and len(excluded) == 2  # start-up, writing
+    rows = {r["phase"] for r in callback.report["phases"]}
+    assert rows == {"training_step", OUTSIDE}
+
+    def broken(*args, **kw):
+        raise RuntimeError("unexpected trace")
+
+    monkeypatch.setattr(step_profile, "step_report", broken)
+    callback = step_profile.StepProfile(tmp_path / "bad", start_step=2, steps=2)
+    drive(callback, 6)  # no exception
+    assert callback.done and callback.report is None and "training goes on without it" in caplog.text
+    written = json.loads((tmp_path / "bad" / "step_profile.json").read_text())
+    assert written["error"] == "RuntimeError: unexpected trace"
+    # A run cut inside the window reports the steps it recorded.
+    callback = step_profile.StepProfile(tmp_path / "cut", start_step=2, steps=5)
+    monkeypatch.undo()
+    drive(callback, 4)
+    assert callback.report["steps"] == [2, 3]
+
+
 def test_the_window_needs_a_step_before_it():
     with initialize_config_module("dspark.conf", version_base="1.3"):
         cfg = compose("train", ["callbacks.profile.start_step=1", "callbacks.profile.warmup_steps=1"])

@@ -12,6 +12,7 @@ kernels, the runtime calls that waited for the device) and the Chrome trace ``tr
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import statistics
@@ -58,6 +59,7 @@ class StepProfile(L.Callback):
         self.top, self.keep_trace, self.exclude = int(top), bool(keep_trace), exclude
         self.open_at = self.start_step - self.warmup  # steps done when the window opens
         self.report: dict | None = None
+        self.done = False  # the window was recorded (or failed): never again in this run
         self._prof = None
         self._range = None  # the open step range
         self._recorded: list[int] = []
@@ -76,10 +78,10 @@ class StepProfile(L.Callback):
         now = time.perf_counter()
         wall, self._last_end = (None if self._last_end is None else now - self._last_end), now
         if self._prof is None:
-            if wall is not None and self.report is None:
+            if wall is not None and not self.done:
                 self._walls.append(wall)
-            if step == self.open_at and self.report is None and trainer.is_global_zero:
-                self._open(module.device)
+            if step == self.open_at and not self.done and trainer.is_global_zero:
+                self._guarded(self._open, module.device)
                 self._last_end = time.perf_counter()
                 if self.exclude is not None:  # the profiler's start-up (CUPTI's, on a GPU): no training
                     self.exclude(self._last_end - now)
@@ -99,13 +101,29 @@ class StepProfile(L.Callback):
             self._range.__exit__(None, None, None)
             self._recorded.pop()  # the step that was opened never ran
             self._finish(trainer)
-        elif self.report is None and trainer.is_global_zero and int(trainer.global_step) > self.open_at:
+        elif not self.done and trainer.is_global_zero and int(trainer.global_step) > self.open_at:
             log.info("profile window (step %d) not recorded: the run started past it", self.start_step)
 
     def on_exception(self, trainer, module, exception) -> None:
         if self._prof is not None:
-            self._prof.stop()
-            self._prof = None
+            prof, self._prof = self._prof, None
+            prof.stop()
+
+    def _guarded(self, work, *args) -> None:
+        """Run a part of the window; a failure is logged and ends the window, never the training."""
+        try:
+            work(*args)
+        except Exception as err:
+            self.done = True
+            if self._prof is not None:
+                prof, self._prof = self._prof, None
+                with contextlib.suppress(Exception):
+                    prof.stop()
+            why = f"{type(err).__name__}: {err}"
+            log.warning("the profile window failed (%s): training goes on without it", why)
+            with contextlib.suppress(OSError):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(self.folder / REPORT, {"schema": SCHEMA, "error": why[:2000]})
 
     def _open(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -125,6 +143,15 @@ class StepProfile(L.Callback):
         self._recorded.append(step)
 
     def _finish(self, trainer) -> None:
+        t0 = time.perf_counter()
+        self._guarded(self._write, trainer)
+        self.done = True
+        seconds = time.perf_counter() - t0
+        if self.exclude is not None:
+            self.exclude(seconds)
+        self._last_end = None  # the next step's wall time would include the writing
+
+    def _write(self, trainer) -> None:
         t0 = time.perf_counter()
         prof, self._prof = self._prof, None
         prof.stop()  # waits for the device: every recorded kernel has ended
@@ -153,6 +180,3 @@ class StepProfile(L.Callback):
         self.report = report
         seconds = time.perf_counter() - t0
         log.info("profile of steps %s written to %s (%.1f s)", report["steps"], self.folder, seconds)
-        if self.exclude is not None:
-            self.exclude(seconds)
-        self._last_end = None  # the next step's wall time would include the writing
