@@ -59,14 +59,15 @@ train)
   cp $run/summary.json "$OUTDIR/$name/" 2>/dev/null || true  # written when the run finishes
   cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json" 2>/dev/null || true
   cp $run/drafter/calibration*.json "$OUTDIR/$name/" 2>/dev/null || true
-  if [ -f $run/profile/step_profile.json ]; then  # the profile window (written at its last step)
-    cp $run/profile/step_profile.json $run/profile/step_profile.md "$OUTDIR/$name/"
-    trace=$run/profile/trace.json.gz
-    if [ -f $trace ] && [ "$(stat -c %s $trace)" -le $((${TRACE_MAX_MB:-12} * 1048576)) ]; then
-      cp $trace "$OUTDIR/$name/step_profile_trace.json.gz"
-    fi
-    head -3 $run/profile/step_profile.md | tail -1  # its reading: what bounds the step
+  # The profile window (written at its last step; a failed one leaves only its error in the JSON).
+  for f in step_profile.json step_profile.md; do
+    if [ -f $run/profile/$f ]; then cp $run/profile/$f "$OUTDIR/$name/"; fi
+  done
+  trace=$run/profile/trace.json.gz
+  if [ -f $trace ] && [ "$(stat -c %s $trace)" -le $((${TRACE_MAX_MB:-12} * 1048576)) ]; then
+    cp $trace "$OUTDIR/$name/step_profile_trace.json.gz"
   fi
+  if [ -f $run/profile/step_profile.md ]; then sed -n 3p $run/profile/step_profile.md; fi  # what bounds the step
   # A resumed run logs each part in its own folder (logs/, logs/resumed-<step>/): keep them all.
   for f in $(find $run/logs -name metrics.csv | sort); do
     part=$(basename "$(dirname "$f")")

@@ -218,8 +218,10 @@ if [ "$1" = "-m" ] && [ "$2" = "dspark.train" ]; then
   for a in "$@"; do case $a in hydra.run.dir=*) run=${{a#hydra.run.dir=}};; esac; done
   mkdir -p $run/profile $run/logs $run/drafter && echo "$*" > $run.args && echo {{}} > $run/config.yaml
   echo {{}} > $run/profile/step_profile.json
-  printf '# P\\n\\nReading: stub.\\n' > $run/profile/step_profile.md
-  echo trace | gzip > $run/profile/trace.json.gz
+  if [ -z "$FAILED_WINDOW" ]; then  # a failed window writes its JSON (the error) alone
+    printf '# P\\n\\nReading: stub.\\n' > $run/profile/step_profile.md
+    echo trace | gzip > $run/profile/trace.json.gz
+  fi
   echo "trained"  # the log the script reads back
   exit 0
 fi
@@ -249,3 +251,6 @@ exec {sys.executable} "$@"
     _, args = train("B", PROFILE="false", TRACE_MAX_MB="0")
     assert "callbacks.profile.enabled=false" in args
     assert not (tmp_path / "out" / "B" / "step_profile_trace.json.gz").exists()  # over TRACE_MAX_MB
+    # A window that failed leaves its error alone: the training step still succeeds.
+    train("C", FAILED_WINDOW="1")
+    assert {p.name for p in (tmp_path / "out" / "C").iterdir()} == {"config.yaml", "step_profile.json"}
