@@ -5,6 +5,10 @@ loss + gradient, at DSpark's training shape.
     python -m dspark.kernels.bench_fused_loss --device cpu --v 512 --anchors 4 --gamma 2 \\
         --d 16 --rank 8 --iters 2 --warmup 1 --out /tmp/bench.json                     # toy check
 
+    python -m dspark.kernels.bench_fused_loss --sequences 32 --anchors 128 --positions 290 --out f.json
+        # the training step's shape: 32 sequences whose 128 × 7 rows share 290 positions' targets;
+        # adds the fused variants that compute each target's logits once (*_shared)
+
 Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions. Times are
 medians over --iters after --warmup (CUDA events on GPU); peak memory is the allocator's peak
 during the step above what the inputs hold. TFLOP/s counts the GEMMs each variant does (all
@@ -27,7 +31,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _inputs(args, device, dtype):
     g = torch.Generator().manual_seed(0)
-    n, d, r = args.anchors * args.gamma, args.d, args.rank
+    n, d, r = args.sequences * args.anchors * args.gamma, args.d, args.rank
     # Random (not zero) data with realistic logit spread: zeros would make every softmax flat.
     x = torch.randn(n, d + r, generator=g)
     lm = torch.randn(args.v, d, generator=g) * (2.5 / d**0.5)
@@ -38,6 +42,15 @@ def _inputs(args, device, dtype):
     rw = RowWeights(*(torch.rand(3, n, generator=g) / n).to(device))
     t = [v.to(device, dtype) for v in (x, lm, bias, th)]
     return t[0].requires_grad_(), t[1], t[2].requires_grad_(), t[3], labels.to(device), rw
+
+
+def _shared_targets(args, th, device):
+    """Each sequence's rows point at its own ``positions`` targets: (targets [S·T, d], index [N])."""
+    g = torch.Generator().manual_seed(1)
+    rows = args.anchors * args.gamma
+    local = torch.randint(0, args.positions, (args.sequences, rows), generator=g)
+    index = (local + args.positions * torch.arange(args.sequences)[:, None]).reshape(-1).to(device)
+    return th[: args.sequences * args.positions].detach().clone(), index
 
 
 def _variants(args):
@@ -52,9 +65,20 @@ def _variants(args):
 
         return run
 
-    out = {"materialized": materialized, "fused_torch": fused("torch")}
-    if triton_available() and args.device == "cuda":
-        out["fused_triton"] = fused("triton")
+    def shared(impl):
+        def run(x, lm, bias, th, labels, rw):
+            weight = torch.cat([lm, bias.detach()], 1)
+            targets, index = args.shared
+            return fused_draft_loss(x, weight, targets, labels, rw, trainable=bias, softcap=args.softcap,
+                                    impl=impl, chunk_rows=args.chunk_rows, target_index=index,
+                                    group_rows=args.anchors * args.gamma)  # fmt: skip
+
+        return run
+
+    impls = ["torch"] + (["triton"] if triton_available() and args.device == "cuda" else [])
+    out = {"materialized": materialized, **{f"fused_{i}": fused(i) for i in impls}}
+    if args.positions:
+        out.update({f"fused_{i}_shared": shared(i) for i in impls})
     return out
 
 
@@ -94,7 +118,9 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--v", type=int, default=49152)
-    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--sequences", type=int, default=1)
+    p.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    p.add_argument("--positions", type=int, default=0, help="positions per sequence its rows share (0: none)")
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--d", type=int, default=576)
     p.add_argument("--rank", type=int, default=256)
@@ -110,9 +136,13 @@ def main(argv=None):
 
     cuda = args.device == "cuda"
     inputs = _inputs(args, args.device, DTYPES[args.dtype])
-    n, k = args.anchors * args.gamma, args.d + args.rank
-    # GEMMs per step: draft and target logits, d(features), d(bias block).
+    if args.positions:
+        args.shared = _shared_targets(args, inputs[3], args.device)
+    n, k = args.sequences * args.anchors * args.gamma, args.d + args.rank
+    # GEMMs per step: draft and target logits, d(features), d(bias block); the shared variants
+    # compute the target logits once per position.
     flops = 2 * n * args.v * (k + args.d + k + args.rank)
+    shared_flops = flops - 2 * (n - args.sequences * args.positions) * args.v * args.d
     variants = _variants(args)
     if args.variants:
         variants = {name: fn for name, fn in variants.items() if name in args.variants.split(",")}
@@ -125,14 +155,16 @@ def main(argv=None):
             ms, peak, err = None, None, f"OOM: {str(exc).splitlines()[0]}"
         if cuda:
             torch.cuda.empty_cache()
-        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
-        rows.append(dict(variant=name, median_ms=ms, peak_mib=peak, flops=flops, tflops=tflops, error=err))
+        f = shared_flops if name.endswith("_shared") else flops
+        tflops = None if ms is None else f / (ms * 1e-3) / 1e12
+        rows.append(dict(variant=name, median_ms=ms, peak_mib=peak, flops=f, tflops=tflops, error=err))
 
     def cell(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    settings = {k: v for k, v in vars(args).items() if k != "shared"}
     report = {**provenance("dspark.kernels.bench_fused_loss", argv, torch.device(args.device)),
-              "args": vars(args), "rows": rows}  # fmt: skip
+              "args": settings, "rows": rows}  # fmt: skip
     atomic_write_json(args.out, report)
     print("| variant | loss+grad ms | peak MiB | TFLOP/s |\n|---|---:|---:|---:|")
     for r in rows:

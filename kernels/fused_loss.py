@@ -23,12 +23,20 @@ two more GEMMs turn dz into the gradients of x and of the trainable columns. Eac
 computed once, no [N, V] tensor outlives its chunk, and backward only rescales the stored
 gradients by the incoming scalar.
 
+Many rows may share one target (a block drafter's anchors overlap: the target distribution at a
+position is compared with up to γ rows). Given ``target_index`` (row r's target is
+``target_hidden[target_index[r]]``) and ``group_rows`` (rows come in groups, e.g. a sequence's
+anchors, whose targets lie in their group's own slice of ``target_hidden``), the target logits are
+computed once per target of the chunk's groups and the row pass reads them through the index,
+instead of once per row.
+
 ``materialized_draft_loss`` is the plain-autograd ground truth. The row-wise pass has a PyTorch
 implementation (CPU, and the reference) and a Triton kernel (CUDA; the interpreter on CPU in tests).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -36,7 +44,16 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 
-__all__ = ["DraftLoss", "RowWeights", "materialized_draft_loss", "fused_draft_loss", "default_chunk_rows"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DraftLoss",
+    "RowWeights",
+    "materialized_draft_loss",
+    "fused_draft_loss",
+    "default_chunk_rows",
+    "chunk_plan",
+]
 
 
 class RowWeights(NamedTuple):
@@ -52,14 +69,26 @@ class DraftLoss(NamedTuple):
     kl: Tensor  # [N] float32 >= 0 (detached)
 
 
-def _check(x, weight, target_hidden, labels, row_weights, trainable, softcap):
+def _check(
+    x, weight, target_hidden, labels, row_weights, trainable, softcap, target_index=None, group_rows=None
+):
     if x.dim() != 2 or weight.dim() != 2 or target_hidden.dim() != 2:
         raise ValueError("x, weight and target_hidden must be 2-D")
     n, k = x.shape
     if weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    if target_hidden.shape[0] != n or target_hidden.shape[1] > k:
+    rows = n if target_index is None else target_hidden.shape[0]
+    if target_hidden.shape[0] != rows or target_hidden.shape[1] > k:
         raise ValueError(f"target_hidden {tuple(target_hidden.shape)} does not match N={n}, K={k}")
+    if target_index is not None and (target_index.shape != (n,) or target_index.dtype.is_floating_point):
+        raise ValueError(f"target_index must be an integer tensor of shape ({n},)")
+    if group_rows is not None:
+        if target_index is None:
+            raise ValueError("group_rows needs target_index")
+        if group_rows <= 0 or n % group_rows or rows % (n // group_rows):
+            raise ValueError(
+                f"group_rows={group_rows} must divide N={n} and the groups the {rows} target rows"
+            )
     if labels.shape != (n,):
         raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
     for name, w in zip(RowWeights._fields, row_weights):
@@ -90,10 +119,14 @@ def materialized_draft_loss(
     labels: Tensor,
     row_weights: RowWeights,
     softcap: float | None = None,
+    target_index: Tensor | None = None,
 ) -> DraftLoss:
     """Ground truth: full [N, V] logits, plain autograd (float32 math). Gradients flow to ``x`` and
-    to ``weight`` as far as autograd reaches it (e.g. the trainable half of a ``torch.cat``)."""
-    _check(x, weight, target_hidden, labels, row_weights, None, softcap)
+    to ``weight`` as far as autograd reaches it (e.g. the trainable half of a ``torch.cat``).
+    ``target_index``: row r's target is target_hidden[target_index[r]] (gathered here, per row)."""
+    _check(x, weight, target_hidden, labels, row_weights, None, softcap, target_index)
+    if target_index is not None:
+        target_hidden = target_hidden.index_select(0, target_index)
     acc = _acc_dtype(x)
     d = target_hidden.shape[1]
     logp_d = torch.log_softmax(_cap((x @ weight.T).to(acc), softcap), dim=-1)
@@ -114,8 +147,11 @@ def materialized_draft_loss(
 # ----------------------------------------------------------------------------- row pass, torch
 
 
-def _rows_torch(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
-    """Losses of rows with logits zd, zt [n, V] (float) and, if asked, dloss/dz [n, V]."""
+def _rows_torch(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype, zt_index=None):
+    """Losses of rows with logits zd [n, V] and zt (float; [n, V], or rows of it picked by
+    ``zt_index`` [n]) and, if asked, dloss/dz [n, V]."""
+    if zt_index is not None:
+        zt = zt.index_select(0, zt_index)
     s_d, s_t = _cap(zd, softcap), _cap(zt, softcap)
     logp_d = torch.log_softmax(s_d, dim=-1)
     logp_t = torch.log_softmax(s_t, dim=-1)
@@ -161,6 +197,7 @@ if HAS_TRITON:
     def _row_loss_kernel(
         zd_ptr,
         zt_ptr,
+        zt_index_ptr,
         labels_ptr,
         a_ptr,
         b_ptr,
@@ -173,6 +210,7 @@ if HAS_TRITON:
         V: tl.constexpr,
         HAS_CAP: tl.constexpr,
         WANT_GRAD: tl.constexpr,
+        HAS_INDEX: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program per row; three sweeps over V: normalisers, then losses, then dz (which needs
@@ -180,7 +218,10 @@ if HAS_TRITON:
         # bound breaks the triton 3.6 interpreter under numpy >= 2.4.
         row = tl.program_id(0).to(tl.int64)
         zd_row = zd_ptr + row * V
-        zt_row = zt_ptr + row * V
+        if HAS_INDEX:  # noqa: SIM108 (a compile-time branch) - the row's target: a zt row it shares
+            zt_row = zt_ptr + tl.load(zt_index_ptr + row).to(tl.int64) * V
+        else:
+            zt_row = zt_ptr + row * V
         cols0 = tl.arange(0, BLOCK)
         m_d = tl.full((), float("-inf"), tl.float32)
         m_t = tl.full((), float("-inf"), tl.float32)
@@ -246,7 +287,7 @@ if HAS_TRITON:
                 tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
+def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype, zt_index=None):
     n, v = zd.shape
     f32 = dict(device=zd.device, dtype=torch.float32)
     ce, tv, kl = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
@@ -255,6 +296,7 @@ def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
     _row_loss_kernel[(n,)](
         zd,
         zt,
+        labels if zt_index is None else zt_index,  # unread without an index
         labels,
         a,
         b,
@@ -267,6 +309,7 @@ def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype):
         V=v,
         HAS_CAP=softcap is not None,
         WANT_GRAD=want_grad,
+        HAS_INDEX=zt_index is not None,
         BLOCK=block,
         **({} if triton_interpreting() else dict(num_warps=8)),
     )
@@ -313,9 +356,28 @@ def default_chunk_rows(vocab_size: int, budget_bytes: int = 1 << 29) -> int:
 # ----------------------------------------------------------------------------- autograd
 
 
+def chunk_plan(n: int, chunk: int, group_rows: int | None = None, group_targets: int = 0):
+    """[(t0, t1, [(r0, r1), …])]: the rows in chunks of at most ``chunk`` rows and, with groups of
+    ``group_rows`` rows that share ``group_targets`` target rows each, the slice t0:t1 of target
+    rows whose logits a run of chunks shares (whole groups: as many as fit one chunk, else one
+    group split into several chunks). Without groups t0 = t1 = None: each row has its own target."""
+    if group_rows is None:
+        return [(None, None, [(r0, min(n, r0 + chunk)) for r0 in range(0, n, chunk)])]
+    groups, per = n // group_rows, max(1, chunk // group_rows)
+    plan = []
+    for g0 in range(0, groups, per):
+        g1 = min(groups, g0 + per)
+        end = g1 * group_rows
+        spans = [(r0, min(end, r0 + chunk)) for r0 in range(g0 * group_rows, end, chunk)]
+        plan.append((g0 * group_targets, g1 * group_targets, spans))
+    return plan
+
+
 class _FusedDraftLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, trainable, weight, th, labels, a, b, c, softcap, chunk_rows, backend, grad_on):
+    def forward(
+        ctx, x, trainable, weight, th, labels, a, b, c, softcap, plan, target_index, backend, grad_on
+    ):
         n, k = x.shape
         d = th.shape[1]
         r = 0 if trainable is None else trainable.shape[1]
@@ -332,18 +394,24 @@ class _FusedDraftLoss(torch.autograd.Function):
             ce, tv, kl = (torch.empty(n, device=x.device, dtype=acc) for _ in range(3))
             grad_x = torch.empty((n, k), device=x.device, dtype=md) if want_x else None
             grad_t = torch.zeros(trainable.shape, device=x.device, dtype=acc) if want_t else None
-            for r0 in range(0, n, chunk_rows):
-                r1 = min(n, r0 + chunk_rows)
-                zd = _mm_f32(xm[r0:r1], weight.T)
-                zt = _mm_f32(thm[r0:r1], head.T)
-                ce[r0:r1], tv[r0:r1], kl[r0:r1], dz = row_pass(
-                    zd, zt, labels[r0:r1], a[r0:r1], b[r0:r1], c[r0:r1], softcap, want_grad, md
-                )
-                del zd, zt
-                if want_x:
-                    torch.mm(dz, weight, out=grad_x[r0:r1])
-                if want_t:
-                    grad_t += _mm_f32(dz.T, xm[r0:r1, k - r :])
+            for t0, t1, spans in plan:
+                # Shared targets: their logits once for the chunks of these groups, read by index.
+                shared = None if t0 is None else _mm_f32(thm[t0:t1], head.T)
+                for r0, r1 in spans:
+                    zd = _mm_f32(xm[r0:r1], weight.T)
+                    if shared is None:
+                        zt, index = _mm_f32(thm[r0:r1], head.T), None
+                    else:
+                        zt, index = shared, target_index[r0:r1] - t0
+                    ce[r0:r1], tv[r0:r1], kl[r0:r1], dz = row_pass(
+                        zd, zt, labels[r0:r1], a[r0:r1], b[r0:r1], c[r0:r1], softcap, want_grad, md, index
+                    )
+                    del zd, zt
+                    if want_x:
+                        torch.mm(dz, weight, out=grad_x[r0:r1])
+                    if want_t:
+                        grad_t += _mm_f32(dz.T, xm[r0:r1, k - r :])
+                del shared
             valid = labels >= 0
             loss = (torch.where(valid, a, torch.zeros_like(a)).to(acc) * ce).sum()
             loss = loss + (b.to(acc) * tv).sum() + (c.to(acc) * kl).sum()
@@ -358,7 +426,7 @@ class _FusedDraftLoss(torch.autograd.Function):
         grad_x, grad_t = ctx.saved_tensors
         gx = None if grad_x is None else (grad_x * g_loss.to(grad_x.dtype)).to(ctx.x_dtype)
         gt = None if grad_t is None else (grad_t * g_loss.to(grad_t.dtype)).to(ctx.t_dtype)
-        return gx, gt, None, None, None, None, None, None, None, None, None, None
+        return gx, gt, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_draft_loss(
@@ -372,13 +440,21 @@ def fused_draft_loss(
     softcap: float | None = None,
     impl: str = "auto",
     chunk_rows: int | None = None,
+    target_index: Tensor | None = None,
+    group_rows: int | None = None,
 ) -> DraftLoss:
     """The loss, its per-row terms and (when autograd asks) its gradient, in row chunks.
 
     ``weight`` [V, K] is a constant; when ``trainable`` [V, r] is given, weight[:, K-r:] must hold
     its values and the gradient of the loss w.r.t. it is returned through autograd. The GEMMs run
-    in weight's dtype. ``impl``: ``"triton"`` row kernel (CUDA), ``"torch"``, or ``"auto"``."""
-    _check(x, weight, target_hidden, labels, row_weights, trainable, softcap)
+    in weight's dtype. ``impl``: ``"triton"`` row kernel (CUDA), ``"torch"``, or ``"auto"``.
+
+    Targets: ``target_hidden`` [N, D], one per row; or [M, D] with ``target_index`` [N] (row r's
+    target is target_hidden[target_index[r]]). With ``group_rows`` R as well, the N rows are
+    N / R groups of R consecutive rows, and group g's targets lie in its own T = M·R/N rows
+    (g·T ≤ target_index < (g+1)·T, not checked: it would cost a host sync): the target logits
+    are then computed once per target row, not once per row, whenever T < R and T ≤ the chunk."""
+    _check(x, weight, target_hidden, labels, row_weights, trainable, softcap, target_index, group_rows)
     if weight.requires_grad:
         raise ValueError("weight is a constant here: pass its trainable columns as `trainable`")
     backend = resolve_impl(impl, x, weight, target_hidden, labels)
@@ -389,16 +465,49 @@ def fused_draft_loss(
     chunk = int(chunk_rows or default_chunk_rows(weight.shape[0]))
     if chunk <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    loss, ce, tv, kl = _FusedDraftLoss.apply(
-        x,
-        trainable,
-        weight.detach().contiguous(),
-        target_hidden.detach().contiguous(),
-        labels.contiguous(),
-        *(w.detach().to(_acc_dtype(x)).contiguous() for w in row_weights),
-        None if softcap is None else float(softcap),
-        chunk,
-        backend,
-        torch.is_grad_enabled(),
-    )
-    return DraftLoss(loss, ce, tv, kl)
+    n = x.shape[0]
+    group_targets = target_hidden.shape[0] * group_rows // n if group_rows and n else 0
+    shares = group_rows and n and group_targets < group_rows and group_targets <= chunk
+
+    def run(plan, targets, index):
+        return _FusedDraftLoss.apply(
+            x,
+            trainable,
+            weight.detach().contiguous(),
+            targets.detach().contiguous(),
+            labels.contiguous(),
+            *(w.detach().to(_acc_dtype(x)).contiguous() for w in row_weights),
+            None if softcap is None else float(softcap),
+            plan,
+            None if index is None else index.contiguous(),
+            backend,
+            torch.is_grad_enabled(),
+        )
+
+    if shares and backend not in _SHARED_TARGETS_FAILED:
+        plan = chunk_plan(n, chunk, group_rows, group_targets)
+        try:
+            return DraftLoss(*run(plan, target_hidden, target_index))
+        except Exception as err:  # only what _falls_back allows is swallowed
+            if not _falls_back(backend, x):
+                raise
+            _SHARED_TARGETS_FAILED[backend] = f"{type(err).__name__}: {err}"
+            log.warning(
+                "the fused loss's shared-target %s row pass failed (%s): each row gathers its own target "
+                "from now on (the computation before shared targets)",
+                backend,
+                _SHARED_TARGETS_FAILED[backend][:300],
+            )
+    if target_index is not None:  # no sharing to exploit: each row its own target, gathered
+        target_hidden = target_hidden.index_select(0, target_index)
+    return DraftLoss(*run(chunk_plan(n, chunk), target_hidden, None))
+
+
+# The shared-target path is new where the per-row one has run for long; a kernel that does not
+# build on some GPU (a Triton compile error) must not stop a training run: it falls back, once,
+# to the per-row computation. Never on the CPU, where the tests must see every error.
+_SHARED_TARGETS_FAILED: dict[str, str] = {}
+
+
+def _falls_back(backend: str, x: Tensor) -> bool:
+    return backend == "triton" and x.is_cuda

@@ -6,6 +6,9 @@
 #   bash scripts/h200_drafter.sh train NAME MINUTES [overrides…]    # e.g. train dspark 8 drafter=dspark head=markov
 #     A run longer than one call: the call stops it after CALL_LIMIT seconds (default 540) with SIGINT;
 #     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
+#     Records a profile window of the run (callbacks.profile: steps PROFILE_START.. +9, after warm-up and
+#     compilation; PROFILE=false leaves it out) and copies it as $OUT/NAME/step_profile.{json,md} (+ the
+#     Chrome trace step_profile_trace.json.gz when it is at most TRACE_MAX_MB, default 12).
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
 #     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
 #     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
@@ -42,7 +45,8 @@ train)
   timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
     trainer.max_time=00:$(printf %02d $((minutes / 60))):$(printf %02d $((minutes % 60))):00 \
     trainer.max_steps=10000000 trainer.val_check_interval=500 trainer.limit_val_batches=40 \
-    callbacks.checkpoint_every_n_steps=1000 hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
+    callbacks.checkpoint_every_n_steps=1000 callbacks.profile.enabled=${PROFILE:-true} \
+    callbacks.profile.start_step=${PROFILE_START:-200} hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
   if [ $status = 124 ]; then
     echo "stopped after ${CALL_LIMIT:-540} s: run the same command again to resume"
   elif [ $status != 0 ]; then
@@ -55,6 +59,15 @@ train)
   cp $run/summary.json "$OUTDIR/$name/" 2>/dev/null || true  # written when the run finishes
   cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json" 2>/dev/null || true
   cp $run/drafter/calibration*.json "$OUTDIR/$name/" 2>/dev/null || true
+  # The profile window (written at its last step; a failed one leaves only its error in the JSON).
+  for f in step_profile.json step_profile.md; do
+    if [ -f $run/profile/$f ]; then cp $run/profile/$f "$OUTDIR/$name/"; fi
+  done
+  trace=$run/profile/trace.json.gz
+  if [ -f $trace ] && [ "$(stat -c %s $trace)" -le $((${TRACE_MAX_MB:-12} * 1048576)) ]; then
+    cp $trace "$OUTDIR/$name/step_profile_trace.json.gz"
+  fi
+  if [ -f $run/profile/step_profile.md ]; then sed -n 3p $run/profile/step_profile.md; fi  # what bounds the step
   # A resumed run logs each part in its own folder (logs/, logs/resumed-<step>/): keep them all.
   for f in $(find $run/logs -name metrics.csv | sort); do
     part=$(basename "$(dirname "$f")")

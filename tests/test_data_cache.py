@@ -99,6 +99,21 @@ def epoch_batches(dm, epoch: int) -> list[list[int]]:
     return [b for b in loader.batch_sampler]
 
 
+def test_batches_are_pinned_only_for_a_gpu(dataset):
+    """Lightning copies batches with non_blocking=True, asynchronous only from page-locked memory."""
+    from types import SimpleNamespace
+
+    dm = DraftDataModule(dataset, features="online")
+    dm.setup("fit")
+    assert not dm.train_dataloader().pin_memory and not dm.val_dataloader().pin_memory  # no trainer
+    for kind, pinned in (("cpu", False), ("cuda", True)):
+        dm.trainer = SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device(kind)), world_size=1, global_rank=0,
+            accumulate_grad_batches=1, global_step=0,
+        )  # fmt: skip
+        assert dm.train_dataloader().pin_memory is pinned and dm.val_dataloader().pin_memory is pinned
+
+
 def test_shuffling_is_deterministic_and_bucketed(dataset):
     a, b = DraftDataModule(dataset), DraftDataModule(dataset)
     a.setup(), b.setup()

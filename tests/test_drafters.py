@@ -261,6 +261,41 @@ def test_fused_and_materialized_losses_agree(tiny_target, batch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["dflash", "eagle3"])
+def test_fused_loss_computes_each_shared_target_once_and_agrees(tiny_target, batch, name, monkeypatch):
+    """A sequence's rows share its positions' target distributions (anchors overlap; Eagle3 compares
+    γ rows with each position): the fused loss computes each position's target logits once and
+    agrees with the materialised loss, which gathers one target per row (the old computation)."""
+    from dspark.kernels import fused_loss
+
+    ids, lm, step = batch
+    drafter = make(tiny_target, name, "none")
+    shared = Shared.of(tiny_target)
+    anchors = sample_anchors(lm, 8, torch.Generator().manual_seed(0))
+    w = LossWeights.from_cfg(load_group("loss", name))
+    target_rows = []
+    torch_rows = fused_loss._ROW_PASSES["torch"]
+
+    def spy(zd, zt, *args):
+        target_rows.append((zd.shape[0], zt.shape[0]))
+        return torch_rows(zd, zt, *args)
+
+    monkeypatch.setitem(fused_loss._ROW_PASSES, "torch", spy)
+    results = {}
+    for impl in ("materialized", "torch"):
+        drafter.zero_grad()
+        w.impl = impl
+        out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
+        m = compute_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)
+        m["loss"].backward()
+        results[impl] = (m["loss"].detach(), m["tv"], drafter.fc.weight.grad.clone())
+    rows = out.valid.numel()
+    assert target_rows == [(rows, ids.numel())]  # one target row per position of the 2 sequences
+    assert ids.numel() < rows
+    for a, b in zip(results["materialized"], results["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_training_raises_tau_prob(tiny_target):
     """A few hundred steps on a short repeated text: the drafter learns the target's distributions
     there, so the expected acceptance length τ_prob climbs well above where it started."""

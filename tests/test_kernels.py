@@ -38,6 +38,7 @@ from dspark.kernels import (
     triton_available,
     triton_interpreting,
 )
+from dspark.kernels.fused_loss import chunk_plan
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, _chunk_layout, choose_chunks
 
 try:  # the colleague-owned references; tests fall back to the local ones if absent
@@ -180,6 +181,90 @@ def test_loss_dispatch_on_cpu():
     if not INTERPRETING:
         with pytest.raises(RuntimeError):
             fused_draft_loss(x, lm, th, labels, rw, impl="triton")
+
+
+def shared_targets_problem(groups, rows, targets, d, r, v, *, seed=0, dtype=torch.float32):
+    """A loss problem whose ``rows`` per group compare with the group's own ``targets`` target rows
+    (a sequence's anchor rows and its positions: each target shared by several rows)."""
+    x, lm, bias, _, labels, rw = loss_problem(groups * rows, d, r, v, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    local = torch.randint(0, targets, (groups, rows), generator=g)
+    index = (local + targets * torch.arange(groups)[:, None]).reshape(-1)
+    noise = torch.randn(groups * targets, d, generator=g).to(dtype)
+    th = 0.7 * x[: groups * targets, :d] + 0.3 * noise  # related to the drafts: TV spans its range
+    return x, lm, bias, th, labels, rw, index
+
+
+def test_chunk_plan():
+    assert chunk_plan(10, 4) == [(None, None, [(0, 4), (4, 8), (8, 10)])]
+    # Groups of 6 rows sharing 2 targets each: as many whole groups as fit a chunk …
+    assert chunk_plan(30, 13, 6, 2) == [(0, 4, [(0, 12)]), (4, 8, [(12, 24)]), (8, 10, [(24, 30)])]
+    # … or one group over several chunks, its targets' logits shared by them.
+    assert chunk_plan(12, 4, 6, 2) == [(0, 2, [(0, 4), (4, 6)]), (2, 4, [(6, 10), (10, 12)])]
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(
+    "chunk_rows,shared",
+    [(1000, True), (24, True), (8, True), (4, False)],
+    ids=["all-groups", "2-groups-a-chunk", "group-over-chunks", "targets-over-a-chunk"],
+)
+def test_shared_targets_match_per_row_targets(softcap, chunk_rows, shared, monkeypatch):
+    """Target logits computed once per shared target (read through the index) give what one per
+    row gave (the computation before: each row's target gathered), and the materialised truth."""
+    from dspark.kernels import fused_loss
+
+    seen = []
+    torch_rows = fused_loss._ROW_PASSES["torch"]
+
+    def spy(zd, zt, *args):
+        seen.append((zd.shape[0], zt.shape[0], args[-1] is not None))
+        return torch_rows(zd, zt, *args)
+
+    monkeypatch.setitem(fused_loss._ROW_PASSES, "torch", spy)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        x, lm, bias, th, labels, rw, index = shared_targets_problem(5, 12, 5, 20, 6, 300, seed=3, dtype=dtype)
+        kw = dict(softcap=softcap, impl="torch", chunk_rows=chunk_rows)
+        per_row = fused(x, lm, bias, th[index], labels, rw, **kw)
+        seen.clear()
+        got = fused(x, lm, bias, th, labels, rw, target_index=index, group_rows=12, **kw)
+        assert all(indexed == shared for _, _, indexed in seen)
+        assert sum(n for n, _, _ in seen) == 60
+        if shared:  # the target logits of at most the chunk's groups, never one per row
+            assert all(t <= 5 * -(-n // 12) for n, t, _ in seen)
+        assert_loss_close(got, per_row, tol)
+        truth = materialized_draft_loss(x, torch.cat([lm, bias], 1), th, labels, rw, softcap, index)
+        assert rel_err(got[2], truth.tv) < max(tol, 1e-9)
+
+
+def test_shared_targets_fall_back_once_where_their_kernel_fails(monkeypatch, caplog):
+    """On a GPU where the shared-target row pass fails to build, the loss falls back (once, with a
+    warning) to one target per row; elsewhere the error surfaces (here: the CPU, as in tests)."""
+    from dspark.kernels import fused_loss
+
+    x, lm, bias, th, labels, rw, index = shared_targets_problem(3, 12, 5, 20, 6, 300, seed=5)
+    torch_rows = fused_loss._ROW_PASSES["torch"]
+    calls = []
+
+    def broken(zd, zt, *args):
+        calls.append(args[-1] is not None)
+        if args[-1] is not None:
+            raise RuntimeError("no kernel for you")
+        return torch_rows(zd, zt, *args)
+
+    monkeypatch.setitem(fused_loss._ROW_PASSES, "torch", broken)
+    monkeypatch.setattr(fused_loss, "_SHARED_TARGETS_FAILED", {})
+    with pytest.raises(RuntimeError, match="no kernel"):
+        fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    monkeypatch.setattr(fused_loss, "_falls_back", lambda backend, x: True)
+    ref = fused(x, lm, bias, th[index], labels, rw, impl="torch")
+    calls.clear()
+    got = fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    assert calls[0] and not any(calls[1:]) and "each row gathers its own target" in caplog.text
+    assert_loss_close(got, ref, 1e-6)
+    calls.clear()
+    fused(x, lm, bias, th, labels, rw, impl="torch", target_index=index, group_rows=12)
+    assert calls and not any(calls)  # given up for the rest of the run
 
 
 # ----------------------------------------------------------------------------- sampling helpers
@@ -511,6 +596,16 @@ def test_interp_fused_loss(softcap):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("chunk_rows", [24, 8], ids=["2-groups-a-chunk", "group-over-chunks"])
+def test_interp_fused_loss_shared_targets(chunk_rows):
+    x, lm, bias, th, labels, rw, index = shared_targets_problem(5, 12, 5, 20, 6, 300, seed=12)
+    ref = fused(x, lm, bias, th[index], labels, rw, impl="torch", chunk_rows=chunk_rows)
+    got = fused(x, lm, bias, th, labels, rw, impl="triton", chunk_rows=chunk_rows, target_index=index,
+                group_rows=12)  # fmt: skip
+    assert_loss_close(got, ref, 3e-5)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("chunks", [1, None], ids=["single", "auto"])  # auto: 2 chunks here
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -647,6 +742,20 @@ def test_gpu_fused_loss(dtype, softcap):
         got = fused(*prob, softcap=softcap, impl=impl, chunk_rows=1024)
         assert_loss_close(got, ref, tol)
     del ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_gpu_fused_loss_shared_targets():
+    """The training step's shape: 32 sequences × 128 anchors × 7 rows, 290 positions each."""
+    prob = shared_targets_problem(32, 128 * 7, 290, GPU_D, GPU_R, GPU_V, seed=22, dtype=torch.bfloat16)
+    x, lm, bias, th, labels, rw, index = (t.cuda() if torch.is_tensor(t) else t for t in prob)
+    rw = RowWeights(*(w.cuda() for w in prob[5]))
+    ref = fused(x, lm, bias, th[index], labels, rw, impl="torch")
+    got = fused(x, lm, bias, th, labels, rw, impl="triton", target_index=index, group_rows=128 * 7)
+    assert_loss_close(got, ref, 1e-2)
+    del ref, got
     torch.cuda.empty_cache()
 
 

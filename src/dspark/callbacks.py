@@ -91,8 +91,9 @@ class DrafterExport(L.Callback):
 
 class Throughput(L.Callback):
     """Training tokens/s and samples/s, over all ranks, between the first and the last training
-    batch with validation time taken out; `steady` leaves out the first `warmup_steps` optimizer
-    steps too (compilation, allocator and cache warm-up), which is the number to compare runs by."""
+    batch with validation time taken out (and what others hand to `exclude`: writing a profile);
+    `steady` leaves out the first `warmup_steps` optimizer steps too (compilation, allocator and
+    cache warm-up), which is the number to compare runs by."""
 
     def __init__(self, warmup_steps: int = 5):
         self.warmup_steps = int(warmup_steps)
@@ -102,8 +103,9 @@ class Throughput(L.Callback):
         self.start = None
         self.elapsed = 0.0
         self.val_seconds = 0.0
+        self.excluded_seconds = 0.0  # see exclude
         self._val_start = None
-        self.steady_mark = None  # (time, tokens, samples, batches, val_seconds) at the end of warm-up
+        self.steady_mark = None  # (time, tokens, samples, batches, paused seconds) at the end of warm-up
         self.world_size = 1
         self.totals = None
         self._pending = None  # device tensor: tokens of batches not yet counted on the host
@@ -121,6 +123,13 @@ class Throughput(L.Callback):
             self.val_seconds += time.perf_counter() - self._val_start
             self._val_start = None
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of the time since the first batch out of the rates (not training)."""
+        self.excluded_seconds += float(seconds)
+
+    def _paused(self) -> float:
+        return self.val_seconds + self.excluded_seconds
+
     def _count_tokens(self) -> None:
         """Fold the device-side token count into `tokens` (a host sync: only when a number is read)."""
         if self._pending is not None:
@@ -134,12 +143,12 @@ class Throughput(L.Callback):
         self.samples += int(batch["input_ids"].shape[0])
         self.batches += 1
         now = time.perf_counter()
-        self.elapsed = now - self.start - self.val_seconds
+        self.elapsed = now - self.start - self._paused()
         self.world_size = int(trainer.world_size)
         warmup_batches = self.warmup_steps * int(trainer.accumulate_grad_batches)
         if self.steady_mark is None and self.batches >= warmup_batches:
             self._count_tokens()
-            self.steady_mark = (now, self.tokens, self.samples, self.batches, self.val_seconds)
+            self.steady_mark = (now, self.tokens, self.samples, self.batches, self._paused())
         stepped = (self.batches % int(trainer.accumulate_grad_batches)) == 0
         if stepped and trainer.global_step % max(1, int(trainer.log_every_n_steps)) == 0 and self.elapsed > 0:
             self._count_tokens()
@@ -151,7 +160,7 @@ class Throughput(L.Callback):
         """Sum the counts over ranks (a collective: every rank calls this hook)."""
         end = time.perf_counter()
         self._count_tokens()
-        mark = self.steady_mark or (end, self.tokens, self.samples, self.batches, self.val_seconds)
+        mark = self.steady_mark or (end, self.tokens, self.samples, self.batches, self._paused())
         local = torch.tensor(
             [self.tokens, self.samples, self.tokens - mark[1], self.samples - mark[2]], dtype=torch.float64
         )
@@ -163,7 +172,7 @@ class Throughput(L.Callback):
             "steady_tokens": int(local[2]),
             "steady_samples": int(local[3]),
             "steady_batches": self.batches - mark[3],
-            "steady_seconds": end - mark[0] - (self.val_seconds - mark[4]),
+            "steady_seconds": end - mark[0] - (self._paused() - mark[4]),
         }
 
     def summary(self) -> dict:
@@ -175,6 +184,7 @@ class Throughput(L.Callback):
             "batches": self.batches,
             "seconds": self.elapsed,
             "validation_seconds": self.val_seconds,
+            "excluded_seconds": self.excluded_seconds,
             "tokens_per_s": self.tokens * self.world_size / e,
             "samples_per_s": self.samples * self.world_size / e,
         }

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .core.phases import phase
 from .core.types import Shared
 from .drafters.dflash import sample_anchors
 from .objectives import LossWeights, compute_loss
@@ -225,16 +226,20 @@ class DraftingModule(L.LightningModule):
     @torch.no_grad()
     def target_features(self, batch: dict) -> tuple[Tensor, Tensor]:
         """(taps, last_hidden) of the batch: the frozen target's forward, or the cache's."""
-        return self.features(batch, self.target)
+        with phase("target_forward"):
+            return self.features(batch, self.target)
 
     def draft_step(self, batch: dict, taps: Tensor, last_hidden: Tensor, generator=None) -> dict:
         """The drafter's forward and loss on given target features (the part with gradients)."""
         loss_mask = batch["loss_mask"]
-        anchors = sample_anchors(loss_mask, self.num_anchors, generator)
-        out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)
-        metrics = compute_loss(
-            out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights
-        )
+        with phase("anchors"):
+            anchors = sample_anchors(loss_mask, self.num_anchors, generator)
+        with phase("drafter_forward"):
+            out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)
+        with phase("loss"):
+            metrics = compute_loss(
+                out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights
+            )
         metrics["_out"] = out
         return metrics
 
@@ -277,15 +282,30 @@ class DraftingModule(L.LightningModule):
         return step % max(1, int(t.log_every_n_steps)) == 0 or (0 < t.max_steps <= step)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        metrics = self._step(batch, self.anchor_generator(batch_idx))
-        self.train_sums.add(metrics, 1.0)
-        if self._window_ends(batch_idx) and self._log_due():
-            # One small all-reduce per logged step: the numbers describe the global batches since the
-            # last log. Every rank takes the same branch (it depends on the step only).
-            self._log_values(self._reduce(self.train_sums), "train")
+        with phase("training_step"):
+            metrics = self._step(batch, self.anchor_generator(batch_idx))
+            with phase("metric_sums"):
+                self.train_sums.add(metrics, 1.0)
+            if self._window_ends(batch_idx) and self._log_due():
+                # One small all-reduce per logged step: the numbers describe the global batches since
+                # the last log. Every rank takes the same branch (it depends on the step only).
+                with phase("log_metrics"):
+                    self._log_values(self._reduce(self.train_sums), "train")
         # Rows without a valid block carry weight 0 in the loss, so every trainable parameter gets a
         # (zero) gradient even from an empty micro-batch and DDP ranks stay in step.
         return metrics["loss"]
+
+    # Profiler ranges around what Lightning runs of the step (core.phases; nothing without a profiler).
+    # The batch's transfer is DraftDataModule's (a module hook would displace the datamodule's).
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        with phase("backward"):
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        # The closure (training_step, backward, clipping) runs inside: this phase's own time is the
+        # parameter update and Lightning's glue around it.
+        with phase("optimizer_step"):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         # Fixed anchors per batch, so validation numbers are comparable across epochs; rank r runs
@@ -316,6 +336,10 @@ class DraftingModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Under FSDP the norm must be taken over all shards: the FSDP root's clip_grad_norm_ does
         that (Lightning's own norm clipping refuses FSDP); elsewhere Lightning's clipping."""
+        with phase("clip_grad"):
+            self._clip_drafter_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _clip_drafter_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.trainer.model

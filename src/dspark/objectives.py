@@ -17,6 +17,7 @@ from torch import Tensor
 from dspark.kernels.fused_loss import DraftLoss, RowWeights, fused_draft_loss, materialized_draft_loss
 
 from .core.errors import ConfigError
+from .core.phases import phase
 from .core.schema import Count, NonNegative, Positive, check
 from .core.types import DraftOutput
 
@@ -88,9 +89,12 @@ def draft_target_distances(
     softcap,
     impl: str,
     chunk_rows: int | None = None,
+    target_index: Tensor | None = None,
+    group_rows: int | None = None,
 ) -> DraftLoss:
     """The weighted loss and per-row CE, ‖p_d - p_t‖₁ and KL(p_t ‖ p_d) of draft logits
-    x @ [W_lm | bias_weight]ᵀ against the target's th @ W_lmᵀ."""
+    x @ [W_lm | bias_weight]ᵀ against the target's th @ W_lmᵀ (row r's target th[r], or
+    th[target_index[r]]; group_rows: see fused_draft_loss)."""
     n, v = x.shape[0], lm_weight.shape[0]
     if impl == "auto" and x.device.type == "cpu" and n * v * 4 < CPU_MATERIALIZE_BYTES:
         impl = "materialized"  # small CPU problems: full logits are cheaper than chunking them
@@ -99,7 +103,7 @@ def draft_target_distances(
             lm_weight if bias_weight is None else torch.cat([lm_weight.to(bias_weight.dtype), bias_weight], 1)
         )
         return materialized_draft_loss(
-            x.to(weight.dtype), weight, th.to(weight.dtype), labels, row_weights, softcap
+            x.to(weight.dtype), weight, th.to(weight.dtype), labels, row_weights, softcap, target_index
         )
     weight = lm_weight if bias_weight is None else _stacked_head(lm_weight, bias_weight)
     return fused_draft_loss(
@@ -112,19 +116,23 @@ def draft_target_distances(
         softcap=softcap,
         impl=impl,
         chunk_rows=chunk_rows,
+        target_index=target_index,
+        group_rows=group_rows,
     )
 
 
 def _flat_rows(out: DraftOutput, target_hidden: Tensor):
     """Every (sequence, anchor, k) row, valid or not (no host sync): features [N, K], the target
-    hidden state each row is compared with [N, D], labels (-1 where invalid), validity, k."""
+    hidden states [B·T, D] and the one each row is compared with (an index into them, [N]; a
+    sequence's rows compare with its own positions only), labels (-1 where invalid), validity, k."""
     b, a, g = out.valid.shape
-    idx = out.target_positions.reshape(b, a * g)
-    th = torch.gather(target_hidden, 1, idx[..., None].expand(-1, -1, target_hidden.shape[-1]))
+    t = target_hidden.shape[1]
+    start = torch.arange(b, device=out.target_positions.device)[:, None] * t
+    index = (out.target_positions.reshape(b, a * g) + start).reshape(-1)
     valid = out.valid.reshape(-1)
     labels = torch.where(valid, out.labels.reshape(-1), torch.full_like(valid, -1, dtype=out.labels.dtype))
     k = torch.arange(g, device=valid.device).repeat(b * a)
-    return out.features.reshape(b * a * g, -1), th.reshape(b * a * g, -1), labels, valid, k
+    return out.features.reshape(b * a * g, -1), target_hidden.reshape(b * t, -1), index, labels, valid, k
 
 
 def block_loss(
@@ -133,31 +141,36 @@ def block_loss(
     """DFlash / DSpark loss and its diagnostics (tensors on the device; nothing waits for the host).
     Returns a dict with 'loss' and the metrics. Invalid rows are computed with weight 0: they keep
     the shapes static, and every parameter still receives a (zero) gradient."""
-    x, th, labels, valid, k = _flat_rows(out, target_hidden)
+    x, th, index, labels, valid, k = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
+    rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
     pw = position_weights(gamma, w.gamma_decay, x.device)[k] * valid
     norm = pw.sum().clamp_min(1e-12)
     unit = pw / norm
     weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=torch.zeros_like(unit))
-    res = draft_target_distances(
-        x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows
-    )
+    with phase("fused_loss"):
+        res = draft_target_distances(
+            x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows,
+            index, rows_per_sequence,
+        )  # fmt: skip
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     loss = res.loss
     metrics = {"ce": (unit * res.ce).sum(), "tv": (unit * res.tv).sum()}
     if out.confidence_logits is not None:
-        z = out.confidence_logits.reshape(-1).float()
-        bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
-        conf = (unit * bce).sum()
-        loss = loss + w.confidence * conf
-        pred = torch.sigmoid(z.detach())
-        count = valid.sum().clamp_min(1)
-        metrics.update(
-            conf_loss=conf.detach(),
-            conf_abs_err=((pred - c_star).abs() * valid).sum() / count,
-            conf_bias=((pred - c_star) * valid).sum() / count,
-        )
-    metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
+        with phase("confidence"):
+            z = out.confidence_logits.reshape(-1).float()
+            bce = F.binary_cross_entropy_with_logits(z, c_star, reduction="none")
+            conf = (unit * bce).sum()
+            loss = loss + w.confidence * conf
+            pred = torch.sigmoid(z.detach())
+            count = valid.sum().clamp_min(1)
+            metrics.update(
+                conf_loss=conf.detach(),
+                conf_abs_err=((pred - c_star).abs() * valid).sum() / count,
+                conf_bias=((pred - c_star) * valid).sum() / count,
+            )
+    with phase("acceptance_metrics"):
+        metrics.update(acceptance_metrics(c_star.view(out.valid.shape), out.valid))
     metrics.update(loss=loss, rows=valid.sum(), _c_star=c_star.view(out.valid.shape))
     return metrics
 
@@ -193,16 +206,18 @@ def eagle3_loss(
 ) -> dict:
     """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i (CE and TV are
     reported, not trained on). Same fused loss as the block drafters, with weight on KL only."""
-    x, th, labels, valid, k = _flat_rows(out, target_hidden)
+    x, th, index, labels, valid, k = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
+    rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
     steps = w.step_weight ** torch.arange(gamma, device=x.device, dtype=torch.float32)
     sw = steps[k] * valid
     unit = sw / sw.sum().clamp_min(1e-12)
     zero = torch.zeros_like(unit)
-    res = draft_target_distances(
-        x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
-        softcap, w.impl, w.chunk_rows,
-    )  # fmt: skip
+    with phase("fused_loss"):
+        res = draft_target_distances(
+            x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
+            softcap, w.impl, w.chunk_rows, index, rows_per_sequence,
+        )  # fmt: skip
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     metrics = {
         "loss": res.loss,

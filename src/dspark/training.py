@@ -269,6 +269,14 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
     ]
     if cfg.callbacks.get("calibration", True) and drafter.has_confidence:
         callbacks.insert(0, CalibrationCallback())
+    profile = cfg.callbacks.get("profile") or {}
+    if profile.get("enabled", False):
+        from .bench.step_profile import StepProfile
+
+        options = {k: v for k, v in profile.items() if k != "enabled"}
+        # Last: its step ends after every other callback's, and the time it spends writing its
+        # files is no training time (the throughput leaves it out).
+        callbacks.append(StepProfile(run.profile, exclude=throughput.exclude, **options))
     if resume:
         log.info("resuming from %s (step %d)", *resume)
     trainer = L.Trainer(

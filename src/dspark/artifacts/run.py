@@ -46,6 +46,11 @@ class RunFolder(Folder):
     def report(self) -> Path:
         return self.path / "report"
 
+    @property
+    def profile(self) -> Path:
+        """The training step's profile window (bench.step_profile: step_profile.json / .md, the trace)."""
+        return self.path / "profile"
+
     def is_run(self) -> bool:
         """A run's config plus anything a run leaves (a summary, logs, an exported drafter)."""
         traces = (self.file(self.SUMMARY), self.logs, self.drafter.config_path, self.tensorboard)

@@ -143,6 +143,8 @@ def data_batches(args, target, device) -> list[dict]:
 def step_flops(module, batch, anchors, online: bool = False) -> dict:
     """Matmul FLOPs of one step (forward + backward = 3× forward for trained weights; 2× for the
     frozen-weight logit GEMMs, which need no weight gradient)."""
+    from ..kernels.fused_loss import default_chunk_rows
+
     d = module.drafter
     s = d.layers[0].attn.s
     b, t = batch["input_ids"].shape
@@ -161,7 +163,14 @@ def step_flops(module, batch, anchors, online: bool = False) -> dict:
     v = module.target.vocab_size
     rank = getattr(getattr(d, "head", None), "rank", 0)
     k = s.hidden_size + rank
-    logits = 2 * q * v * k + 2 * q * v * s.hidden_size  # draft and target logits
+    # The target's logits: once per position when a sequence's rows outnumber its positions (the
+    # fused loss shares them, kernels.fused_loss), else once per row.
+    per_sequence = anchors.shape[1] * d.gamma
+    loss = module.loss_weights
+    chunk = loss.chunk_rows or default_chunk_rows(v)
+    shared = loss.impl != "materialized" and t < per_sequence and t <= chunk
+    targets = b * t if shared else q
+    logits = 2 * q * v * k + 2 * targets * v * s.hidden_size  # draft and target logits
     grads = 2 * q * v * k + 2 * q * v * rank  # d(features) and d(W2)
     out = {"draft_layers": draft, "attention": attention, "loss_gemms": logits + grads}
     if online:  # the frozen target's forward over every token (its layers; embeddings are a lookup)

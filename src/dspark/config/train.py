@@ -91,10 +91,30 @@ class LoggerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """callbacks.profile: a torch.profiler window inside the run (bench.step_profile.StepProfile)."""
+
+    enabled: bool = False
+    start_step: Count = 200  # the first recorded optimizer step: after warm-up and compilation
+    steps: Count = 10  # a log step among them when log_every_n_steps is 10: the steady average
+    warmup_steps: Natural = 1  # recorded before start_step and left out (the profiler's start-up)
+    top: Count = 30  # kernels listed
+    keep_trace: bool = True  # profile/trace.json.gz beside the tables
+
+    def __post_init__(self):
+        if self.start_step <= self.warmup_steps:
+            raise ConfigError(
+                f"callbacks.profile.start_step={self.start_step} must exceed callbacks.profile.warmup_steps="
+                f"{self.warmup_steps}: the window opens after step start_step - warmup_steps >= 1"
+            )
+
+
+@dataclass
 class CallbacksConfig:
     calibration: bool = True
     checkpoint_every_n_steps: Count = 100
     throughput_warmup_steps: Natural = 5
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from ..core.errors import DataError
+from ..core.phases import phase
 from .cache import FeatureCache
 from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
@@ -276,6 +277,17 @@ class DraftDataModule(L.LightningDataModule):
         self._load("train")
         self._load("val")
 
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        with phase("data_to_device"):  # a profiler range (core.phases); nothing without a profiler
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def _pin_memory(self) -> bool:
+        """Batches in page-locked memory when they go to a GPU: Lightning copies them with
+        non_blocking=True, which is asynchronous only from pinned memory (from pageable memory
+        the driver stages the copy and may wait for the stream: the host could not run ahead)."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def _world(self) -> tuple[int, int, int]:
         """(world_size, global rank, accumulate_grad_batches) of the attached trainer (1, 0, 1 without)."""
         trainer = self.trainer
@@ -329,4 +341,5 @@ class DraftDataModule(L.LightningDataModule):
             collate_fn=collate_fn,
             num_workers=workers,
             persistent_workers=workers > 0,
+            pin_memory=self._pin_memory(),
         )

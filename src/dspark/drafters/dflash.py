@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.errors import ConfigError
+from ..core.phases import phase
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from ..kernels.sample_step import sample_step
 from .base import (
@@ -302,21 +303,25 @@ class BlockDrafter(Drafter):
     ) -> DraftOutput:
         b, t = input_ids.shape
         a = anchors.shape[1]
-        ctx = self.context(taps)
-        ctx_pos = torch.arange(t, device=input_ids.device).expand(b, -1)
+        with phase("context_kv"):  # the target's taps as every layer's context keys and values
+            ctx = self.context(taps)
+            ctx_pos = torch.arange(t, device=input_ids.device).expand(b, -1)
+            ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
         anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
         x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, A·block, d]
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.block_size, device=x.device)).flatten(1)
-        mask = self.training_mask(anchors, t, x.device)
-        ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
-        hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(
-            b, a, self.block_size, -1
-        )
+        with phase("block_mask"):
+            mask = self.training_mask(anchors, t, x.device)
+        with phase("draft_layers"):
+            hidden = self.backbone(x, pos, ctx_kv, mask, self.training_layers(x.device)).view(
+                b, a, self.block_size, -1
+            )
         hidden = self.drafting_slots(hidden)  # [B, A, γ, d]: row k drafts x_{a+k+1} in both conventions
-        pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
-        # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
-        prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
-        feats, conf = self.head_features(hidden.flatten(0, 1), prev.flatten(0, 1))
+        with phase("heads"):
+            pred_pos, labels, valid = block_targets(input_ids, loss_mask, anchors, self.gamma)
+            # Teacher forcing: the token before draft k is the anchor (k=0) or the true x_{a+k}.
+            prev = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)
+            feats, conf = self.head_features(hidden.flatten(0, 1), prev.flatten(0, 1))
         return DraftOutput(
             features=feats.view(b, a, self.gamma, -1),
             bias_weight=self.bias_weight(),
