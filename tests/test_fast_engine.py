@@ -709,3 +709,51 @@ def test_block_keys_written_in_place_equal_concatenated(small_target, kind, head
         small = DraftCache(k=room.k, v=room.v, length=room.length, block_slots=block - 1)
         with pytest.raises(ValueError, match="block room"):
             drafter.propose(small, anchors, pos, Shared.of(t), 1.0, uniforms=u)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_context_write_on_cuda_matches_eager_inside_graphs(small_target):
+    """The fused context write (``drafters.context_write``) compiled for CUDA: one graph for every
+    rows count and width the engine meets, equal to the per-layer eager loop to bf16 rounding, and
+    replayed from a captured CUDA graph (its in-place stores included) with fresh inputs."""
+    from test_drafter_fast_paths import assert_same_cache, build, random_write
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    drafter = build(small_target, layers=3).to("cuda", torch.bfloat16)
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter))
+    r_max, capacity = 8, 64
+    ref = drafter.new_cache(r_max, "cuda", capacity=capacity)
+    fused = drafter.new_cache(r_max, "cuda", capacity=capacity)
+    g = torch.Generator().manual_seed(4)
+
+    def inputs(r, w):
+        taps, positions, rows = random_write(drafter, r_max, capacity, r, w, g)
+        return taps.to("cuda", torch.bfloat16), positions.cuda(), rows.cuda()
+
+    with torch.inference_mode():
+        for r, w in [(1, 1), (1, 8), (4, 3), (8, 8), (2, 1), (8, 5)]:
+            taps, positions, rows = inputs(r, w)
+            drafter.write_context_reference(ref, taps, positions, rows)
+            drafter.write_context(fused, taps, positions, rows)
+            assert_same_cache(fused, ref, rtol=2e-2)
+        static = inputs(4, 5)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            drafter.write_context(fused, *static)  # warm-up off the graph, as GraphBank does
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            drafter.write_context(fused, *static)
+        for _ in range(2):
+            fresh = inputs(4, 5)
+            for buf, new in zip(static, fresh):
+                buf.copy_(new)
+            graph.replay()
+            drafter.write_context_reference(ref, *fresh)
+            torch.cuda.synchronize()
+            assert_same_cache(fused, ref, rtol=2e-2)
+    assert counter.frame_count == 1

@@ -15,6 +15,7 @@ conventions"); draft k (k = 1..γ) is x_{a+k} in both:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,7 @@ from .base import (
     layer_shape,
     output_logits,
 )
+from .context_write import ContextWriter
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
 
@@ -223,6 +225,7 @@ class BlockDrafter(Drafter):
         self.compile_training = cfg.get("compile", "auto")
         self._compiled_layers = None
         self._inference_layers = None  # compile_inference
+        self._context_writer: ContextWriter | None = None  # compile_inference: the fused write_context
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
@@ -266,9 +269,12 @@ class BlockDrafter(Drafter):
             self._compiled_layers = [compile_for_training(layer) for layer in self.layers]  # not registered
         return self._compiled_layers
 
-    def compile_inference(self) -> None:
-        if self._inference_layers is None:  # a list: not registered, the parameters are shared
+    def compile_inference(self, compiler: Callable | None = torch.compile) -> None:
+        """The fused inference paths, each wrapped by ``compiler`` (tests pass a counting backend,
+        or None to run the fused code eagerly): ``write_context`` through ``ContextWriter``."""
+        if compiler is not None and self._inference_layers is None:  # not registered: shared parameters
             self._inference_layers = [torch.compile(layer, dynamic=True) for layer in self.layers]
+        self._context_writer = ContextWriter(self, compiler)
 
     def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
         """[anchor, mask, …, mask] (block_size slots) embedded, for anchors of any shape."""
@@ -387,7 +393,13 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:
-        """Static-cache hook (see ``Drafter.write_context``)."""
+        """Static-cache hook (see ``Drafter.write_context``). After ``compile_inference``, one
+        compiled function writes every layer (``context_write``); the loop below is its reference."""
+        if self._context_writer is None or not self._context_writer.write(cache, taps, positions, rows):
+            self.write_context_reference(cache, taps, positions, rows)
+
+    def write_context_reference(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor):
+        """``write_context`` layer by layer, eagerly: the reference of the fused write."""
         r, w = positions.shape
         ctx = self.context(taps)
         rows = rows[:, None].expand(r, w)

@@ -31,9 +31,15 @@ def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, hd]; cos/sin [B, T, hd]."""
+    return rotate(x, cos[:, None], sin[:, None])
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary rotation of x [..., hd] by cos/sin already broadcastable against it (half-split
+    layout): ``apply_rope``'s arithmetic, for callers whose head axis is not dim 1."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +52,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``RMSNorm``'s arithmetic with the weight given (broadcast against x's last dim, or ahead of
+    it: one weight row per layer of a stacked tensor)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(x.dtype)
 
 
 def matmul_input(x: Tensor, weight: Tensor) -> Tensor:
