@@ -30,6 +30,10 @@ def build(target, name="dspark", head="markov", layers=3, gamma=4, slots="anchor
         for module in drafter.modules():
             if type(module).__name__ == "RMSNorm":
                 module.weight.normal_(1.0, 0.3)
+        for layer in drafter.layers:  # layers that move the hidden states off the block's embeddings
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.normal_(0.0, 0.2)
         if getattr(drafter, "head", None) is not None:
             drafter.head.W2.weight.normal_(0.0, 0.5)
     return drafter
@@ -226,3 +230,118 @@ def test_fast_engine_with_the_fused_paths_reproduces_the_plain_engine(small_targ
             for ra, rc in zip(a.rounds, c.rounds)
             if rc.request == ra.request and ra.confidence_logits is not None
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft step (drafters.draft_step)
+
+# Every head, both slot conventions, DFlash; (name, head, slots, confidence).
+DRAFTERS = [
+    ("dspark", "markov", "anchor", True),
+    ("dspark", "gated", "masks", True),
+    ("dspark", "rnn", "anchor", True),
+    ("dspark", "rnn", "masks", False),
+    ("dspark", "none", "anchor", True),
+    ("dflash", "none", "anchor", False),
+    ("dflash", "none", "masks", False),
+]
+
+
+def drafting_setup(target, name, head, slots, confidence=True, r_max=4, seed=0, device="cpu"):
+    """A drafter with a static cache (block room included) holding a ragged context, the anchors
+    after it, uniforms for the whole block."""
+    drafter = build(target, name, head, layers=2, slots=slots, seed=seed).to(device)
+    if not confidence:
+        drafter.confidence = None
+    capacity = 24
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.inference_mode():  # inference tensors throughout, as the engine's static buffers
+        cache = drafter.new_cache(r_max, device, capacity=capacity + drafter.block_size)
+        cache.block_slots = drafter.block_size
+        taps = torch.randn(r_max, capacity, drafter.fc.in_features, generator=g).to(device)
+        positions = torch.arange(capacity, device=device).expand(r_max, -1)
+        drafter.write_context(cache, taps, positions, torch.arange(r_max, device=device))
+        cache.length.copy_(torch.tensor([20, 3, 13, 1, 24, 9][:r_max]))
+        anchors = torch.randint(4, target.vocab_size, (r_max,), generator=g).to(device)
+        u = torch.rand(r_max, drafter.gamma, generator=g).to(device)
+    return drafter, cache, anchors, u
+
+
+def rows_of(cache: DraftCache, r: int) -> DraftCache:
+    """The first r rows, as the fast engine hands a rows bucket to the drafter."""
+    return DraftCache(
+        k=[k[:r] for k in cache.k], v=[v[:r] for v in cache.v], length=cache.length[:r],
+        block_slots=cache.block_slots,
+    )  # fmt: skip
+
+
+def reference_proposal(drafter, *args, **kw):
+    fused, drafter._fused = drafter._fused, None
+    try:
+        return drafter.propose(*args, **kw)
+    finally:
+        drafter._fused = fused
+
+
+def assert_same_proposal(got, want, tol=1e-5):
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.probs, want.probs, rtol=tol, atol=tol * 1e-2)
+    if want.confidence_logits is None:
+        assert got.confidence_logits is None
+    else:
+        torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,head,slots,confidence", DRAFTERS)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_draft_step_equals_the_reference(small_target, name, head, slots, confidence, softcap):
+    """``FusedDraft`` run eagerly (its logic: one function from the anchors to the hidden states,
+    position-major for DSpark, the head's step and the confidences as functions of their own, each
+    position's probabilities written into the proposal's buffer, the confidences over the padded
+    block) proposes the reference's tokens, probabilities and confidences for every row count,
+    drafted length and temperature; the soft-capped head included."""
+    from dspark.core.types import Shared
+
+    drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots, confidence)
+    shared = Shared(small_target.embed, small_target.lm_head_weight, softcap)
+    drafter.compile_inference(compiler=None)
+    calls = []
+    inner = drafter._fused.hidden
+    drafter._fused.hidden = lambda *a: calls.append(1) or inner(*a)
+    seen_tokens = set()
+    with torch.inference_mode():
+        for r in (4, 1, 3):
+            for n in sorted({1, 2, drafter.gamma}):
+                for temperature in (0.0, 1.0, 8.0):
+                    args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, temperature)
+                    kw = dict(uniforms=u[:r], draft_len=n)
+                    got = drafter.propose(*args, **kw)
+                    assert_same_proposal(got, reference_proposal(drafter, *args, **kw))
+                    seen_tokens.update(got.tokens.flatten().tolist())
+    assert len(calls) == 3 * 3 * len({1, 2, drafter.gamma})  # every proposal went the fused way
+    assert len(seen_tokens) > 2  # not one degenerate token: the comparison had something to see
+
+
+@pytest.mark.parametrize("name,head,slots", [("dspark", "rnn", "masks"), ("dflash", "none", "anchor")])
+def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_target, name, head, slots):
+    """Inductor on the CPU, as the fast engine asks for it (``fullgraph``: no graph break): the
+    compiled draft step proposes the reference's tokens, and its probabilities and confidences to
+    rounding, for every rows count and drafted length; each compiled function (the hidden states,
+    DSpark's per-position head step and its confidences) is one graph for a single row and one for
+    every larger count, whatever the drafted length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dspark.core.types import Shared
+
+    drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots)
+    shared = Shared.of(small_target)
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
+    with torch.inference_mode():
+        for r in (4, 2, 1, 3):
+            for n in sorted({1, 2, drafter.gamma}):
+                args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
+                kw = dict(uniforms=u[:r], draft_len=n)
+                assert_same_proposal(drafter.propose(*args, **kw), reference_proposal(drafter, *args, **kw))
+    assert counter.frame_count == (6 if name == "dspark" else 2)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..core.types import DraftCache
 from .derived import DerivedWeights
+from .draft_step import mark_dynamic
 from .layers import matmul_input, rms_norm, rope, rotate
 
 __all__ = ["ContextWriter", "stacked_kv", "write_layers"]
@@ -127,8 +128,8 @@ class ContextWriter:
         if r * w == 1:  # a size of 1 would compile a graph of its own
             slots, taps = slots.repeat(2), taps.repeat(2, 1)
         if self.compiled:
-            torch._dynamo.mark_dynamic(taps, 0)
-            torch._dynamo.mark_dynamic(slots, 0)
+            mark_dynamic(taps, 0)
+            mark_dynamic(slots, 0)
         cos, sin = self.rope_table(capacity, taps.device)
         norm = self.drafter.hidden_norm
         weights = (self.drafter.fc.weight, norm.weight, self.kv_weight.get(), self.k_norm_weight.get())

@@ -1,0 +1,86 @@
+"""The draft step as few kernels (``BlockDrafter.compile_inference``).
+
+The reference, ``BlockDrafter.propose`` run eagerly, launches the block's inputs, positions and
+attention mask op by op (~10 kernels), each draft layer (compiled one by one before this), the final
+norm op by op, and per drafted position the head's small ops and the sampler; at R = 1 each of these
+tiny kernels costs about as much as a draft layer's GEMM. Here:
+  * ``hidden``: one compiled graph from the anchors to the drafting slots' hidden states (block
+    inputs, positions, mask, every layer, the final norm: ``BlockDrafter.draft_hidden``), fused
+    across layer boundaries; for DSpark laid out position-major, so each position's slice is
+    contiguous;
+  * ``position``: one compiled graph per drafted position for the sequential head's step and its
+    bias (and a soft-cap), ``DSparkDrafter.position_logits``;
+  * ``confidence``: one compiled graph for the confidence head over the block;
+  * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
+    stays outside the graphs and writes each position's probabilities into the proposal's buffer.
+Dynamo specialises a size of 1, so the row count (and the drafted length) compile two graphs each:
+one for 1, one for every larger size (marked dynamic); nothing recompiles across the engine's
+buckets (tested)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..core.types import DraftCache, Proposal, Shared
+
+__all__ = ["FusedDraft", "inference_compiler", "mark_dynamic"]
+
+
+def inference_compiler(fn):
+    """``torch.compile`` for the fused inference paths: a graph break would split a fused path into
+    several graphs and eager glue between them, so none is allowed."""
+    return torch.compile(fn, fullgraph=True)
+
+
+def mark_dynamic(t: Tensor | None, *dims: int) -> None:
+    """Mark ``dims`` of ``t`` dynamic where they are above 1 (a size of 1 is specialised anyway).
+    ``maybe_mark_dynamic``: a size the graph does specialise costs a graph, not an error."""
+    if t is not None:
+        for d in dims:
+            if t.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+class FusedDraft:
+    """``propose`` of a block drafter through its fused paths, each wrapped by ``compiler``
+    (None: eagerly, for tests). The drafter supplies the functions (``draft_hidden``,
+    ``sample_block_fused`` and, for DSpark, ``position_logits`` and ``confidence_by_position``);
+    their eager use in ``propose``/``sample_block`` is the reference."""
+
+    def __init__(self, drafter, compiler=inference_compiler):
+        self.drafter = drafter
+        self.compiled = compiler is not None
+        wrap = compiler if compiler is not None else (lambda fn: fn)
+        self.hidden = wrap(drafter.draft_hidden)
+        self.position = wrap(drafter.position_logits) if hasattr(drafter, "position_logits") else None
+        self.confidence = (
+            wrap(drafter.confidence_by_position) if hasattr(drafter, "confidence_by_position") else None
+        )
+
+    def mark(self, t: Tensor | None, *dims: int) -> None:
+        if self.compiled:
+            mark_dynamic(t, *dims)
+
+    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
+        """``position`` for one drafted position. Its slices of the block sit at another storage
+        offset for each position: duck sizing (one symbol for equal sizes) would tie an offset to an
+        equal size or stride and recompile at the position where they part, so it is off here."""
+        if not self.compiled:
+            return self.position(base, h, prev, state, softcap)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.position(base, h, prev, state, softcap)
+
+    def propose(
+        self, cache: DraftCache, anchor_tokens: Tensor, anchor_pos: Tensor, shared: Shared, temperature, u
+    ) -> Proposal:
+        """``u`` [R, n]: the uniforms of the n positions to draft."""
+        d = self.drafter
+        for t in (*cache.k, *cache.v, cache.length, anchor_tokens, anchor_pos):
+            self.mark(t, 0)
+        hidden = self.hidden(
+            cache.k, cache.v, cache.length, anchor_tokens, anchor_pos, shared, cache.block_slots,
+            d.position_major,
+        )  # fmt: skip
+        tokens, probs, conf = d.sample_block_fused(hidden, anchor_tokens, shared, temperature, u, self)
+        return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
