@@ -345,3 +345,32 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
                 kw = dict(uniforms=u[:r], draft_len=n)
                 assert_same_proposal(drafter.propose(*args, **kw), reference_proposal(drafter, *args, **kw))
     assert counter.frame_count == (6 if name == "dspark" else 2)
+
+
+def test_fused_draft_step_follows_parameter_changes(small_target):
+    """The stacked q/k/v and gate/up weights of the fused draft step are rebuilt when a layer's
+    parameters change in place (``load_state_dict``, an optimizer step): its proposals keep equal
+    to the reference's, which read the parameters themselves."""
+    from dspark.core.types import Shared
+
+    drafter, cache, anchors, u = drafting_setup(small_target, "dspark", "markov", "anchor")
+    drafter.compile_inference(compiler=None)
+    shared = Shared.of(small_target)
+    args = (cache, anchors, cache.length, shared, 1.0)
+
+    def check():
+        with torch.inference_mode():
+            got = drafter.propose(*args, uniforms=u)
+            assert_same_proposal(got, reference_proposal(drafter, *args, uniforms=u))
+        return got
+
+    before = check()
+    state = drafter.state_dict()
+    for key in ("layers.1.attn.v_proj.weight", "layers.0.mlp.up_proj.weight"):
+        state[key] = torch.randn_like(state[key])
+    drafter.load_state_dict(state)
+    after = check()
+    assert not torch.allclose(after.probs, before.probs)  # the change reached the proposals
+    with torch.no_grad():
+        drafter.layers[0].attn.q_proj.weight.mul_(-1.0)
+    check()

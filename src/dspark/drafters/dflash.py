@@ -38,7 +38,7 @@ from .base import (
 )
 from .context_write import ContextWriter
 from .draft_step import FusedDraft, inference_compiler
-from .layers import DraftLayer, RMSNorm, matmul_input
+from .layers import DraftLayer, FusedProjections, RMSNorm, fold_mask, matmul_input
 from .registry import register
 
 
@@ -256,10 +256,13 @@ class BlockDrafter(Drafter):
         mask: Tensor,
         layers=None,
         tail: int | None = None,
+        fused: list[FusedProjections] | None = None,
     ) -> Tensor:
-        """``tail``: see ``Attention.forward`` (a static cache's room for the block's own keys)."""
-        for layer, ctx_kv in zip(layers or self.layers, ctx_kv_per_layer):
-            x, _ = layer(x, positions, ctx_kv, mask, tail)
+        """``tail``: see ``Attention.forward`` (a static cache's room for the block's own keys);
+        ``fused``: each layer's stacked projections (``DraftLayer.forward``)."""
+        fused = fused or [None] * len(self.layers)
+        for layer, ctx_kv, projections in zip(layers or self.layers, ctx_kv_per_layer, fused):
+            x, _ = layer(x, positions, ctx_kv, mask, tail, projections)
         return self.norm(x)
 
     def training_layers(self, device) -> list:
@@ -413,11 +416,14 @@ class BlockDrafter(Drafter):
         shared: Shared,
         block_slots: int,
         position_major: bool = False,
+        fused: list[FusedProjections] | None = None,
     ) -> Tensor:
         """The backbone over each anchor's block: the hidden states of the slots that draft
         x_{a+1}..x_{a+γ}, [R, γ, d] ([γ, R, d] when ``position_major``). ``k``/``v``: the cache's
         per-layer context keys/values, ``length`` [R] the context each row sees, ``block_slots``:
-        the cache's room for the block (``DraftCache.block_slots``)."""
+        the cache's room for the block (``DraftCache.block_slots``), ``fused``: each layer's
+        stacked projections (``FusedProjections``: fewer GEMMs). The attention mask is folded
+        for grouped-query attention once, for every layer."""
         r = anchor_tokens.shape[0]
         device = anchor_tokens.device
         width = self.block_size
@@ -426,9 +432,10 @@ class BlockDrafter(Drafter):
         c = k[0].shape[2] - block_slots  # context slots; the block's own keys follow
         sees_ctx = torch.arange(c, device=device)[None, :] < length[:, None]
         mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
-        mask = mask[:, None, :].expand(r, width, -1)
+        s = self.layers[0].attn.s
+        mask = fold_mask(mask[:, None, :].expand(r, width, -1), s.num_heads // s.num_kv_heads)
         tail = c if block_slots else None
-        hidden = self.drafting_slots(self.backbone(x, pos, list(zip(k, v)), mask, None, tail))
+        hidden = self.drafting_slots(self.backbone(x, pos, list(zip(k, v)), mask, None, tail, fused))
         return hidden.transpose(0, 1).contiguous() if position_major else hidden
 
     @torch.no_grad()
