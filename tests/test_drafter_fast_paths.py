@@ -374,3 +374,28 @@ def test_fused_draft_step_follows_parameter_changes(small_target):
     with torch.no_grad():
         drafter.layers[0].attn.q_proj.weight.mul_(-1.0)
     check()
+
+
+def test_a_function_that_does_not_compile_runs_eagerly_with_a_warning():
+    """``inference_compiler`` (the fast engine's): a fused function dynamo cannot capture whole (a
+    data-dependent branch here) runs eagerly, the same code, with a warning naming it, and is not
+    retried; a working one compiles."""
+    from torch._dynamo.testing import CompileCounter
+
+    from dspark.drafters.draft_step import EagerOnFailure
+
+    def branchy(x):
+        return x + 1 if x.sum().item() > 0 else x - 1
+
+    def plain(x):
+        return x * 2
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    wrapped = EagerOnFailure(torch.compile(branchy, backend=counter, fullgraph=True), branchy)
+    with pytest.warns(UserWarning, match="branchy, which runs eagerly"):
+        assert torch.equal(wrapped(torch.ones(3)), torch.full((3,), 2.0))
+    assert torch.equal(wrapped(-torch.ones(3)), torch.full((3,), -2.0)) and wrapped.error is not None
+    working = EagerOnFailure(torch.compile(plain, backend=counter, fullgraph=True), plain)
+    assert torch.equal(working(torch.ones(3)), torch.full((3,), 2.0))
+    assert working.error is None and counter.frame_count == 1

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..core.types import DraftCache
 from .derived import DerivedWeights
-from .draft_step import mark_dynamic
+from .draft_step import inference_compiler, mark_dynamic
 from .layers import matmul_input, rms_norm, rope, rotate
 
 __all__ = ["ContextWriter", "stacked_kv", "write_layers"]
@@ -84,10 +84,11 @@ def write_layers(
 
 class ContextWriter:
     """``write_context`` of a block drafter through ``write_layers``, wrapped by ``compiler``
-    (``torch.compile`` by default; None runs it eagerly, for tests). Holds the concatenated
-    weights (``DerivedWeights``: rebuilt when a parameter changes) and the RoPE table per capacity."""
+    (``draft_step.inference_compiler`` by default; None runs it eagerly, for tests). Holds the
+    concatenated weights (``DerivedWeights``: rebuilt when a parameter changes) and the RoPE table
+    per capacity."""
 
-    def __init__(self, drafter, compiler: Callable | None = torch.compile):
+    def __init__(self, drafter, compiler: Callable | None = inference_compiler):
         self.drafter = drafter
         attn = [layer.attn for layer in drafter.layers]
         eps = {a.k_norm.eps for a in attn}

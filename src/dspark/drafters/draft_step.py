@@ -1,25 +1,31 @@
 """The draft step as few kernels (``BlockDrafter.compile_inference``).
 
 The reference, ``BlockDrafter.propose`` run eagerly, launches the block's inputs, positions and
-attention mask op by op (~10 kernels), each draft layer (compiled one by one before this), the final
-norm op by op, and per drafted position the head's small ops and the sampler; at R = 1 each of these
-tiny kernels costs about as much as a draft layer's GEMM. Here:
+attention mask op by op, each draft layer (compiled one by one before this), the final norm op by
+op, and per drafted position the head's small ops and the sampler; at R = 1 each of these tiny
+kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
   * ``hidden``: one compiled graph from the anchors to the drafting slots' hidden states (block
-    inputs, positions, mask, every layer, the final norm: ``BlockDrafter.draft_hidden``), fused
+    inputs, positions, the attention mask folded once, every layer with its q/k/v and gate/up
+    projections stacked into one GEMM each, the final norm: ``BlockDrafter.draft_hidden``), fused
     across layer boundaries; for DSpark laid out position-major, so each position's slice is
     contiguous;
   * ``position``: one compiled graph per drafted position for the sequential head's step and its
-    bias (and a soft-cap), ``DSparkDrafter.position_logits``;
-  * ``confidence``: one compiled graph for the confidence head over the block;
+    bias (and a soft-cap): ``DSparkDrafter.position_logits``;
+  * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
-Dynamo specialises a size of 1, so the row count (and the drafted length) compile two graphs each:
-one for 1, one for every larger size (marked dynamic); nothing recompiles across the engine's
-buckets (tested)."""
+Dynamo specialises a size of 1, so each function compiles two graphs: one for a single row, one
+for every larger row count (marked dynamic). The drafted length enters none of them (the hidden
+states and the confidences cover the whole block, the head's step one position): nothing
+recompiles across the engine's buckets and drafted lengths (tested)."""
 
 from __future__ import annotations
 
+import warnings
+from contextlib import nullcontext
+
 import torch
+import torch.fx.experimental._config  # noqa: F401  (no_duck_shapes)
 from torch import Tensor
 
 from ..core.types import DraftCache, Proposal, Shared
@@ -31,8 +37,31 @@ __all__ = ["FusedDraft", "inference_compiler", "mark_dynamic"]
 
 def inference_compiler(fn):
     """``torch.compile`` for the fused inference paths: a graph break would split a fused path into
-    several graphs and eager glue between them, so none is allowed."""
-    return torch.compile(fn, fullgraph=True)
+    several graphs and eager glue between them, so none is allowed (``fullgraph``). A function this
+    torch cannot compile runs eagerly instead, with a warning (``EagerOnFailure``)."""
+    return EagerOnFailure(torch.compile(fn, fullgraph=True), fn)
+
+
+class EagerOnFailure:
+    """``compiled``, unless compiling it fails: then, with a warning naming the error, ``fn``
+    itself (the same code, eagerly) from then on. A serving run then loses the fusion, not the
+    run; the tests compile with their own counting compilers, so a failure fails them."""
+
+    def __init__(self, compiled, fn):
+        self.compiled, self.fn = compiled, fn
+        self.error: Exception | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.error is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # dynamo's and inductor's errors share no base class
+                self.error = err
+                name = getattr(self.fn, "__qualname__", repr(self.fn))
+                warnings.warn(
+                    f"torch.compile failed on {name}, which runs eagerly instead: {err!r}", stacklevel=2
+                )
+        return self.fn(*args, **kwargs)
 
 
 def mark_dynamic(t: Tensor | None, *dims: int) -> None:
@@ -42,6 +71,13 @@ def mark_dynamic(t: Tensor | None, *dims: int) -> None:
         for d in dims:
             if t.shape[d] > 1:
                 torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def no_duck_shapes():
+    """Dynamo tracing with one symbol per size, not one per distinct value (where this torch has
+    the switch; it has since 2.1)."""
+    config = torch.fx.experimental._config
+    return config.patch(use_duck_shape=False) if hasattr(config, "use_duck_shape") else nullcontext()
 
 
 def qkv_weights(layer) -> list[Tensor]:
@@ -92,7 +128,7 @@ class FusedDraft:
         equal size or stride and recompile at the position where they part, so it is off here."""
         if not self.compiled:
             return self.position(base, h, prev, state, softcap)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with no_duck_shapes():
             return self.position(base, h, prev, state, softcap)
 
     def propose(
