@@ -148,18 +148,24 @@ def test_fused_weights_follow_parameter_changes(small_target):
 
 
 def test_derived_weights_rebuild_only_on_a_change():
+    """Built once; rebuilt after an in-place update into the tensor handed out before (captured
+    CUDA graphs hold its address), as a new tensor when the shape changes; ``.data`` writes are
+    not seen until ``reset``."""
     calls = []
     w = torch.nn.Parameter(torch.ones(2, 3))
     derived = DerivedWeights(lambda: [w], lambda t: calls.append(1) or t * 2)
-    derived.get(), derived.get()
-    assert calls == [1]
+    with torch.inference_mode():  # as the engine first builds it: an inference tensor
+        first = derived.get()
+    assert derived.get() is first and calls == [1]
     with torch.no_grad():
         w.add_(1)
-    assert torch.equal(derived.get(), torch.full((2, 3), 4.0)) and calls == [1, 1]
+    assert derived.get() is first and torch.equal(first, torch.full((2, 3), 4.0)) and calls == [1, 1]
     w.data.add_(1)  # .data bypasses the version counter: documented, reset() is the way
     assert torch.equal(derived.get(), torch.full((2, 3), 4.0))
     derived.reset()
     assert torch.equal(derived.get(), torch.full((2, 3), 6.0))
+    w = torch.nn.Parameter(torch.ones(3, 3))  # another shape: a new tensor
+    assert derived.get() is not first and derived.get().shape == (3, 3)
 
 
 def test_compiled_context_write_is_one_graph_for_every_shape(small_target):
@@ -399,3 +405,15 @@ def test_a_function_that_does_not_compile_runs_eagerly_with_a_warning():
     working = EagerOnFailure(torch.compile(plain, backend=counter, fullgraph=True), plain)
     assert torch.equal(working(torch.ones(3)), torch.full((3,), 2.0))
     assert working.error is None and counter.frame_count == 1
+
+
+def test_compile_inference_is_idempotent_for_one_compiler(small_target):
+    """Every fast engine asks ``compile_inference``: the same compiler keeps the fused paths (and
+    the tensors they derive, which earlier engines' captured graphs read); another replaces them."""
+    drafter = build(small_target)
+    drafter.compile_inference(compiler=None)
+    fused, writer = drafter._fused, drafter._context_writer
+    drafter.compile_inference(compiler=None)
+    assert drafter._fused is fused and drafter._context_writer is writer
+    drafter.compile_inference(compiler=lambda fn: fn)
+    assert drafter._fused is not fused and drafter._context_writer is not writer

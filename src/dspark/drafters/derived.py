@@ -18,9 +18,11 @@ class DerivedWeights:
     version counter moves: optimizer steps, ``load_state_dict``). Writes through ``.data`` bypass
     the version counter and are not seen: call ``reset()`` after them.
 
-    The check runs on the host, when ``get`` is called. A CUDA graph captured around a call keeps
-    reading the tensor it was captured with: weights changed after an engine captured its graphs
-    need a new engine (or ``reset()`` and a new capture)."""
+    The check runs on the host, when ``get`` is called: at a CUDA graph's capture, never at its
+    replay. A rebuild of the same shape, dtype and device is written into the tensor already handed
+    out, so graphs captured earlier keep reading valid memory, and read the new weights once a
+    host call (a new engine's capture, an eager call) has refreshed them; until then they replay
+    the old ones."""
 
     def __init__(self, sources: Callable[[], Sequence[Tensor]], build: Callable[..., Tensor]):
         self._sources = sources
@@ -41,7 +43,17 @@ class DerivedWeights:
         sources = list(self._sources())
         if not self._fresh(sources):
             with torch.no_grad():
-                self._value = self._build(*sources).detach()
+                value = self._build(*sources).detach()
+            old = self._value
+            if old is not None and (old.shape, old.dtype, old.device) == (
+                value.shape,
+                value.dtype,
+                value.device,
+            ):
+                with torch.inference_mode(old.is_inference()), torch.no_grad():
+                    old.copy_(value)  # in place: addresses a captured graph holds stay valid
+            else:
+                self._value = value
             self._stamp = [(weakref.ref(t), self._state(t)) for t in sources]
         return self._value
 

@@ -228,6 +228,7 @@ class BlockDrafter(Drafter):
         # compile_inference: the fused write_context and propose (plain attributes: not registered)
         self._context_writer: ContextWriter | None = None
         self._fused: FusedDraft | None = None
+        self._fused_compiler = None
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
@@ -277,7 +278,13 @@ class BlockDrafter(Drafter):
     def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
         """The fused inference paths, each function wrapped by ``compiler`` (tests pass a counting
         backend, or None to run the fused code eagerly): ``write_context`` through
-        ``ContextWriter``, ``propose`` through ``FusedDraft``."""
+        ``ContextWriter``, ``propose`` through ``FusedDraft``. Idempotent for one compiler (every
+        fast engine asks): the paths, and the tensors they derive, stay those earlier engines'
+        captured graphs read; another compiler replaces them (graphs captured through the old
+        ones must not replay after that)."""
+        if self._fused is not None and self._fused_compiler is compiler:
+            return
+        self._fused_compiler = compiler
         self._context_writer = ContextWriter(self, compiler)
         self._fused = FusedDraft(self, compiler)
 
