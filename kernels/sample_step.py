@@ -128,6 +128,8 @@ if HAS_TRITON:
         V: tl.constexpr,
         stride_base,
         stride_bias,
+        stride_u,
+        stride_probs,
         temperature,
         HAS_BIAS: tl.constexpr,
         GREEDY: tl.constexpr,
@@ -137,7 +139,7 @@ if HAS_TRITON:
         # fixed per model, and runtime loop bounds break the triton 3.6 interpreter (numpy 2.4).
         r = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, BLOCK)
-        out_row = probs_ptr + r * V
+        out_row = probs_ptr + r * stride_probs
         if GREEDY:
             _, best_i = _span_argmax(
                 base_ptr, bias_ptr, r, 0, V, V, stride_base, stride_bias, HAS_BIAS, BLOCK
@@ -167,7 +169,7 @@ if HAS_TRITON:
                 last = tl.maximum(last, tl.max(tl.where(p > 0, offs, -1), axis=0).to(tl.int64))
             last = tl.where(last < 0, V - 1, last)
             # Pass 3: recompute p (bit-identical, no read-after-write hazard) and search the cdf.
-            threshold = tl.load(u_ptr + r).to(tl.float32) * carry
+            threshold = tl.load(u_ptr + r * stride_u).to(tl.float32) * carry
             carry = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
             first = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + V
             for v0 in range(0, V, BLOCK):
@@ -234,6 +236,7 @@ if HAS_TRITON:
         V: tl.constexpr,
         stride_base,
         stride_bias,
+        stride_probs,
         temperature,
         HAS_BIAS: tl.constexpr,
         GREEDY: tl.constexpr,
@@ -252,7 +255,7 @@ if HAS_TRITON:
         ci = tl.arange(0, CHUNKS_P2)
         cok = ci < CHUNKS
         cm = tl.load(m_ptr + r * CHUNKS + ci, mask=cok, other=float("-inf"))
-        out_row = probs_ptr + r * V
+        out_row = probs_ptr + r * stride_probs
         if GREEDY:
             carg = tl.load(arg_ptr + r * CHUNKS + ci, mask=cok, other=V)
             best = tl.max(cm, axis=0)
@@ -286,6 +289,8 @@ if HAS_TRITON:
         mass_ptr,
         tokens_ptr,
         probs_ptr,
+        stride_u,
+        stride_probs,
         V: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNK: tl.constexpr,
@@ -309,13 +314,13 @@ if HAS_TRITON:
         cmass = tl.load(mass_ptr + r * CHUNKS + ci, mask=cok, other=0.0)
         incl = tl.cumsum(cmass, axis=0)
         total = tl.sum(tl.where(ci == CHUNKS - 1, incl, 0.0), axis=0)  # picking by mask is exact
-        threshold = tl.load(u_ptr + r).to(tl.float32) * total
+        threshold = tl.load(u_ptr + r * stride_u).to(tl.float32) * total
         k = tl.min(tl.where(cok & (incl > threshold), ci, CHUNKS), axis=0)
         last_c = tl.max(tl.where(cok & (cmass > 0), ci, -1), axis=0)
         k = tl.minimum(k, tl.where(last_c < 0, CHUNKS - 1, last_c))  # u·total at or past the end
         local = threshold - tl.sum(tl.where(ci == k - 1, incl, 0.0), axis=0)
         start = k.to(tl.int64) * CHUNK
-        row = probs_ptr + r * V
+        row = probs_ptr + r * stride_probs
         carry = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
         first = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + V
         last = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) - 1
@@ -346,53 +351,58 @@ def choose_chunks(rows: int, vocab: int, block: int = BLOCK) -> int:
     return _chunk_layout(want, vocab, block)[0]
 
 
-def _sample_step_split(base, bias, temperature, u, chunks: int, block: int) -> SampleStep:
+def _sample_step_split(base, bias, temperature, u, chunks: int, block: int, probs: Tensor) -> SampleStep:
     r, v = base.shape
     chunks, chunk = _chunk_layout(chunks, v, block)
     device = base.device
     tokens = torch.empty(r, device=device, dtype=torch.int64)
-    probs = torch.empty((r, v), device=device, dtype=torch.float32)
     stats = torch.empty((3, r, chunks), device=device, dtype=torch.float32)  # max, sum-exp, mass
     arg = torch.empty((r, chunks), device=device, dtype=torch.int64)  # greedy: chunk argmax
     bias_arg = base if bias is None else bias
     stride_bias = 0 if bias is None else bias.stride(0)
     greedy = temperature == 0
     shape = {"BLOCK": block, "CHUNK": chunk, "CHUNKS": chunks}
-    common = (v, base.stride(0), stride_bias, float(temperature))
+    common = (v, base.stride(0), stride_bias)
     flags = {"HAS_BIAS": bias is not None, "GREEDY": greedy}
-    _split_stats_kernel[(r, chunks)](base, bias_arg, stats[0], stats[1], arg, *common, **flags, **shape)
+    _split_stats_kernel[(r, chunks)](
+        base, bias_arg, stats[0], stats[1], arg, *common, float(temperature), **flags, **shape
+    )  # fmt: skip
     _split_write_kernel[(r, chunks)](
-        base, bias_arg, stats[0], stats[1], arg, stats[2], tokens, probs, *common, **flags, **shape,
-        CHUNKS_P2=triton.next_power_of_2(chunks),
+        base, bias_arg, stats[0], stats[1], arg, stats[2], tokens, probs, *common, probs.stride(0),
+        float(temperature), **flags, **shape, CHUNKS_P2=triton.next_power_of_2(chunks),
     )  # fmt: skip
     if not greedy:
+        u = u.float()  # a strided u (a column of [R, γ]) is read in place
         _split_search_kernel[(r,)](
-            u.float().contiguous(), stats[2], tokens, probs, v, **shape,
+            u, stats[2], tokens, probs, u.stride(0), probs.stride(0), v, **shape,
             CHUNKS_P2=triton.next_power_of_2(chunks),
         )  # fmt: skip
     return SampleStep(tokens, probs)
 
 
-def _sample_step_triton(base_logits, bias, temperature, u, chunks: int | None) -> SampleStep:
+def _sample_step_triton(base_logits, bias, temperature, u, chunks: int | None, out: Tensor | None):
     r, v = base_logits.shape
     base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
     block = 128 if triton_interpreting() else min(BLOCK, triton.next_power_of_2(v))
     chunks = choose_chunks(r, v, block) if chunks is None else _chunk_layout(chunks, v, block)[0]
+    probs = torch.empty((r, v), device=base.device, dtype=torch.float32) if out is None else out
     if chunks > 1:
-        return _sample_step_split(base, bias, temperature, u, chunks, block)
+        return _sample_step_split(base, bias, temperature, u, chunks, block, probs)
     tokens = torch.empty(r, device=base.device, dtype=torch.int64)
-    probs = torch.empty((r, v), device=base.device, dtype=torch.float32)
+    u = u.float()
     _sample_step_kernel[(r,)](
         base,
         base if bias is None else bias,
-        u.float().contiguous(),
+        u,
         tokens,
         probs,
         v,
         base.stride(0),
         0 if bias is None else bias.stride(0),
+        u.stride(0),
+        probs.stride(0),
         float(temperature),
         HAS_BIAS=bias is not None,
         GREEDY=temperature == 0,
@@ -409,8 +419,12 @@ def sample_step(
     *,
     impl: str = "auto",
     chunks: int | None = None,
+    out: Tensor | None = None,
 ) -> SampleStep:
     """Sample one token per row from softmax((base + bias) / T); see the module docstring.
+
+    ``out``: float32 [R, V] (unit column stride, any row stride, e.g. one position of a [R, γ, V]
+    proposal) that receives the probabilities in place of a new tensor, and is returned.
 
     ``chunks`` (Triton only): programs per row; None (the default) lets ``choose_chunks`` split the
     vocabulary when rows are few (one program streaming 49 152 logits took ~75 µs per drafted
@@ -426,7 +440,15 @@ def sample_step(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be None or an int >= 1, got {chunks!r}")
+    if out is not None and (
+        out.shape != base_logits.shape or out.dtype != torch.float32 or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"out must be float32 {tuple(base_logits.shape)} with unit column stride, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
     tensors = (base_logits, u) if bias is None else (base_logits, bias, u)
     if resolve_impl(impl, *tensors) == "triton":
-        return _sample_step_triton(base_logits, bias, temperature, u, chunks)
-    return sample_step_reference(base_logits, bias, temperature, u)
+        return _sample_step_triton(base_logits, bias, temperature, u, chunks, out)
+    step = sample_step_reference(base_logits, bias, temperature, u)
+    return step if out is None else SampleStep(step.tokens, out.copy_(step.probs))

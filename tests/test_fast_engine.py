@@ -770,3 +770,111 @@ def test_block_keys_written_in_place_equal_concatenated(small_target, kind, head
         small = DraftCache(k=room.k, v=room.v, length=room.length, block_slots=block - 1)
         with pytest.raises(ValueError, match="block room"):
             drafter.propose(small, anchors, pos, Shared.of(t), 1.0, uniforms=u)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_context_write_on_cuda_matches_eager_inside_graphs(small_target):
+    """The fused context write (``drafters.context_write``) compiled for CUDA: one graph for every
+    rows count and width the engine meets, equal to the per-layer eager loop to bf16 rounding, and
+    replayed from a captured CUDA graph (its in-place stores included) with fresh inputs."""
+    from test_drafter_fast_paths import assert_same_cache, build, random_write
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    drafter = build(small_target, layers=3).to("cuda", torch.bfloat16)
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter))
+    r_max, capacity = 8, 64
+    ref = drafter.new_cache(r_max, "cuda", capacity=capacity)
+    fused = drafter.new_cache(r_max, "cuda", capacity=capacity)
+    g = torch.Generator().manual_seed(4)
+
+    def inputs(r, w):
+        taps, positions, rows = random_write(drafter, r_max, capacity, r, w, g)
+        return taps.to("cuda", torch.bfloat16), positions.cuda(), rows.cuda()
+
+    with torch.inference_mode():
+        for r, w in [(1, 1), (1, 8), (4, 3), (8, 8), (2, 1), (8, 5)]:
+            taps, positions, rows = inputs(r, w)
+            drafter.write_context_reference(ref, taps, positions, rows)
+            drafter.write_context(fused, taps, positions, rows)
+            assert_same_cache(fused, ref, rtol=2e-2)
+        static = inputs(4, 5)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            drafter.write_context(fused, *static)  # warm-up off the graph, as GraphBank does
+        torch.cuda.current_stream().wait_stream(side)
+        drafter.write_context_reference(ref, *static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            drafter.write_context(fused, *static)
+        for _ in range(2):
+            fresh = inputs(4, 5)
+            for buf, new in zip(static, fresh):
+                buf.copy_(new)
+            graph.replay()
+            drafter.write_context_reference(ref, *fresh)
+            torch.cuda.synchronize()
+            assert_same_cache(fused, ref, rtol=2e-2)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "name,head,slots",
+    [("dspark", "markov", "anchor"), ("dspark", "rnn", "masks"), ("dflash", "none", "anchor")],
+)
+def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, name, head, slots):
+    """The compiled draft step on CUDA (``fullgraph``: a graph break raises; the Triton sampler
+    between the graphs writing into the proposal's buffer): proposals equal the eager reference's
+    for every rows count and drafted length, in two graphs per compiled function (one row, more
+    rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
+    and uniforms, as the fast engine's draft step does."""
+    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, reference_proposal, rows_of
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    t = small_target.to("cuda")
+    try:
+        drafter, cache, anchors, u = drafting_setup(t, name, head, slots, device="cuda")
+        shared = Shared.of(t)
+        counter = CompileCounterWithBackend("inductor")
+        torch._dynamo.reset()
+        drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
+        with torch.inference_mode():
+            for r in (4, 2, 1, 3):
+                for n in sorted({1, 2, drafter.gamma}):
+                    args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
+                    kw = dict(uniforms=u[:r], draft_len=n)
+                    got = drafter.propose(*args, **kw)
+                    assert_same_proposal(got, reference_proposal(drafter, *args, **kw), tol=1e-4)
+            assert counter.frame_count == (6 if name == "dspark" else 2)
+            rows = rows_of(cache, 4)
+            static = (anchors.clone(), cache.length[:4].clone(), u.clone())
+
+            def step():
+                return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            g = torch.Generator(device="cuda").manual_seed(9)
+            for _ in range(3):
+                static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
+                static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
+                graph.replay()
+                want = reference_proposal(
+                    drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2]
+                )
+                assert_same_proposal(out, want, tol=1e-4)
+            assert counter.frame_count == (6 if name == "dspark" else 2)  # nothing compiled in capture
+    finally:
+        small_target.to("cpu")

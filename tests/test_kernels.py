@@ -408,6 +408,21 @@ def test_choose_chunks():
             assert 1 <= c <= want and chunk % 128 == 0 and (c - 1) * chunk < v <= c * chunk
 
 
+def test_sample_step_reference_into_out():
+    """``out=`` (one position of a [R, n, V] proposal buffer) receives the reference's
+    probabilities in place; its neighbours are untouched; a wrong buffer is refused."""
+    base, bias, u = sampling_rows(5, 300, seed=8)
+    buf = torch.full((5, 3, 300), -1.0)
+    got = sample_step(base, bias, 0.7, u, impl="torch", out=buf[:, 1])
+    want = sample_step_reference(base, bias, 0.7, u)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(buf[:, 1], want.probs)
+    assert got.probs.data_ptr() == buf[:, 1].data_ptr()
+    assert (buf[:, 0] == -1).all() and (buf[:, 2] == -1).all()
+    for bad in (buf[:, 1].double(), buf[:, 1, :299], buf[:, 1, ::2]):
+        with pytest.raises(ValueError, match="out must be float32"):
+            sample_step(base, bias, 0.7, u, out=bad)
+
+
 def test_sample_step_chunks_argument():
     base, bias, u = sampling_rows(4, 100, seed=3)
     ref = sample_step_reference(base, bias, 0.7, u)
@@ -645,6 +660,27 @@ def test_interp_sample_step_split_one_row(temperature):
         assert choose_chunks(1, 1000, 128) == 4
         assert torch.equal(got.tokens, forced.tokens) and torch.equal(got.probs, forced.probs)
         assert_split_matches(got, *row)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chunks", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_interp_sample_step_into_out_with_strided_uniforms(temperature, chunks):
+    """The kernels write ``out=`` (one position of a [R, n, V] buffer: row stride n·V) in place and
+    read u as a column of [R, γ] (row stride γ) without copies: the same tokens and probabilities
+    as contiguous buffers, the neighbouring positions untouched."""
+    base, bias, u = sampling_rows(6, 300, seed=31)
+    columns = torch.rand(6, 4, generator=torch.Generator().manual_seed(32))
+    columns[:, 2] = u
+    buf = torch.full((6, 3, 300), -1.0)
+    got = sample_step(base, bias, temperature, columns[:, 2], impl="triton", chunks=chunks, out=buf[:, 1])
+    want = sample_step(base, bias, temperature, u, impl="triton", chunks=chunks)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(buf[:, 1], want.probs)
+    assert got.probs.data_ptr() == buf[:, 1].data_ptr()
+    assert (buf[:, 0] == -1).all() and (buf[:, 2] == -1).all()
+    if temperature:  # the column read matters: another column draws other tokens
+        other = sample_step(base, bias, temperature, columns[:, 0], impl="triton", chunks=chunks)
+        assert not torch.equal(other.tokens, got.tokens)
 
 
 @needs_interpreter

@@ -208,12 +208,14 @@ def draft_length(gamma: int, draft_len: int | None) -> int:
 
 def empty_cache(layers: nn.ModuleList, r: int, ref: Tensor, capacity: int = 0) -> DraftCache:
     """Per-layer context keys/values for ``r`` requests with ``capacity`` preallocated slots (0: the
-    cache grows as ``append_kv`` writes), all lengths zero."""
+    cache grows as ``append_kv`` writes), all lengths zero. Every layer's keys and values are views
+    of one buffer [2, L, R, Hkv, C, hd], so that one fused write reaches them all
+    (``context_write.stacked_kv``)."""
     s = layers[0].attn.s
-    shape = (r, s.num_kv_heads, capacity, s.head_dim)
+    kv = ref.new_zeros(2, len(layers), r, s.num_kv_heads, capacity, s.head_dim)
     return DraftCache(
-        k=[ref.new_zeros(shape) for _ in layers],
-        v=[ref.new_zeros(shape) for _ in layers],
+        k=list(kv[0].unbind(0)),
+        v=list(kv[1].unbind(0)),
         length=torch.zeros(r, dtype=torch.long, device=ref.device),
     )
 

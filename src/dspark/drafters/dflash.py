@@ -15,6 +15,7 @@ conventions"); draft k (k = 1..γ) is x_{a+k} in both:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +37,9 @@ from .base import (
     layer_shape,
     output_logits,
 )
-from .layers import DraftLayer, RMSNorm, matmul_input
+from .context_write import ContextWriter
+from .draft_step import FusedDraft, inference_compiler
+from .layers import DraftLayer, FusedProjections, RMSNorm, fold_mask, matmul_input
 from .registry import register
 
 
@@ -223,7 +226,10 @@ class BlockDrafter(Drafter):
         # and CPU runs stay eager either way.
         self.compile_training = cfg.get("compile", "auto")
         self._compiled_layers = None
-        self._inference_layers = None  # compile_inference
+        # compile_inference: the fused write_context and propose (plain attributes: not registered)
+        self._context_writer: ContextWriter | None = None
+        self._fused: FusedDraft | None = None
+        self._fused_compiler = None
         s = layer_shape(dims, cfg)
         self.fc = nn.Linear(dims.num_taps * dims.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
@@ -252,10 +258,13 @@ class BlockDrafter(Drafter):
         mask: Tensor,
         layers=None,
         tail: int | None = None,
+        fused: list[FusedProjections] | None = None,
     ) -> Tensor:
-        """``tail``: see ``Attention.forward`` (a static cache's room for the block's own keys)."""
-        for layer, ctx_kv in zip(layers or self.layers, ctx_kv_per_layer):
-            x, _ = layer(x, positions, ctx_kv, mask, tail)
+        """``tail``: see ``Attention.forward`` (a static cache's room for the block's own keys);
+        ``fused``: each layer's stacked projections (``DraftLayer.forward``)."""
+        fused = fused or [None] * len(self.layers)
+        for layer, ctx_kv, projections in zip(layers or self.layers, ctx_kv_per_layer, fused):
+            x, _ = layer(x, positions, ctx_kv, mask, tail, projections)
         return self.norm(x)
 
     def training_layers(self, device) -> list:
@@ -267,9 +276,18 @@ class BlockDrafter(Drafter):
             self._compiled_layers = [compile_for_training(layer) for layer in self.layers]  # not registered
         return self._compiled_layers
 
-    def compile_inference(self) -> None:
-        if self._inference_layers is None:  # a list: not registered, the parameters are shared
-            self._inference_layers = [torch.compile(layer, dynamic=True) for layer in self.layers]
+    def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
+        """The fused inference paths, each function wrapped by ``compiler`` (tests pass a counting
+        backend, or None to run the fused code eagerly): ``write_context`` through
+        ``ContextWriter``, ``propose`` through ``FusedDraft``. Idempotent for one compiler (every
+        fast engine asks): the paths, and the tensors they derive, stay those earlier engines'
+        captured graphs read; another compiler replaces them (graphs captured through the old
+        ones must not replay after that)."""
+        if self._fused is not None and self._fused_compiler is compiler:
+            return
+        self._fused_compiler = compiler
+        self._context_writer = ContextWriter(self, compiler)
+        self._fused = FusedDraft(self, compiler)
 
     def block_inputs(self, anchor_tokens: Tensor, shared: Shared) -> Tensor:
         """[anchor, mask, …, mask] (block_size slots) embedded, for anchors of any shape."""
@@ -295,6 +313,21 @@ class BlockDrafter(Drafter):
         r, n, _ = hidden.shape
         logits = output_logits(hidden, shared.lm_weight, shared.softcap)
         step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())  # one fused pass
+        return step.tokens.view(r, n), step.probs.view(r, n, -1), None
+
+    position_major = False  # the layout of draft_hidden's output that sample_block_fused takes
+
+    def sample_block_fused(
+        self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u, fused
+    ):
+        """``sample_block`` of the first n positions of ``hidden`` [R, γ, d] (``FusedDraft``)."""
+        r, n = u.shape
+        first = hidden[:, :n].contiguous()  # one GEMM for the LM head (see propose)
+        if shared.softcap:
+            logits = output_logits(first, shared.lm_weight, shared.softcap)
+        else:  # the sampler upcasts the logits itself: the same float32 values, without a copy
+            logits = first @ shared.lm_weight.t().to(first.dtype)
+        step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())
         return step.tokens.view(r, n), step.probs.view(r, n, -1), None
 
     # ---- training ----------------------------------------------------------------------------
@@ -365,34 +398,67 @@ class BlockDrafter(Drafter):
         draft_len: int | None = None,
     ) -> Proposal:
         """γ tokens from each anchor (see ``Drafter.propose``); the backbone always runs the whole
-        block (its positions attend to each other), the heads only the first ``draft_len``."""
+        block (its positions attend to each other), the heads only the first ``draft_len``. After
+        ``compile_inference`` the fused paths (``draft_step.FusedDraft``) run it; the code below is
+        their reference."""
         r = anchor_tokens.shape[0]
         n = draft_length(self.gamma, draft_len)
-        device = anchor_tokens.device
-        width = self.block_size
-        x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
-        pos = anchor_pos[:, None] + torch.arange(width, device=device)
-        c = cache.k[0].shape[2] - cache.block_slots  # context slots; the block's own keys follow
-        if cache.block_slots and cache.block_slots < width:
+        if cache.block_slots and cache.block_slots < self.block_size:
             raise ValueError(
-                f"the cache's block room ({cache.block_slots} slots) is below the block ({width})"
+                f"the cache's block room ({cache.block_slots} slots) is below the block ({self.block_size})"
             )
-        sees_ctx = torch.arange(c, device=device)[None, :] < cache.length[:, None]
-        mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
-        mask = mask[:, None, :].expand(r, width, -1)
-        tail = c if cache.block_slots else None
-        backbone = self.backbone(x, pos, list(zip(cache.k, cache.v)), mask, self._inference_layers, tail)
-        hidden = self.drafting_slots(backbone)  # [R, γ, d]
-        u = draft_uniforms(r, self.gamma, generator, uniforms, device)
+        u = draft_uniforms(r, self.gamma, generator, uniforms, anchor_tokens.device)
+        if self._fused is not None:
+            return self._fused.propose(cache, anchor_tokens, anchor_pos, shared, temperature, u[:, :n])
+        c = cache
+        hidden = self.draft_hidden(c.k, c.v, c.length, anchor_tokens, anchor_pos, shared, c.block_slots)
         # Contiguous: the LM head over a strided [R, n < γ, d] view would run as R batched GEMMs
         # (matmul cannot fold the rows), each reading the whole head: slower than all γ positions.
         first = hidden[:, :n].contiguous()
         tokens, probs, conf = self.sample_block(first, anchor_tokens, shared, temperature, u[:, :n])
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
 
+    def draft_hidden(
+        self,
+        k: list[Tensor],
+        v: list[Tensor],
+        length: Tensor,
+        anchor_tokens: Tensor,
+        anchor_pos: Tensor,
+        shared: Shared,
+        block_slots: int,
+        position_major: bool = False,
+        fused: list[FusedProjections] | None = None,
+    ) -> Tensor:
+        """The backbone over each anchor's block: the hidden states of the slots that draft
+        x_{a+1}..x_{a+γ}, [R, γ, d] ([γ, R, d] when ``position_major``). ``k``/``v``: the cache's
+        per-layer context keys/values, ``length`` [R] the context each row sees, ``block_slots``:
+        the cache's room for the block (``DraftCache.block_slots``), ``fused``: each layer's
+        stacked projections (``FusedProjections``: fewer GEMMs). The attention mask is folded
+        for grouped-query attention once, for every layer."""
+        r = anchor_tokens.shape[0]
+        device = anchor_tokens.device
+        width = self.block_size
+        x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
+        pos = anchor_pos[:, None] + torch.arange(width, device=device)
+        c = k[0].shape[2] - block_slots  # context slots; the block's own keys follow
+        sees_ctx = torch.arange(c, device=device)[None, :] < length[:, None]
+        mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
+        s = self.layers[0].attn.s
+        mask = fold_mask(mask[:, None, :].expand(r, width, -1), s.num_heads // s.num_kv_heads)
+        tail = c if block_slots else None
+        hidden = self.drafting_slots(self.backbone(x, pos, list(zip(k, v)), mask, None, tail, fused))
+        return hidden.transpose(0, 1).contiguous() if position_major else hidden
+
     @torch.no_grad()
     def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:
-        """Static-cache hook (see ``Drafter.write_context``)."""
+        """Static-cache hook (see ``Drafter.write_context``). After ``compile_inference``, one
+        compiled function writes every layer (``context_write``); the loop below is its reference."""
+        if self._context_writer is None or not self._context_writer.write(cache, taps, positions, rows):
+            self.write_context_reference(cache, taps, positions, rows)
+
+    def write_context_reference(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor):
+        """``write_context`` layer by layer, eagerly: the reference of the fused write."""
         r, w = positions.shape
         ctx = self.context(taps)
         rows = rows[:, None].expand(r, w)

@@ -72,18 +72,66 @@ class DSparkDrafter(BlockDrafter):
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
         tokens, probs = [], []
         for k in range(hidden.shape[1]):
-            h = hidden[:, k]
-            logits, bias = base[:, k], None
-            if self.head is not None:
-                b, state = self.head.step(h, prev, state)
-                bias = self.head.bias_logits(b)
-            if shared.softcap:  # the cap applies to the sum: add first
-                logits = logits.float() + (0.0 if bias is None else bias.float())
-                logits, bias = torch.tanh(logits / shared.softcap) * shared.softcap, None
+            logits, bias, state = self.position_logits(base[:, k], hidden[:, k], prev, state, shared.softcap)
             step = sample_step(logits, bias, temperature, u[:, k])
             prev = step.tokens
             tokens.append(prev)
             probs.append(step.probs)
         tokens = torch.stack(tokens, 1)
-        conf = self._confidence(hidden, torch.cat([anchor[:, None], tokens[:, :-1]], dim=1))
-        return tokens, torch.stack(probs, 1), None if conf is None else conf.float()
+        return tokens, torch.stack(probs, 1), self.confidence_pass(hidden, anchor, tokens)
+
+    def position_logits(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
+        """One position: the LM head's logits ``base`` [R, V], the backbone's hidden state ``h``
+        [R, d] and the token before ``prev`` [R] -> (logits, bias or None, the head's new state):
+        what ``sample_step`` draws from."""
+        bias = None
+        if self.head is not None:
+            b, state = self.head.step(h, prev, state)
+            bias = self.head.bias_logits(b)
+        if softcap:  # the cap applies to the sum: add first
+            logits = base.float() + (0.0 if bias is None else bias.float())
+            return torch.tanh(logits / softcap) * softcap, None, state
+        return base, bias, state
+
+    def confidence_pass(self, hidden: Tensor, anchor: Tensor, tokens: Tensor) -> Tensor | None:
+        """Confidence logits [R, n] (float32) of hidden [R, n, d] with the drafted tokens [R, n]."""
+        # [anchor, tokens][:-1] rather than [anchor, tokens[:-1]]: no size n - 1, which a compiled
+        # graph would specialise at n = 2.
+        conf = self._confidence(hidden, torch.cat([anchor[:, None], tokens], dim=1)[:, :-1])
+        return None if conf is None else conf.float()
+
+    # ---- the fused paths (draft_step.FusedDraft) ---------------------------------------------
+    position_major = True  # draft_hidden's output [γ, R, d]: each position's rows contiguous
+
+    def confidence_by_position(self, hidden: Tensor, anchor: Tensor, tokens: Tensor) -> Tensor | None:
+        """``confidence_pass`` of position-major hidden states [n, R, d]."""
+        return self.confidence_pass(hidden.transpose(0, 1), anchor, tokens)
+
+    def sample_block_fused(self, hidden, anchor, shared, temperature, u, fused):
+        """``sample_block`` of the first n positions of position-major ``hidden`` [γ, R, d], with
+        the head's step and the confidences compiled (``fused.position``, ``fused.confidence``) and
+        each position's probabilities written into the proposal's buffer. The confidences run over
+        the whole block (the tokens past n padded; a position's confidence reads only its own
+        hidden state and the token before it), so their graph does not depend on n."""
+        r, n = u.shape
+        gamma = hidden.shape[0]
+        first = hidden[:n]  # [n, R, d], contiguous
+        base = first @ shared.lm_weight.t().to(first.dtype)  # [n, R, V]: one GEMM
+        probs = base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
+        state = self.head.init_state(r, first) if self.head is not None else None
+        prev, tokens = anchor, []
+        for k in range(n):
+            logits, bias, h = base[k], None, first[k]
+            if self.head is not None or shared.softcap:
+                for t in (logits, h, prev, state):  # the very tensors passed: marks live on them
+                    fused.mark(t, 0)
+                logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)
+            prev = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
+            tokens.append(prev)
+        if self.confidence is None:
+            return torch.stack(tokens, 1), probs, None
+        block = torch.stack(tokens + [anchor] * (gamma - n), 1)  # [R, γ]: the drafted tokens, padded
+        fused.mark(hidden, 1)
+        fused.mark(anchor, 0)
+        fused.mark(block, 0)
+        return block[:, :n], probs, fused.confidence(hidden, anchor, block)[:, :n]

@@ -4,6 +4,7 @@ values are the (projected) target context followed by the draft tokens' own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +32,15 @@ def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, hd]; cos/sin [B, T, hd]."""
+    return rotate(x, cos[:, None], sin[:, None])
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary rotation of x [..., hd] by cos/sin already broadcastable against it (half-split
+    layout): ``apply_rope``'s arithmetic, for callers whose head axis is not dim 1."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +53,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``RMSNorm``'s arithmetic with the weight given (broadcast against x's last dim, or ahead of
+    it: one weight row per layer of a stacked tensor)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(x.dtype)
 
 
 def matmul_input(x: Tensor, weight: Tensor) -> Tensor:
@@ -73,6 +86,21 @@ def flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
     return fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class FusedProjections(NamedTuple):
+    """A draft layer's projections that read the same input, stacked so that one GEMM runs each
+    group (the fused inference path): q/k/v [(H + 2·Hkv)·hd, d] and gate/up [2·inner, d]."""
+
+    qkv: Tensor
+    gate_up: Tensor
+
+
+def fold_mask(mask: Tensor, groups: int) -> Tensor:
+    """A bool mask [B, Q, K] for grouped-query attention with the G query heads of each KV head
+    folded into the query axis: [B, 1, G·Q, K] (``Attention.forward``)."""
+    b, t, k = mask.shape
+    return mask[:, None, None].expand(b, 1, groups, t, k).reshape(b, 1, groups * t, k)
+
+
 class Attention(nn.Module):
     def __init__(self, s: LayerShape):
         super().__init__()
@@ -89,8 +117,12 @@ class Attention(nn.Module):
 
     def kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Rotated keys and values [B, Hkv, T, hd] of x at integer positions [B, T]."""
-        k = self.k_norm(self._heads(self.k_proj(x), self.s.num_kv_heads))
-        v = self._heads(self.v_proj(x), self.s.num_kv_heads)
+        return self._rotated_kv(self.k_proj(x), self.v_proj(x), positions)
+
+    def _rotated_kv(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values [B, Hkv, T, hd] from their projections [B, T, Hkv·hd]."""
+        k = self.k_norm(self._heads(k, self.s.num_kv_heads))
+        v = self._heads(v, self.s.num_kv_heads)
         cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
         return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype)), v
 
@@ -101,17 +133,25 @@ class Attention(nn.Module):
         ctx_kv: tuple[Tensor, Tensor] | None,
         mask: Tensor | None,
         tail: int | None = None,
+        qkv_weight: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [B, Q, d] draft tokens; ctx_kv: keys/values [B, Hkv, C, hd] placed before the draft's own;
-        mask: bool [B, Q, C + Q] (True = may attend), a flex-attention BlockMask over the same
-        layout, or None for full attention. ``tail`` (a static cache's room for the block, slots
-        tail..tail+Q of ctx_kv's buffers): the draft's own keys/values are written there in place and
-        the buffers attended as they are (C = tail), instead of concatenated.
+        mask: bool [B, Q, C + Q] (True = may attend; or already folded, [B, 1, G·Q, C + Q]:
+        ``fold_mask``), a flex-attention BlockMask over the same layout, or None for full
+        attention. ``tail`` (a static cache's room for the block, slots tail..tail+Q of ctx_kv's
+        buffers): the draft's own keys/values are written there in place and the buffers attended
+        as they are (C = tail), instead of concatenated. ``qkv_weight``: the three projections'
+        weights stacked (``FusedProjections.qkv``), run as one GEMM.
         Returns the output and the draft tokens' own (k, v)."""
-        q = self.q_norm(self._heads(self.q_proj(x), self.s.num_heads))
+        if qkv_weight is None:
+            q, k_new, v_new = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            sizes = (self.s.num_heads * self.s.head_dim, *[self.s.num_kv_heads * self.s.head_dim] * 2)
+            q, k_new, v_new = F.linear(x, qkv_weight).split(sizes, dim=-1)
+        q = self.q_norm(self._heads(q, self.s.num_heads))
         cos, sin = rope(positions, self.s.head_dim, self.s.rope_theta)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
-        k_self, v_self = self.kv(x, positions)
+        k_self, v_self = self._rotated_kv(k_new, v_new, positions)
         k, v = k_self, v_self
         if ctx_kv is not None and tail is not None:
             t = x.shape[-2]
@@ -133,9 +173,7 @@ class Attention(nn.Module):
         q = q.reshape(b, self.s.num_kv_heads, groups * t, hd)
         attn_mask = None
         if mask is not None:
-            attn_mask = (
-                mask[:, None, None].expand(b, 1, groups, t, mask.shape[-1]).reshape(b, 1, groups * t, -1)
-            )
+            attn_mask = mask if mask.dim() == 4 else fold_mask(mask, groups)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         out = out.reshape(b, heads, t, hd).transpose(1, 2).reshape(*x.shape[:-1], -1)
         return self.o_proj(out), (k_self, v_self)
@@ -148,8 +186,14 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d, inner, bias=False)
         self.down_proj = nn.Linear(inner, d, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, gate_up_weight: Tensor | None = None) -> Tensor:
+        """``gate_up_weight``: the gate and up projections' weights stacked
+        (``FusedProjections.gate_up``), run as one GEMM."""
+        if gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DraftLayer(nn.Module):
@@ -166,7 +210,11 @@ class DraftLayer(nn.Module):
     def context_kv(self, ctx: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.attn.kv(ctx, positions)
 
-    def forward(self, x, positions, ctx_kv, mask, tail: int | None = None):
-        h, own_kv = self.attn(self.input_norm(x), positions, ctx_kv, mask, tail)
+    def forward(
+        self, x, positions, ctx_kv, mask, tail: int | None = None, fused: FusedProjections | None = None
+    ):
+        """``fused``: the layer's projections stacked, for fewer GEMMs (the same numbers to rounding)."""
+        qkv, gate_up = (None, None) if fused is None else fused
+        h, own_kv = self.attn(self.input_norm(x), positions, ctx_kv, mask, tail, qkv)
         x = x + h
-        return x + self.mlp(self.post_norm(x)), own_kv
+        return x + self.mlp(self.post_norm(x), gate_up), own_kv

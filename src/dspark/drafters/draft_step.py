@@ -1,0 +1,147 @@
+"""The draft step as few kernels (``BlockDrafter.compile_inference``).
+
+The reference, ``BlockDrafter.propose`` run eagerly, launches the block's inputs, positions and
+attention mask op by op, each draft layer (compiled one by one before this), the final norm op by
+op, and per drafted position the head's small ops and the sampler; at R = 1 each of these tiny
+kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
+  * ``hidden``: one compiled graph from the anchors to the drafting slots' hidden states (block
+    inputs, positions, the attention mask folded once, every layer with its q/k/v and gate/up
+    projections stacked into one GEMM each, the final norm: ``BlockDrafter.draft_hidden``), fused
+    across layer boundaries; for DSpark laid out position-major, so each position's slice is
+    contiguous;
+  * ``position``: one compiled graph per drafted position for the sequential head's step and its
+    bias (and a soft-cap): ``DSparkDrafter.position_logits``;
+  * ``confidence``: one compiled graph for the confidence head over the whole block;
+  * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
+    stays outside the graphs and writes each position's probabilities into the proposal's buffer.
+Dynamo specialises a size of 1, so each function compiles two graphs: one for a single row, one
+for every larger row count (marked dynamic). The drafted length enters none of them (the hidden
+states and the confidences cover the whole block, the head's step one position): nothing
+recompiles across the engine's buckets and drafted lengths (tested)."""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+
+import torch
+import torch.fx.experimental._config  # noqa: F401  (no_duck_shapes)
+from torch import Tensor
+
+from ..core.types import DraftCache, Proposal, Shared
+from .derived import DerivedWeights
+from .layers import FusedProjections
+
+__all__ = ["FusedDraft", "inference_compiler", "mark_dynamic"]
+
+
+def inference_compiler(fn):
+    """``torch.compile`` for the fused inference paths: a graph break would split a fused path into
+    several graphs and eager glue between them, so none is allowed (``fullgraph``). A function this
+    torch cannot compile runs eagerly instead, with a warning (``EagerOnFailure``)."""
+    return EagerOnFailure(torch.compile(fn, fullgraph=True), fn)
+
+
+class EagerOnFailure:
+    """``compiled``, unless compiling it fails: then, with a warning naming the error, ``fn``
+    itself (the same code, eagerly) from then on. A serving run then loses the fusion, not the
+    run; the tests compile with their own counting compilers, so a failure fails them."""
+
+    def __init__(self, compiled, fn):
+        self.compiled, self.fn = compiled, fn
+        self.error: Exception | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.error is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # dynamo's and inductor's errors share no base class
+                self.error = err
+                name = getattr(self.fn, "__qualname__", repr(self.fn))
+                warnings.warn(
+                    f"torch.compile failed on {name}, which runs eagerly instead: {err!r}", stacklevel=2
+                )
+        return self.fn(*args, **kwargs)
+
+
+def mark_dynamic(t: Tensor | None, *dims: int) -> None:
+    """Mark ``dims`` of ``t`` dynamic where they are above 1 (a size of 1 is specialised anyway).
+    ``maybe_mark_dynamic``: a size the graph does specialise costs a graph, not an error."""
+    if t is not None:
+        for d in dims:
+            if t.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def no_duck_shapes():
+    """Dynamo tracing with one symbol per size, not one per distinct value (where this torch has
+    the switch; it has since 2.1)."""
+    config = torch.fx.experimental._config
+    return config.patch(use_duck_shape=False) if hasattr(config, "use_duck_shape") else nullcontext()
+
+
+def qkv_weights(layer) -> list[Tensor]:
+    a = layer.attn
+    return [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+
+
+def gate_up_weights(layer) -> list[Tensor]:
+    return [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
+
+
+def stacked(sources) -> DerivedWeights:
+    """The weights ``sources()`` returns, concatenated along the output features."""
+    return DerivedWeights(sources, lambda *w: torch.cat(w))
+
+
+class FusedDraft:
+    """``propose`` of a block drafter through its fused paths, each wrapped by ``compiler``
+    (None: eagerly, for tests). The drafter supplies the functions (``draft_hidden``,
+    ``sample_block_fused`` and, for DSpark, ``position_logits`` and ``confidence_by_position``);
+    their eager use in ``propose``/``sample_block`` is the reference."""
+
+    def __init__(self, drafter, compiler=inference_compiler):
+        self.drafter = drafter
+        self.compiled = compiler is not None
+        wrap = compiler if compiler is not None else (lambda fn: fn)
+        self.hidden = wrap(drafter.draft_hidden)
+        # Each layer's q/k/v and gate/up weights stacked: 3 GEMMs fewer per layer.
+        self.projections = [
+            (
+                stacked(lambda i=i: qkv_weights(drafter.layers[i])),
+                stacked(lambda i=i: gate_up_weights(drafter.layers[i])),
+            )
+            for i in range(len(drafter.layers))
+        ]
+        self.position = wrap(drafter.position_logits) if hasattr(drafter, "position_logits") else None
+        self.confidence = (
+            wrap(drafter.confidence_by_position) if hasattr(drafter, "confidence_by_position") else None
+        )
+
+    def mark(self, t: Tensor | None, *dims: int) -> None:
+        if self.compiled:
+            mark_dynamic(t, *dims)
+
+    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
+        """``position`` for one drafted position. Its slices of the block sit at another storage
+        offset for each position: duck sizing (one symbol for equal sizes) would tie an offset to an
+        equal size or stride and recompile at the position where they part, so it is off here."""
+        if not self.compiled:
+            return self.position(base, h, prev, state, softcap)
+        with no_duck_shapes():
+            return self.position(base, h, prev, state, softcap)
+
+    def propose(
+        self, cache: DraftCache, anchor_tokens: Tensor, anchor_pos: Tensor, shared: Shared, temperature, u
+    ) -> Proposal:
+        """``u`` [R, n]: the uniforms of the n positions to draft."""
+        d = self.drafter
+        for t in (*cache.k, *cache.v, cache.length, anchor_tokens, anchor_pos):
+            self.mark(t, 0)
+        fused = [FusedProjections(qkv.get(), gate_up.get()) for qkv, gate_up in self.projections]
+        hidden = self.hidden(
+            cache.k, cache.v, cache.length, anchor_tokens, anchor_pos, shared, cache.block_slots,
+            d.position_major, fused,
+        )  # fmt: skip
+        tokens, probs, conf = d.sample_block_fused(hidden, anchor_tokens, shared, temperature, u, self)
+        return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)
