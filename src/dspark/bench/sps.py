@@ -198,10 +198,12 @@ def draft_parts(
     rows past the chooser's limit show what splitting would cost there) and the PyTorch reference,
     these three as replays of a captured CUDA graph on CUDA (the price inside the draft step's graph,
     which decides between them; eager they would time their launches). Also captured: the drafter's
-    own heads and sampling over the γ positions (``head_sampling_graph_ms``) against DFlash's
-    parallel sampling of the same hidden states (one LM-head product, one sampling pass over all
-    R × γ positions: ``parallel_sampling_graph_ms``); their difference is what the sequential head
-    costs a draft step (``sequential_head_ms``, Fig. 4). A block drafter only (``sample_block``)."""
+    own heads and sampling over the γ positions (``head_sampling_graph_ms``, the reference
+    ``sample_block``: the engine's compiled per-position graphs launch fewer kernels, which the draft
+    curve ``draft_len_ms`` times) against DFlash's parallel sampling of the same hidden states (one
+    LM-head product, one sampling pass over all R × γ positions: ``parallel_sampling_graph_ms``);
+    their difference bounds what the sequential head costs a draft step (``sequential_head_ms``,
+    Fig. 4). A block drafter only (``sample_block``)."""
     if not hasattr(drafter, "sample_block"):
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
