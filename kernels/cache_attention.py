@@ -93,8 +93,8 @@ if HAS_TRITON:
         G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        r = tl.program_id(0)
-        kvh = tl.program_id(1)
+        r = tl.program_id(0).to(tl.int64)  # row offsets of a large cache pass 2^31 elements
+        kvh = tl.program_id(1).to(tl.int64)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # query m = (w, g): w = m // G
         w = m // G
         head = kvh * G + m % G
