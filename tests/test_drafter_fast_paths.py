@@ -335,12 +335,20 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
     rounding, for every rows count and drafted length; each compiled function (the hidden states,
     DSpark's per-position head step and its confidences) is one graph for a single row and one for
     every larger count, whatever the drafted length."""
+    compiled_draft_step_matches(small_target, name, head, slots)
+
+
+def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-5):
+    """Compile the draft step with inductor (``fullgraph``), check its proposals against the
+    reference for every rows count and drafted length, and that each compiled function made one
+    graph for a single row and one for every larger count; returns what a caller checks further
+    (drafter, cache, anchors, uniforms, Shared, the compile counter)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dspark.core.types import Shared
 
-    drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots)
-    shared = Shared.of(small_target)
+    drafter, cache, anchors, u = drafting_setup(target, name, head, slots, device=device)
+    shared = Shared.of(target)
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
@@ -349,8 +357,10 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
             for n in sorted({1, 2, drafter.gamma}):
                 args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
                 kw = dict(uniforms=u[:r], draft_len=n)
-                assert_same_proposal(drafter.propose(*args, **kw), reference_proposal(drafter, *args, **kw))
+                want = reference_proposal(drafter, *args, **kw)
+                assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
     assert counter.frame_count == (6 if name == "dspark" else 2)
+    return drafter, cache, anchors, u, shared, counter
 
 
 def test_fused_draft_step_follows_parameter_changes(small_target):

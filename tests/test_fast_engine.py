@@ -833,24 +833,19 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
     for every rows count and drafted length, in two graphs per compiled function (one row, more
     rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
     and uniforms, as the fast engine's draft step does."""
-    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, reference_proposal, rows_of
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from test_drafter_fast_paths import (
+        assert_same_proposal,
+        compiled_draft_step_matches,
+        reference_proposal,
+        rows_of,
+    )
 
     t = small_target.to("cuda")
     try:
-        drafter, cache, anchors, u = drafting_setup(t, name, head, slots, device="cuda")
-        shared = Shared.of(t)
-        counter = CompileCounterWithBackend("inductor")
-        torch._dynamo.reset()
-        drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
+        drafter, cache, anchors, u, shared, counter = compiled_draft_step_matches(
+            t, name, head, slots, device="cuda", tol=1e-4
+        )
         with torch.inference_mode():
-            for r in (4, 2, 1, 3):
-                for n in sorted({1, 2, drafter.gamma}):
-                    args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
-                    kw = dict(uniforms=u[:r], draft_len=n)
-                    got = drafter.propose(*args, **kw)
-                    assert_same_proposal(got, reference_proposal(drafter, *args, **kw), tol=1e-4)
-            assert counter.frame_count == (6 if name == "dspark" else 2)
             rows = rows_of(cache, 4)
             static = (anchors.clone(), cache.length[:4].clone(), u.clone())
 
