@@ -23,7 +23,14 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton
 
-__all__ = ["cache_attention", "cache_attention_reference", "folded_mask", "kernel_self_check", "triton_fits"]
+__all__ = [
+    "cache_attention",
+    "cache_attention_reference",
+    "fold_mask",
+    "folded_mask",
+    "kernel_self_check",
+    "triton_fits",
+]
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0: int) -> None:
@@ -44,15 +51,21 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0:
         raise ValueError(f"rows {row0}..{row0 + r - 1} are outside the cache's {rows} rows")
 
 
+def fold_mask(mask: Tensor, groups: int) -> Tensor:
+    """A bool mask [B, Q, K] for grouped-query attention with the G query heads of each KV head
+    folded into the query axis (query (b, head, t) is row (b, kv head, g·Q + t)): [B, 1, G·Q, K]."""
+    b, t, k = mask.shape
+    return mask[:, None, None].expand(b, 1, groups, t, k).reshape(b, 1, groups * t, k)
+
+
 def folded_mask(positions: Tensor, capacity: int, groups: int, window: int | None = None) -> Tensor:
-    """The slots each query may read, [R, 1, G·W, C], for queries folded as the reference folds
-    them (query (r, head, t) is row (r, kv head, g·W + t)). A step builds it once for all layers."""
-    r, w = positions.shape
+    """The slots each query may read, [R, 1, G·W, C], folded as the reference folds its queries
+    (``fold_mask``). A step builds it once for all layers."""
     slots = torch.arange(capacity, device=positions.device)
     visible = slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
     if window is not None:
         visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
-    return visible[:, None, None].expand(r, 1, groups, w, capacity).reshape(r, 1, groups * w, capacity)
+    return fold_mask(visible, groups)
 
 
 def cache_attention_reference(

@@ -53,6 +53,7 @@ __all__ = [
     "fused_draft_loss",
     "default_chunk_rows",
     "chunk_plan",
+    "shares_targets",
 ]
 
 
@@ -356,6 +357,12 @@ def default_chunk_rows(vocab_size: int, budget_bytes: int = 1 << 29) -> int:
 # ----------------------------------------------------------------------------- autograd
 
 
+def shares_targets(group_rows: int, group_targets: int, chunk: int) -> bool:
+    """Whether groups of ``group_rows`` rows sharing ``group_targets`` target rows compute the
+    target logits once per target (fewer targets than rows, and a group's targets fit a chunk)."""
+    return group_targets < group_rows and group_targets <= chunk
+
+
 def chunk_plan(n: int, chunk: int, group_rows: int | None = None, group_targets: int = 0):
     """[(t0, t1, [(r0, r1), …])]: the rows in chunks of at most ``chunk`` rows and, with groups of
     ``group_rows`` rows that share ``group_targets`` target rows each, the slice t0:t1 of target
@@ -467,7 +474,7 @@ def fused_draft_loss(
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     n = x.shape[0]
     group_targets = target_hidden.shape[0] * group_rows // n if group_rows and n else 0
-    shares = group_rows and n and group_targets < group_rows and group_targets <= chunk
+    shares = bool(group_rows and n) and shares_targets(group_rows, group_targets, chunk)
 
     def run(plan, targets, index):
         return _FusedDraftLoss.apply(

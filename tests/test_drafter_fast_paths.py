@@ -200,7 +200,7 @@ def test_fast_engine_with_the_fused_paths_reproduces_the_plain_engine(small_targ
     gives the plain engine's tokens, acceptance and confidences: prefills, verify steps and the
     ring's flushes all write the context through the fused function."""
     from test_engine import prompts_for
-    from test_fast_engine import _engines
+    from test_fast_engine import _engines, assert_same_rounds
 
     from dspark.decoding.engine import Request
 
@@ -218,13 +218,7 @@ def test_fast_engine_with_the_fused_paths_reproduces_the_plain_engine(small_targ
     a = plain.generate(reqs)
     drafter._context_writer = writer
     b = fast.generate(reqs)
-    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
-    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
-        (r.request, r.accepted, r.proposed) for r in a.rounds
-    ]
-    for ra, rb in zip(a.rounds, b.rounds):
-        if ra.confidence_logits is not None:
-            torch.testing.assert_close(torch.tensor(rb.confidence_logits), torch.tensor(ra.confidence_logits))
+    assert_same_rounds(b, a)
     assert len(fused_writes) > 10
     if temperature == 1.0:
         assert sum(r.accepted for r in a.rounds) > 0  # drafts were accepted: the context mattered

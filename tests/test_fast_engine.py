@@ -149,6 +149,18 @@ def _engines(t, drafter, temperature, deferred_context=8, **kw):
     return Engine(t, drafter, **common), fast
 
 
+def assert_same_rounds(fast, plain, confidences: bool = True) -> None:
+    """Two engines' results (EngineResult) alike: tokens, each round's request, acceptance and
+    verified length and (``confidences``: where the plain engine has them) confidence logits."""
+    assert [g.tokens for g in fast.generations] == [g.tokens for g in plain.generations]
+    assert [(r.request, r.accepted, r.proposed) for r in fast.rounds] == [
+        (r.request, r.accepted, r.proposed) for r in plain.rounds
+    ]
+    for rp, rf in zip(plain.rounds, fast.rounds):
+        if confidences and rp.confidence_logits is not None:
+            torch.testing.assert_close(torch.tensor(rf.confidence_logits), torch.tensor(rp.confidence_logits))
+
+
 @pytest.mark.parametrize("kind", ["target", "dspark-rnn", "dflash"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
@@ -164,13 +176,9 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
     plain, fast = _engines(t, drafter, temperature, seed=7)  # a seed where a random drafter is accepted
     a, b = plain.generate(reqs), fast.generate(reqs)
-    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
-    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
-        (r.request, r.accepted, r.proposed) for r in a.rounds
-    ]
+    assert_same_rounds(b, a)
     if kind.startswith("dspark"):
-        for ra, rb in zip(a.rounds, b.rounds):
-            torch.testing.assert_close(torch.tensor(rb.confidence_logits), torch.tensor(ra.confidence_logits))
+        assert all(r.confidence_logits is not None for r in a.rounds)  # compared above
     if temperature == 1.0 and drafter is not None:
         assert sum(r.accepted for r in a.rounds) > 0  # the check covered partial acceptance
     # A second generate on the same engine reuses its caches from a clean state.
@@ -206,10 +214,7 @@ def test_fast_engine_reproduces_plain_engine_under_every_policy(small_target, po
     plain.set_policy(make())
     fast.set_policy(make())
     a, b = plain.generate(reqs), fast.generate(reqs)
-    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
-    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
-        (r.request, r.accepted, r.proposed) for r in a.rounds
-    ]
+    assert_same_rounds(b, a, confidences=False)
     assert [s["drafted"] for s in b.steps] == [s["drafted"] for s in a.steps]
     if policy in ("cycling", "draft_aware"):
         assert len({s["drafted"] for s in a.steps}) > 1  # the draft length did change
@@ -263,13 +268,7 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
         a, b = plain.generate(reqs), fast.generate(reqs)
     finally:
         del drafter.write_context
-    assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
-    assert [(r.request, r.accepted, r.proposed) for r in b.rounds] == [
-        (r.request, r.accepted, r.proposed) for r in a.rounds
-    ]
-    for ra, rb in zip(a.rounds, b.rounds):
-        if ra.confidence_logits is not None:
-            torch.testing.assert_close(torch.tensor(rb.confidence_logits), torch.tensor(ra.confidence_logits))
+    assert_same_rounds(b, a)
     drafted = [s["drafted"] for s in b.steps]
     assert drafted.count(0) > 2 * drafted.count(4) > 0
     # Plain rounds: the width-1 plain step, never the drafting target step or the draft step.

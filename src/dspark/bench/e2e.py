@@ -107,9 +107,9 @@ def main(argv=None) -> dict:
     }
     # One concurrency at a time, the report rewritten after each: a run cut off by a time limit keeps
     # every point it finished (policies start afresh at each R, so each point stands alone).
+    engine_kw = {"compile": args.compile} if args.engine == "fast" else None
     for temperature in temperatures:
         these = []
-        engine_kw = {"compile": args.compile} if args.engine == "fast" else None
         for R in conc:
             rows, _ = compare(
                 target, drafter, names, [R], prompts, [temperature], cost=cost, calibration=calibration,

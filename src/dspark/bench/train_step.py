@@ -143,7 +143,7 @@ def data_batches(args, target, device) -> list[dict]:
 def step_flops(module, batch, anchors, online: bool = False) -> dict:
     """Matmul FLOPs of one step (forward + backward = 3× forward for trained weights; 2× for the
     frozen-weight logit GEMMs, which need no weight gradient)."""
-    from ..kernels.fused_loss import default_chunk_rows
+    from ..kernels.fused_loss import default_chunk_rows, shares_targets
 
     d = module.drafter
     s = d.layers[0].attn.s
@@ -168,7 +168,7 @@ def step_flops(module, batch, anchors, online: bool = False) -> dict:
     per_sequence = anchors.shape[1] * d.gamma
     loss = module.loss_weights
     chunk = loss.chunk_rows or default_chunk_rows(v)
-    shared = loss.impl != "materialized" and t < per_sequence and t <= chunk
+    shared = loss.impl != "materialized" and shares_targets(per_sequence, t, chunk)
     targets = b * t if shared else q
     logits = 2 * q * v * k + 2 * targets * v * s.hidden_size  # draft and target logits
     grads = 2 * q * v * k + 2 * q * v * rank  # d(features) and d(W2)

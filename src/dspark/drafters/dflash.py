@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..core.errors import ConfigError
 from ..core.phases import phase
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
+from ..kernels.cache_attention import fold_mask
 from ..kernels.sample_step import sample_step
 from .base import (
     Drafter,
@@ -39,7 +40,7 @@ from .base import (
 )
 from .context_write import ContextWriter
 from .draft_step import FusedDraft, inference_compiler
-from .layers import DraftLayer, FusedProjections, RMSNorm, fold_mask, matmul_input
+from .layers import DraftLayer, FusedProjections, RMSNorm, matmul_input
 from .registry import register
 
 
@@ -311,7 +312,10 @@ class BlockDrafter(Drafter):
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
         """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences."""
         r, n, _ = hidden.shape
-        logits = output_logits(hidden, shared.lm_weight, shared.softcap)
+        if shared.softcap:
+            logits = output_logits(hidden, shared.lm_weight, shared.softcap)
+        else:  # the sampler upcasts the logits itself: the same float32 values, without a copy
+            logits = hidden @ shared.lm_weight.t().to(hidden.dtype)
         step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())  # one fused pass
         return step.tokens.view(r, n), step.probs.view(r, n, -1), None
 
@@ -321,14 +325,8 @@ class BlockDrafter(Drafter):
         self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u, fused
     ):
         """``sample_block`` of the first n positions of ``hidden`` [R, γ, d] (``FusedDraft``)."""
-        r, n = u.shape
-        first = hidden[:, :n].contiguous()  # one GEMM for the LM head (see propose)
-        if shared.softcap:
-            logits = output_logits(first, shared.lm_weight, shared.softcap)
-        else:  # the sampler upcasts the logits itself: the same float32 values, without a copy
-            logits = first @ shared.lm_weight.t().to(first.dtype)
-        step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())
-        return step.tokens.view(r, n), step.probs.view(r, n, -1), None
+        first = hidden[:, : u.shape[1]].contiguous()  # one GEMM for the LM head (see propose)
+        return self.sample_block(first, anchor, shared, temperature, u)
 
     # ---- training ----------------------------------------------------------------------------
     def train_forward(

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.cache_attention import fold_mask
+
 
 @dataclass
 class LayerShape:
@@ -92,13 +94,6 @@ class FusedProjections(NamedTuple):
 
     qkv: Tensor
     gate_up: Tensor
-
-
-def fold_mask(mask: Tensor, groups: int) -> Tensor:
-    """A bool mask [B, Q, K] for grouped-query attention with the G query heads of each KV head
-    folded into the query axis: [B, 1, G·Q, K] (``Attention.forward``)."""
-    b, t, k = mask.shape
-    return mask[:, None, None].expand(b, 1, groups, t, k).reshape(b, 1, groups * t, k)
 
 
 class Attention(nn.Module):
