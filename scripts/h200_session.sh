@@ -19,6 +19,8 @@
 #   eval0   τ at T = 0 on the six benchmarks (EVAL_PROMPTS per benchmark, default 80)
 #   gputests  the GPU tests of the kernels and the fast engine (h200_gpu_tests.sh; the data stage
 #           runs them itself, so this is for sessions whose data comes from DATA_PACK)
+#   gputests_bg  the same in the background, beside the next stages (a training run's first minutes
+#           share the GPU with them: put its profile window later, PROFILE_START=4000)
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
@@ -171,10 +173,15 @@ pipeline)
     gputests)  # the data stage runs them itself; with DATA_PACK this stage does, before anything timed
       run gputests bash scripts/h200_gpu_tests.sh outputs/h200/out/gpu_tests.log && gpu_tested=1
       ;;
+    gputests_bg)
+      run gputests bash scripts/h200_gpu_tests.sh outputs/h200/out/gpu_tests.log &
+      gpu_tested=1
+      ;;
     batch) run batch batch ;;
     *) echo "unknown stage '$stage'"; break ;;
     esac
   done
+  wait  # gputests_bg
   touch $S/done
   ;;
 *)
