@@ -14,7 +14,7 @@
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
 # Writes 13 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
 # cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T{0,1}.png/.json, fig8_T{0,1}.png/.json. Each stage has
-# its own time limit (60 + 150 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
+# its own time limit (60 + 210 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
@@ -41,7 +41,7 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
 fi
 
 stage "cost table"
-timeout 150 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
+timeout 210 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
   --drafter-dir "$DRAFTER" --overhead --draft-parts 1,16,64,256 --kernels 1,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60
 

@@ -112,10 +112,12 @@ def main(argv=None) -> dict:
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]
             report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
+            save()
     if args.kernels:  # last: the profiler's own cost stays out of every timing above
         kernel_rows = [int(r) for r in args.kernels.split(",")]
         served = drafter if args.drafter_dir else None
         report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile)
+        save()
     nan = float("nan")
     publish(
         args.out,
