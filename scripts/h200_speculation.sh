@@ -3,8 +3,10 @@
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
 #   2. the cost table: the verify curve, the draft step per R and drafted length, a round's
-#      overhead beyond its steps and the cost of reading its width back, the draft step's parts,
-#      each step's kernels at R = 1 and 256 (python -m dspark.bench.engine_sps);
+#      overhead beyond its steps and the cost of reading its width back, whole rounds per R and
+#      drafted length at the e2e prompts' mean context (ROUND_CONTEXT, default 172: gsm8k's 108
+#      prompt tokens plus half the 128 new ones), the draft step's parts, each step's kernels at
+#      R = 1 and 256 (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
 #      T = 0 and T = 1 (gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
@@ -14,7 +16,7 @@
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
 # Writes 13 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
 # cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T{0,1}.png/.json, fig8_T{0,1}.png/.json. Each stage has
-# its own time limit (60 + 210 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
+# its own time limit (60 + 270 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
@@ -41,8 +43,9 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
 fi
 
 stage "cost table"
-timeout 210 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
-  --drafter-dir "$DRAFTER" --overhead --draft-parts 1,16,64,256 --kernels 1,256 \
+timeout 270 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
+  --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
+  --draft-parts 1,16,64,256 --kernels 1,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60
 
 # One e2e run per temperature, each with its own limit: T = 1 once got none left after T = 0.

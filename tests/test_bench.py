@@ -22,7 +22,7 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
          "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "--overhead",
-         "--draft-parts", "1,2", "--kernels", "2", "target=tiny"]
+         "--rounds", "1,2", "--round-context", "8", "--draft-parts", "1,2", "--kernels", "2", "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -46,6 +46,14 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     assert over["drafting_round_ms"] > 0 and over["plain_round_ms"] > 0
     assert model.overhead_ms == over["overhead_ms"] >= 0
     assert over["read_back_round_ms"] > 0 and model.readback_ms == over["readback_ms"] >= 0
+    # --rounds: whole rounds per drafted length 0..γ and row count, which the cost table then prices.
+    assert saved["round_context"] == 8
+    assert sorted(int(m) for m in saved["round_len_ms"]) == [0, 1, 2, 3, 4]
+    assert model.round_len_ms == {
+        int(m): {int(r): t for r, t in v.items()} for m, v in saved["round_len_ms"].items()
+    }
+    assert all(sorted(v) == [1, 2] and min(v.values()) > 0 for v in model.round_len_ms.values())
+    assert model.round_time(2, 4) == pytest.approx(model.round_len_ms[4][2] * 1e-3)
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms") and k != "sequential_head_ms")

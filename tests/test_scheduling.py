@@ -630,6 +630,15 @@ def test_draft_aware_drafts_what_pays_at_this_load():
     assert pol.lengths(torch.rand(3, 2), cost).tolist() == [2, 2, 2] and pol.width(2) == 2
     with pytest.raises(ValueError, match="CostModel"):
         pol.draft_length(4, 5, None)
+    # Measured rounds (engine_sps --rounds) price a whole-draft round where they exist: if the
+    # engine runs a round of 16 rows at the same cost whatever it drafts, the steps' sum (which
+    # found a shorter draft cheaper) no longer decides, and the whole block is drafted.
+    flat = {m: {1: 6.0, 256: 6.0} for m in range(1, 6)} | {0: {1: 4.0, 256: 4.0}}
+    measured = CostModel(verify, draft_len_ms=draft, round_len_ms=flat)
+    assert pol.draft_length(16, 5, measured) == 5
+    assert measured.round_time(16, 3) == pytest.approx(6e-3) and measured.round_time(16, 0) == pytest.approx(
+        4e-3
+    )
 
 
 def test_policies_plan_their_draft_and_width():
@@ -807,6 +816,27 @@ def test_cost_draft_lengths_overhead_and_round_time(tmp_path):
     assert back.readback_ms == 0.7 and CostModel.from_dict(old).readback_ms == 0.0
     with pytest.raises(CostTableError, match="readback_ms"):
         CostModel({1: 1.0}, readback_ms=float("nan"))
+    # Measured whole rounds, {γ_d: {R: ms}} with 0 a plain round: read for a whole-draft round of
+    # a measured length (interpolated in R), the steps' sum otherwise (another length, or a B given).
+    rounds = CostModel({1: 4.0, 8: 4.0, 64: 8.0}, draft_len_ms={2: {1: 1.0, 16: 2.0}},
+                       round_len_ms={0: {1: 3.0, 16: 3.5}, 2: {1: 4.5, 16: 6.0}})  # fmt: skip
+    assert rounds.round_time(1, 2) == pytest.approx(4.5e-3) and rounds.round_time(16, 0) == pytest.approx(
+        3.5e-3
+    )
+    assert rounds.round_time(6, 2) == pytest.approx((4.5 + 1.5 * 5 / 15) * 1e-3)
+    assert rounds.round_time(1, 1) == pytest.approx((4.0 + 1.0) * 1e-3)  # not measured: the steps
+    assert rounds.round_time(1, 2, B=8) == pytest.approx((4.0 + 1.0) * 1e-3)
+    back = CostModel.from_json(rounds.to_json())
+    assert back == rounds and back.round_len_ms == {0: {1: 3.0, 16: 3.5}, 2: {1: 4.5, 16: 6.0}}
+    assert cm.round_len_ms is None and CostModel.from_dict(old).round_len_ms is None
+    bad_tables = (
+        ({-1: {1: 1.0}}, "round_len_ms: key must be non-negative"),
+        ({"x": {1: 1.0}}, "not an integer"),
+        ({2: {1: 5.0, 8: 1.0}}, r"round_len_ms\[2\]"),  # faster with more rows
+    )
+    for bad, match in bad_tables:
+        with pytest.raises(CostTableError, match=match):
+            CostModel({1: 1.0}, round_len_ms=bad)
     # The device table prices B exactly as the host lookup does.
     table = cm.verify_table(100, "cpu")
     assert table.dtype == torch.float64 and table.numel() > 100

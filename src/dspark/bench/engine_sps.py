@@ -3,12 +3,15 @@
     python -m dspark.bench.engine_sps target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
         [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
-        [--draft-parts 1,16,64,256] [--kernels 1,256]] [--no-compile]
+        [--rounds 1,16,64,256 [--round-context 256]] [--draft-parts 1,16,64,256] [--kernels 1,256]] \\
+        [--no-compile]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
 length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps and what reading its
-verify width back costs, with
+verify width back costs, with ``--rounds`` whole rounds as the engine runs them per row count and
+drafted length γ_d = 0..γ (at ``--round-context``, default ``--context``: the workload's typical
+context, since a round's attention reads it), which the draft-aware policies then price, with
 ``--draft-parts`` the draft step's parts, with ``--kernels`` each step's kernels (count, device
 time, the costliest) from an eager, profiled run. The fast path is compiled on CUDA unless
 ``--no-compile``. Prints tables; writes JSON (and, with --cost-table, the verify curve, plus the
@@ -38,6 +41,8 @@ def _parse(argv):
     ap.add_argument(
         "--overhead", action="store_true", help="time a whole round's cost beyond its steps (R = 1)"
     )
+    ap.add_argument("--rounds", default="", help="row counts to time whole rounds at, per drafted length")
+    ap.add_argument("--round-context", type=int, default=None, help="the rounds' prompt length (--context)")
     ap.add_argument("--draft-parts", default="", help="row counts to time the draft step's parts at")
     ap.add_argument(
         "--kernels", default="",
@@ -63,6 +68,7 @@ def main(argv=None) -> dict:
         draft_step_times,
         load_served_drafter,
         round_overhead_ms,
+        round_times,
         row_counts,
         step_kernels,
         verify_step_times,
@@ -91,7 +97,8 @@ def main(argv=None) -> dict:
     def save() -> None:  # after each stage: a run cut off later keeps what it measured
         atomic_write_json(args.out, report)
         if args.cost_table:
-            cost.meta = {k: v for k, v in report.items() if k not in ("rows", "draft_len_ms", "draft_ms")}
+            tables = ("rows", "draft_len_ms", "draft_ms", "round_len_ms")  # in the cost table itself
+            cost.meta = {k: v for k, v in report.items() if k not in tables}
             cost.meta["source"] = "python -m dspark.bench.engine_sps (running max)"
             cost.save(args.cost_table)
 
@@ -108,6 +115,12 @@ def main(argv=None) -> dict:
             report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
             cost.overhead_ms = report["round_overhead"]["overhead_ms"]
             cost.readback_ms = report["round_overhead"]["readback_ms"]
+            save()
+        if args.rounds:
+            rows = [int(r) for r in args.rounds.split(",")]
+            report["round_context"] = args.round_context or ctx
+            report["round_len_ms"] = round_times(target, drafter, rows, report["round_context"], args.compile)
+            cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
             save()
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]

@@ -7,7 +7,8 @@ probabilities over the vocabulary, exactly what a verification round asks of the
 the drafter's step per row count and drafted length (backbone + sequential head + confidence +
 sampling, the fast engine's graph), the parts of that step timed one by one, the host work of a
 whole round that none of the steps shows (the cost model's ``overhead_ms``) and what a round loses
-when its verify width is read back (``readback_ms``), and the kernels of each step, profiled.
+when its verify width is read back (``readback_ms``), whole rounds per row count and drafted length
+as the engine runs them, and the kernels of each step, profiled.
 ``python -m dspark.bench.engine_sps`` prints and publishes them."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "draft_parts",
     "draft_step_times",
     "round_overhead_ms",
+    "round_times",
     "row_counts",
     "step_kernels",
     "verify_step_times",
@@ -280,21 +282,11 @@ def round_overhead_ms(
     ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what a plain round
     adds (host work the device waited for, the eager kernels between the graphs); ``readback_ms``
     what the read-back adds to the same round (the device idle while the host launches the rest)."""
-    from ..decoding.engine import Request
-
-    eng = FastEngine(
-        target, drafter, Fixed(None), temperature=0.0, concurrency=1, max_new_tokens=tokens, buckets=(1,),
-        compile=compile, eos_token_ids=(),
-    )  # fmt: skip
-    prompt = torch.randint(0, target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
-    reqs = [Request(prompt=prompt)]
-    eng.prepare(reqs)
-    measured = {}
-    for name, policy in (("drafting", Fixed(None)), ("plain", Fixed(0)), ("read_back", _ReadBack())):
-        eng.set_policy(policy)
-        eng.generate(reqs)  # warm: every graph of this policy captured, allocator grown
-        steps = eng.generate(reqs).steps[1:]
-        measured[name] = statistics.median(s["ms"] for s in steps)
+    eng, reqs = _round_engine(target, drafter, [1], ctx, compile, tokens)
+    measured = {
+        name: _median_round_ms(eng, reqs, policy)
+        for name, policy in (("drafting", Fixed(None)), ("plain", Fixed(0)), ("read_back", _ReadBack()))
+    }
     spec = measured["drafting"] - 1e3 * cost.round_time(1, drafter.gamma)
     plain = measured["plain"] - 1e3 * cost.round_time(1, 0)
     out = {
@@ -308,6 +300,54 @@ def round_overhead_ms(
     }
     print("round overhead " + "  ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
     return out
+
+
+def round_times(
+    target, drafter, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32
+) -> dict[int, dict[int, float]]:
+    """Whole rounds as the engine runs them, ``{γ_d: {R: ms}}`` for ``γ_d = 0..γ`` (0: a plain
+    round) and each row count R: R requests of a random ``ctx``-token prompt decoded under
+    ``Fixed(γ_d)`` (every row verifies its whole draft), the median round on the device's timeline.
+    What the sum of separately timed steps misses is in it: the eager work between the graphs,
+    the steps' overlap, how a round's cost really changes with γ_d; the draft-aware choices read
+    it (``CostModel.round_len_ms``). Ascending R lifted to the running maximum like ``cost_curve``."""
+    eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens)
+    out: dict[int, dict[int, float]] = {m: {} for m in range(drafter.gamma + 1)}
+    for r in rows_all:
+        reqs = _round_requests(target, r, ctx)
+        for m in out:
+            out[m][r] = max([_median_round_ms(eng, reqs, Fixed(m)), *out[m].values()])
+        times = "  ".join(f"γ_d={m}: {out[m][r]:.3f}" for m in out)
+        print(f"round R={r}: {times} ms", flush=True)
+    return out
+
+
+def _round_engine(target, drafter, rows_all: list[int], ctx: int, compile: bool | None, tokens: int):
+    """A fast engine for ``max(rows_all)`` requests of ``ctx`` prompt tokens and ``tokens`` new
+    ones (no EOS: every request runs its whole budget), and the requests of the largest R."""
+    eng = FastEngine(
+        target, drafter, Fixed(None), temperature=0.0, concurrency=max(rows_all), max_new_tokens=tokens,
+        buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
+    )  # fmt: skip
+    reqs = _round_requests(target, max(rows_all), ctx)
+    eng.prepare(reqs)
+    return eng, reqs
+
+
+def _round_requests(target, r: int, ctx: int) -> list:
+    from ..decoding.engine import Request
+
+    prompt = torch.randint(0, target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    return [Request(prompt=list(prompt)) for _ in range(r)]
+
+
+def _median_round_ms(eng, reqs, policy) -> float:
+    """The median round of ``generate(reqs)`` under ``policy`` after a warm run (every graph of
+    the policy captured, the allocator grown); the first round (the prefill's) left out."""
+    eng.set_policy(policy)
+    eng.generate(reqs)
+    steps = eng.generate(reqs).steps[1:]
+    return statistics.median(s["ms"] for s in steps)
 
 
 class _ReadBack(Fixed):

@@ -39,20 +39,22 @@ class CostTableError(DataError):
     """A measured or saved table that cannot be a step-time curve."""
 
 
-def _positive_ints(name: str, keys: Iterable[Any]) -> list[int]:
+def _positive_ints(name: str, keys: Iterable[Any], zero: bool = False) -> list[int]:
+    """The table's keys (batch sizes, row counts, drafted lengths) as positive integers (or
+    non-negative ones, with ``zero``: a plain round drafts 0 positions)."""
     out: list[int] = []
     for k in keys:
         # JSON turns int keys into strings, so accept "64" but never 64.5 or True.
         if isinstance(k, bool):
-            raise CostTableError(f"{name}: batch size {k!r} is not an integer")
+            raise CostTableError(f"{name}: key {k!r} is not an integer")
         try:
             ik = int(k)
         except (TypeError, ValueError):
-            raise CostTableError(f"{name}: batch size {k!r} is not an integer") from None
+            raise CostTableError(f"{name}: key {k!r} is not an integer") from None
         if float(k) != ik:
-            raise CostTableError(f"{name}: batch size {k!r} is not an integer")
-        if ik <= 0:
-            raise CostTableError(f"{name}: batch size must be positive, got {k!r}")
+            raise CostTableError(f"{name}: key {k!r} is not an integer")
+        if ik < (0 if zero else 1):
+            raise CostTableError(f"{name}: key must be {'non-negative' if zero else 'positive'}, got {k!r}")
         out.append(ik)
     return out
 
@@ -119,6 +121,10 @@ class CostModel:
             kernel's); Algorithm 1 then walks whole depths (every row one position deeper).
         readback_ms: what a round loses when the engine reads its verify width back from the
             device (the bubble between the draft step and the target step), per round.
+        round_len_ms: whole rounds as the engine runs them, ``{γ_d: {R: ms}}`` (``γ_d = 0``: a
+            plain round), every row verifying its whole draft: where a drafted length has one,
+            ``round_time`` of such a round reads it instead of adding up the separately timed
+            steps and the overhead (which miss the steps' overlap and the work between them).
     """
 
     def __init__(
@@ -132,6 +138,7 @@ class CostModel:
         overhead_ms: float = 0.0,
         padded: bool = False,
         readback_ms: float = 0.0,
+        round_len_ms: Mapping[int, Mapping[int, float]] | None = None,
     ) -> None:
         if not 0.0 <= monotone_tol < 1.0:
             raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
@@ -151,6 +158,13 @@ class CostModel:
             self._dl = {
                 m: _as_table(f"draft_len_ms[{m}]", table, monotone_tol)
                 for m, table in sorted(zip(lengths, draft_len_ms.values()))
+            }
+        self._rl = None
+        if round_len_ms is not None:
+            lengths = _positive_ints("round_len_ms", round_len_ms, zero=True)  # 0: a plain round
+            self._rl = {
+                m: _as_table(f"round_len_ms[{m}]", table, monotone_tol)
+                for m, table in sorted(zip(lengths, round_len_ms.values()))
             }
         self.overhead_ms = float(overhead_ms)
         self.readback_ms = float(readback_ms)
@@ -176,6 +190,12 @@ class CostModel:
         if self._dl is None:
             return None
         return {m: {int(r): float(t) for r, t in zip(*xy)} for m, xy in self._dl.items()}
+
+    @property
+    def round_len_ms(self) -> dict[int, dict[int, float]] | None:
+        if self._rl is None:
+            return None
+        return {m: {int(r): float(t) for r, t in zip(*xy)} for m, xy in self._rl.items()}
 
     # ---- lookups ------------------------------------------------------------------------
     def step_time(self, B, R=None):
@@ -232,9 +252,12 @@ class CostModel:
     def round_time(self, R: int, drafted: int, B: int | None = None) -> float:
         """Seconds of one round of ``R`` requests that drafts ``drafted`` positions (0: plain
         decoding, no draft step and no overhead) and verifies ``B`` tokens (default ``R·(drafted
-        + 1)``: every row verifies its whole draft, as the engines' padded steps cost)."""
+        + 1)``: every row verifies its whole draft, as the engines' padded steps cost; the measured
+        round of that length when ``round_len_ms`` has it)."""
         if R <= 0 or drafted < 0:
             raise ValueError(f"need R > 0 and drafted >= 0, got R={R}, drafted={drafted}")
+        if B is None and self._rl is not None and drafted in self._rl:
+            return float(_interp(*self._rl[drafted], np.float64(R))) * 1e-3
         b = R * (drafted + 1) if B is None else B
         ms = float(_interp(self._vx, self._vy, np.float64(b)))
         if drafted:
@@ -316,6 +339,9 @@ class CostModel:
             else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.draft_len_ms.items()},
             "overhead_ms": self.overhead_ms,
             "readback_ms": self.readback_ms,
+            "round_len_ms": None
+            if self._rl is None
+            else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.round_len_ms.items()},
             "padded": self.padded,
             "context_len": self.context_len,
             "monotone_tol": self.monotone_tol,
@@ -339,6 +365,7 @@ class CostModel:
             overhead_ms=d.get("overhead_ms") or 0.0,
             padded=bool(d.get("padded", False)),
             readback_ms=d.get("readback_ms") or 0.0,
+            round_len_ms=d.get("round_len_ms"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -378,6 +405,7 @@ class CostModel:
             f"draft={'yes' if self._d is not None else 'no'}, "
             f"draft lengths={sorted(self._dl) if self._dl else 'no'}, overhead={self.overhead_ms} ms, "
             f"read-back={self.readback_ms} ms, "
+            f"measured rounds={sorted(self._rl) if self._rl else 'no'}, "
             f"{'padded' if self.padded else 'ragged'}, "
             f"context_len={self.context_len})"
         )
