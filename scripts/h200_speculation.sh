@@ -9,7 +9,8 @@
 #      R = 1 and 256 (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
-#      T = 0 and T = 1 (gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
+#      T = 0 and T = 1 (E2E_TEMPERATURES, default "0 1"; gsm8k, 32 prompts, 128 new tokens, bf16,
+#      fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
@@ -49,7 +50,7 @@ timeout 270 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60
 
 # One e2e run per temperature, each with its own limit: T = 1 once got none left after T = 0.
-for t in 0 1; do
+for t in ${E2E_TEMPERATURES:-0 1}; do
   stage "end to end, T = $t"
   timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency 1,16,64,256 --max-new-tokens 128 --temperature $t \
@@ -59,7 +60,7 @@ for t in 0 1; do
 done
 
 stage "measured frontier"
-for t in 0 1; do
+for t in ${E2E_TEMPERATURES:-0 1}; do
   timeout 60 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e_T$t.json" e2e_temperature=$t \
     out_dir="$WORK/frontier_T$t" hydra.run.dir="$WORK/hydra" 2>&1 | quiet | tail -8 &&
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
