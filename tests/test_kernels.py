@@ -511,7 +511,27 @@ def cache_case(r=3, w=4, heads=6, kv_heads=2, hd=16, cap=40, rows=5, row0=1, *, 
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)] + [pos.to(device)]
 
 
-def naive_cache_attention(q, k, v, pos, scale, row0, window=None):
+def draft_case(lengths, w, heads=4, kv_heads=2, hd=16, ctx=40, room=None, *, seed=0, dtype=torch.float32,
+               device="cpu"):  # fmt: skip
+    """The drafter's layout (``DraftCache.block_slots``): row i's context in the first lengths[i] of
+    ``ctx`` slots, its block's W keys in the room at tail = ctx (``room`` slots, W + 3 by default);
+    every query's position is its row's length - 1. Returns q, k, v, positions, tail."""
+    r, room = len(lengths), w + 3 if room is None else room
+    q, k, v, _ = cache_case(r, w, heads, kv_heads, hd, ctx + room, r, 0, seed=seed, dtype=dtype,
+                            device=device)  # fmt: skip
+    last = torch.tensor(lengths, device=device)[:, None].expand(r, w) - 1
+    return q, k, v, last, ctx
+
+
+def hide_unseen_slots(k, v, lengths, tail, w):
+    """NaN in every slot the drafter's rule hides: past each row's context, past its block."""
+    for i, n in enumerate(lengths):
+        for t in (k, v):
+            t[i, :, n:tail] = float("nan")
+            t[i, :, tail + w :] = float("nan")
+
+
+def naive_cache_attention(q, k, v, pos, scale, row0, window=None, tail=None):
     """Per query, in float64: softmax over exactly the slots the rule allows."""
     r, w, heads, hd = q.shape
     groups = heads // k.shape[1]
@@ -520,9 +540,12 @@ def naive_cache_attention(q, k, v, pos, scale, row0, window=None):
         for t in range(w):
             p = int(pos[i, t])
             lo = 0 if window is None else max(0, p - window + 1)
+            slots = torch.arange(lo, p + 1)
+            if tail is not None:
+                slots = torch.cat([slots, torch.arange(tail, tail + w)])
             for h in range(heads):
-                keys = k[row0 + i, h // groups, lo : p + 1].double()
-                vals = v[row0 + i, h // groups, lo : p + 1].double()
+                keys = k[row0 + i, h // groups, slots].double()
+                vals = v[row0 + i, h // groups, slots].double()
                 att = torch.softmax(keys @ q[i, t, h].double() * scale, dim=0)
                 out[i, t, h] = att @ vals
     return out
@@ -538,10 +561,19 @@ def test_cache_attention_reference_is_the_rule(window):
     assert rel_err(got, want) < 1e-5
 
 
-def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch):
+def test_cache_attention_reference_is_the_drafter_rule():
+    """With ``tail``: each row's context (none, some, all of it) and its whole block in the room."""
+    q, k, v, pos, tail = draft_case([0, 7, 40], w=5, seed=1)
+    got = cache_attention_reference(q, k, v, pos, scale=0.25, tail=tail)
+    want = naive_cache_attention(q, k, v, pos, 0.25, 0, tail=tail)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["target", "drafter"])
+def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch, tail):
     """A kernel the device cannot run (here: Triton on plain CPU tensors, which it refuses) makes
-    the self-check say no, once, with a warning naming the fallback; the static target then keeps
-    SDPA instead of failing its run."""
+    the self-check say no, once, with a warning naming the fallback; the static target (and the
+    draft step: ``tail``) then keeps SDPA instead of failing its run."""
     import importlib
 
     module = importlib.import_module("dspark.kernels.cache_attention")  # the package's name is the function
@@ -549,8 +581,8 @@ def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch):
     if INTERPRETING:  # the interpreter runs it on the CPU: make it fail another way
         monkeypatch.setattr(module, "_cache_attention_triton", lambda *a: 1 / 0)
     with pytest.warns(UserWarning, match="SDPA runs instead"):
-        assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)
-    assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)  # remembered, silent
+        assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)
+    assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)  # remembered, silent
 
 
 def test_cache_attention_refusals():
@@ -561,6 +593,8 @@ def test_cache_attention_refusals():
         cache_attention(q, k, v, pos[:, :2], scale=1.0)
     with pytest.raises(ValueError, match="does not fit"):
         cache_attention(q[..., :8], k, v, pos, scale=1.0)
+    with pytest.raises(ValueError, match="tail slots"):
+        cache_attention(q, k, v, pos, scale=1.0, tail=k.shape[2] - 3)  # a block of 4 past the end
 
 
 # ----------------------------------------------------------------------------- triton, interpreter
@@ -736,10 +770,32 @@ def test_interp_cache_attention(shape, window):
 
 
 @needs_interpreter
-def test_interp_cache_attention_self_check():
+@pytest.mark.parametrize("w", [1, 2, 4, 7, 8])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(heads=4, kv_heads=2, hd=16), dict(heads=9, kv_heads=3, hd=64), dict(heads=16, kv_heads=1, hd=16)],
+    ids=["tiny", "smollm2", "query-tiles"],  # query-tiles: G·W > 64 from W = 5
+)
+def test_interp_cache_attention_draft_block(shape, w):
+    """The drafter's rule (``tail``) against the reference, for block widths 1..8 and rows whose
+    contexts end anywhere: none, inside the first key tile, on a tile's edge, past it, the whole
+    context. Every slot the rule hides holds NaN (past each context, past the block), so a kernel
+    that read one would fail."""
+    lengths = [0, 5, 64, 100, 130]
+    q, k, v, pos, tail = draft_case(lengths, w, **shape, ctx=130, seed=4)
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+    hide_unseen_slots(k, v, lengths, tail, w)
+    got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
+    assert got.shape == q.shape and torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tail", [False, True], ids=["target", "drafter"])
+def test_interp_cache_attention_self_check(tail):
     from dspark.kernels.cache_attention import kernel_self_check
 
-    assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3)
+    assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3, tail)
 
 
 @needs_interpreter
@@ -872,3 +928,21 @@ def test_gpu_cache_attention(shape, window):
     ref = cache_attention_reference(q, k, v, pos, scale=scale, row0=shape["row0"], window=window)
     got = cache_attention(q, k, v, pos, scale=scale, row0=shape["row0"], window=window, impl="triton")
     assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("r", [1, 4, 256])
+def test_gpu_cache_attention_draft_block(r):
+    """bf16 at SmolLM2's drafter shapes (9 heads over 3 KV heads of 64, a block of 7) over the
+    engine's draft cache (656 context slots, the block's room after them) against the reference,
+    with NaN in every slot the rule hides."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [0, 656, *torch.randint(0, 657, (r,), generator=g).tolist()][:r] if r > 1 else [300]
+    q, k, v, pos, tail = draft_case(
+        lengths, 7, heads=9, kv_heads=3, hd=64, ctx=656, room=7, seed=3, dtype=torch.bfloat16, device="cuda"
+    )
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+    hide_unseen_slots(k, v, lengths, tail, 7)
+    got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
+    assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
