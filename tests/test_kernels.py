@@ -811,6 +811,95 @@ def test_interp_static_forward_with_the_cache_kernel(small_target):
             torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
 
 
+def draft_attention_calls(monkeypatch) -> list[str]:
+    """The impl of every draft layer's call of the cache kernel from now on (impl="triton" runs the
+    kernel or raises: it never falls back)."""
+    import dspark.drafters.layers as layers
+
+    impls, inner = [], layers.cache_attention
+
+    def spy(*args, **kw):
+        impls.append(kw["impl"])
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(layers, "cache_attention", spy)
+    return impls
+
+
+def unseen_slots_poisoned(cache):
+    """A copy of a static drafter cache with NaN in every context slot past each row's length."""
+    from dspark.core.types import DraftCache
+
+    c = cache.k[0].shape[2] - cache.block_slots
+    k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    for t in k + v:
+        for i, n in enumerate(cache.length.tolist()):
+            t[i, :, n:c] = float("nan")
+    return DraftCache(k=k, v=v, length=cache.length, block_slots=cache.block_slots)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name,head,slots", [("dspark", "rnn", "masks"), ("dflash", "none", "anchor")])
+def test_interp_draft_step_with_the_cache_kernel(small_target, name, head, slots, monkeypatch):
+    """The fused draft step attending with the kernel (forced here, the CPU) proposes the SDPA
+    path's tokens, probabilities and confidences for every rows count and drafted length, over a
+    cache whose slots past each row's context hold NaN (SDPA's mask cannot hide a NaN: the
+    reference reads the clean cache); every layer of every step went through the kernel."""
+    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, reference_proposal, rows_of
+
+    from dspark.core.types import Shared
+
+    impls = draft_attention_calls(monkeypatch)
+    drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots)
+    shared = Shared.of(small_target)
+    drafter.compile_inference(compiler=None)
+    drafter._fused.attention = "triton"
+    poisoned = unseen_slots_poisoned(cache)
+    steps = 0
+    with torch.inference_mode():
+        for r in (4, 1, 3):
+            for n in sorted({1, drafter.gamma}):
+                args = (anchors[:r], cache.length[:r], shared, 1.0)
+                kw = dict(uniforms=u[:r], draft_len=n)
+                want = reference_proposal(drafter, rows_of(cache, r), *args, **kw)
+                got = drafter.propose(rows_of(poisoned, r), *args, **kw)
+                assert_same_proposal(got, want, tol=1e-4)  # the online softmax rounds unlike SDPA
+                steps += 1
+    assert impls == ["triton"] * steps * len(drafter.layers)
+
+
+@needs_interpreter
+def test_interp_compiled_draft_step_with_the_cache_kernel(small_target):
+    """The kernel inside the compiled draft step (inductor, ``fullgraph``: the operator is one node
+    of the graph): the reference's proposals, in the same two graphs as the SDPA path."""
+    from test_drafter_fast_paths import compiled_draft_step_matches
+
+    compiled_draft_step_matches(small_target, "dflash", "none", "anchor", attention="triton")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_interp_fast_engine_with_the_draft_kernel(small_target, temperature, monkeypatch):
+    """The fast engine whose draft steps attend with the kernel (its static cache) gives the plain
+    engine's rounds (whose growing cache keeps SDPA): tokens, acceptance and confidences."""
+    from test_drafter_fast_paths import build
+    from test_engine import prompts_for
+    from test_fast_engine import _engines, assert_same_rounds
+
+    from dspark.decoding.engine import Request
+
+    drafter = build(small_target, "dspark", "rnn", layers=2, seed=3)
+    drafter.compile_inference(compiler=None)
+    drafter._fused.attention = "triton"
+    prompts = prompts_for(small_target, 5, seed=12)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 20, 12, 1, 17])]
+    plain, fast = _engines(small_target, drafter, temperature, seed=7)
+    want = plain.generate(reqs)
+    impls = draft_attention_calls(monkeypatch)
+    assert_same_rounds(fast.generate(reqs), want)
+    assert impls and set(impls) == {"triton"}
+
+
 # ----------------------------------------------------------------------------- triton, GPU
 
 GPU_N, GPU_D, GPU_R, GPU_V = 512 * 7, 576, 256, 49152
