@@ -1,10 +1,14 @@
-"""Attention of a few new tokens per row over a static KV cache (decode and verify steps).
+"""Attention of a few new tokens per row over a static KV cache (decode, verify and draft steps).
 
     out[r, w, h] = softmax_s(q[r, w, h] · k[row0 + r, h // G, s] · scale) · v[row0 + r, h // G, s]
                    over the slots s <= positions[r, w]  (and s > positions[r, w] - window)
+                   and, with ``tail``, the slots tail..tail+W-1 (every query of the row sees all W)
 
-The cache holds each row's tokens at slot == position (``decoding.static_target``), so the
-mask is a function of the query's position alone. ``cache_attention_reference`` builds that mask
+The target's cache holds each row's tokens at slot == position (``decoding.static_target``), so
+the mask is a function of the query's position alone. The drafter's cache holds the context at
+slot == position and its block's W keys apart, in the room at ``tail`` (``DraftCache.block_slots``),
+and a block's queries see the context and the whole block (bidirectional): it passes its context
+length - 1 as every query's position, and ``tail``. ``cache_attention_reference`` builds that mask
 and runs SDPA over the whole capacity with the G query heads of each KV head folded into the query
 axis (each key read once). The Triton kernel computes the same without a mask tensor: one program
 per (row, KV head, tile of its G·W queries) reads keys only up to the row's last query position,
@@ -33,7 +37,9 @@ __all__ = [
 ]
 
 
-def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0: int) -> None:
+def _check(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0: int, tail: int | None = None
+) -> None:
     if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"need q [R, W, H, hd] and caches [rows, Hkv, C, hd] alike, got q {tuple(q.shape)}, "
@@ -49,6 +55,9 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, row0:
         raise ValueError(f"positions must be [R, W] = {(r, w)}, got {tuple(positions.shape)}")
     if not 0 <= row0 <= rows - r:
         raise ValueError(f"rows {row0}..{row0 + r - 1} are outside the cache's {rows} rows")
+    cap = k_cache.shape[2]
+    if tail is not None and not 0 <= tail <= cap - w:
+        raise ValueError(f"tail slots {tail}..{tail + w - 1} are outside the cache's {cap} slots")
 
 
 def fold_mask(mask: Tensor, groups: int) -> Tensor:
@@ -58,13 +67,17 @@ def fold_mask(mask: Tensor, groups: int) -> Tensor:
     return mask[:, None, None].expand(b, 1, groups, t, k).reshape(b, 1, groups * t, k)
 
 
-def folded_mask(positions: Tensor, capacity: int, groups: int, window: int | None = None) -> Tensor:
+def folded_mask(
+    positions: Tensor, capacity: int, groups: int, window: int | None = None, tail: int | None = None
+) -> Tensor:
     """The slots each query may read, [R, 1, G·W, C], folded as the reference folds its queries
     (``fold_mask``). A step builds it once for all layers."""
     slots = torch.arange(capacity, device=positions.device)
     visible = slots[None, None, :] <= positions[:, :, None]  # [R, W, C]
     if window is not None:
         visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
+    if tail is not None:
+        visible = visible | ((slots >= tail) & (slots < tail + positions.shape[1]))
     return fold_mask(visible, groups)
 
 
@@ -78,15 +91,16 @@ def cache_attention_reference(
     row0: int = 0,
     window: int | None = None,
     mask: Tensor | None = None,
+    tail: int | None = None,
 ) -> Tensor:
     """The rule in the module docstring with a materialised mask (``folded_mask``; pass it when
     several layers share it) and SDPA over the whole capacity."""
-    _check(q, k_cache, v_cache, positions, row0)
+    _check(q, k_cache, v_cache, positions, row0, tail)
     r, w, h, hd = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     groups = h // hkv
     if mask is None:
-        mask = folded_mask(positions, cap, groups, window)
+        mask = folded_mask(positions, cap, groups, window, tail)
     qf = q.transpose(1, 2).reshape(r, hkv, groups * w, hd)
     rows = slice(row0, row0 + r)
     out = F.scaled_dot_product_attention(qf, k_cache[rows], v_cache[rows], attn_mask=mask, scale=scale)
@@ -96,15 +110,31 @@ def cache_attention_reference(
 if HAS_TRITON:
 
     @triton.jit
+    def _attend_tile(q, k_ptr, v_ptr, at, in_range, seen, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+        """One tile of keys into the online softmax (m_i, l_i, acc): only the slots ``in_range``
+        are loaded, only the ``seen`` ones weigh."""
+        k = tl.load(k_ptr + at, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_ptr + at, mask=in_range[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _cache_attention_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-        row0, W, scale, window,
+        row0, W, scale, window, tail,
         stride_qr, stride_qw, stride_qh,
         stride_kr, stride_kh, stride_kc,
         stride_pr,
         stride_or, stride_ow, stride_oh,
         G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+        SLIDING: tl.constexpr, TAIL: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)  # row offsets of a large cache pass 2^31 elements
         kvh = tl.program_id(1).to(tl.int64)
@@ -131,21 +161,19 @@ if HAS_TRITON:
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             in_range = n < hi
-            at = kv_row + n[:, None] * stride_kc + d[None, :]
-            k = tl.load(k_ptr + at, mask=in_range[:, None], other=0.0)
-            v = tl.load(v_ptr + at, mask=in_range[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             seen = (n[None, :] <= pos[:, None]) & in_range[None, :]
             if SLIDING:
                 seen = seen & (n[None, :] > pos[:, None] - window)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing seen yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m_i = m_new
+            at = kv_row + n[:, None] * stride_kc + d[None, :]
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, at, in_range, seen, m_i, l_i, acc, scale, PRECISION)
+        if TAIL:  # the step's own W keys, apart in the room at `tail`: every query sees them all
+            for start in range(tail, tail + W, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                in_range = n < tail + W
+                at = kv_row + n[:, None] * stride_kc + d[None, :]
+                m_i, l_i, acc = _attend_tile(
+                    q, k_ptr, v_ptr, at, in_range, in_range[None, :], m_i, l_i, acc, scale, PRECISION
+                )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + r * stride_or + w[:, None] * stride_ow + head[:, None] * stride_oh + d[None, :],
@@ -161,11 +189,14 @@ def triton_fits(head_dim: int) -> bool:
 _SELF_CHECKS: dict[tuple, bool] = {}
 
 
-def kernel_self_check(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> bool:
-    """Run the kernel once on a small random case at these sizes against the reference (once per
-    process and sizes): False, with a warning, if it fails to compile or disagrees, so a caller
-    can keep the reference path instead of losing a run to a kernel the device rejects."""
-    key = (str(device), dtype, head_dim, groups)
+def kernel_self_check(
+    device: torch.device, dtype: torch.dtype, head_dim: int, groups: int, tail: bool = False
+) -> bool:
+    """Run the kernel once on a small random case at these sizes (``tail``: with the drafter's
+    rule) against the reference (once per process and sizes): False, with a warning, if it fails
+    to compile or disagrees, so a caller can keep the reference path instead of losing a run to a
+    kernel the device rejects."""
+    key = (str(device), dtype, head_dim, groups, tail)
     if key not in _SELF_CHECKS:
         ok, why = False, ""
         try:
@@ -173,8 +204,11 @@ def kernel_self_check(device: torch.device, dtype: torch.dtype, head_dim: int, g
             q = torch.randn(2, 3, 2 * groups, head_dim, device=device, generator=g).to(dtype)
             k, v = (torch.randn(2, 2, 70, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
             pos = torch.tensor([[5, 6, 7], [60, 61, 62]], device=device)
-            got = cache_attention(q, k, v, pos, scale=head_dim**-0.5, impl="triton")
-            ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5)
+            room = None
+            if tail:  # each row's context (6 and 61 slots), its block in the room at slots 67..69
+                pos, room = pos[:, :1].expand(2, 3), 67
+            got = cache_attention(q, k, v, pos, scale=head_dim**-0.5, tail=room, impl="triton")
+            ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5, tail=room)
             err = float((got.float() - ref.float()).norm() / ref.float().norm())
             ok, why = err < 2e-2, f"relative error {err:.2e} against the reference"
         except Exception as exc:  # a compiler or launch failure on this device
@@ -187,7 +221,7 @@ def kernel_self_check(device: torch.device, dtype: torch.dtype, head_dim: int, g
     return _SELF_CHECKS[key]
 
 
-def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window) -> Tensor:
+def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window, tail) -> Tensor:
     r, w, h, hd = q.shape
     hkv = k_cache.shape[1]
     groups = h // hkv
@@ -200,15 +234,41 @@ def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window)
     grid = (r, hkv, triton.cdiv(groups * w, block_m))
     _cache_attention_kernel[grid](
         q, k_cache, v_cache, positions, out,
-        row0, w, float(scale), int(window or 0),
+        row0, w, float(scale), int(window or 0), int(tail or 0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         positions.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         G=groups, HD=hd, BLOCK_M=block_m, BLOCK_N=64 if hd <= 128 else 32, SLIDING=window is not None,
+        TAIL=tail is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
     )  # fmt: skip
     return out
+
+
+# The kernel as an operator of its own, so that a torch.compile(fullgraph=True) graph (the drafter's
+# fused draft step) calls it as one opaque node instead of tracing into Triton. Defined once per
+# process: this file also loads as top-level ``kernels.cache_attention`` (transformers imports any
+# ``kernels`` package on the path to read its version), and a second definition would replace the
+# first under the callers that hold it.
+if HAS_TRITON and not hasattr(torch.ops.dspark, "cache_attention"):
+
+    @torch.library.custom_op("dspark::cache_attention", mutates_args=())
+    def _cache_attention_op(
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        positions: Tensor,
+        scale: float,
+        row0: int,
+        window: int | None,
+        tail: int | None,
+    ) -> Tensor:
+        return _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window, tail)
+
+    @_cache_attention_op.register_fake
+    def _(q, k_cache, v_cache, positions, scale, row0, window, tail):
+        return torch.empty(q.shape, device=q.device, dtype=q.dtype)
 
 
 def cache_attention(
@@ -221,16 +281,18 @@ def cache_attention(
     row0: int = 0,
     window: int | None = None,
     mask: Tensor | None = None,
+    tail: int | None = None,
     impl: str = "auto",
 ) -> Tensor:
     """q [R, W, H, hd] of rows row0..row0+R-1 at ``positions`` [R, W] over caches
-    [rows, Hkv, C, hd] that already hold these tokens' keys/values; returns [R, W, H, hd]
-    (the module docstring's rule). Inputs are trusted: positions must lie in 0..C-1 and ascend
-    along W (a step's tokens are consecutive, a prefill's too). The Triton
+    [rows, Hkv, C, hd] that already hold these tokens' keys/values (at slot == position, or with
+    ``tail`` at slots tail..tail+W-1); returns [R, W, H, hd] (the module docstring's rule). Inputs
+    are trusted: positions must lie in 0..C-1 (-1..tail-1 with ``tail``: -1 sees no context) and
+    ascend along W (a step's tokens are consecutive, a prefill's too). The Triton
     kernel needs a power-of-two head_dim >= 16 and last-dim-contiguous caches; otherwise, and off
     CUDA, the reference runs (``mask``: its ``folded_mask``, when the caller shares one across
     layers)."""
-    _check(q, k_cache, v_cache, positions, row0)
+    _check(q, k_cache, v_cache, positions, row0, tail)
     hd = q.shape[-1]
     fits = triton_fits(hd) and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
     backend = resolve_impl(impl, q, k_cache, v_cache, positions)
@@ -240,7 +302,9 @@ def cache_attention(
             f"rows, got head_dim {hd}, strides {k_cache.stride()} / {v_cache.stride()}: use impl='auto'"
         )
     if backend == "triton" and fits:
-        return _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window)
+        return torch.ops.dspark.cache_attention(
+            q, k_cache, v_cache, positions, float(scale), row0, window, tail
+        )
     return cache_attention_reference(
-        q, k_cache, v_cache, positions, scale=scale, row0=row0, window=window, mask=mask
+        q, k_cache, v_cache, positions, scale=scale, row0=row0, window=window, mask=mask, tail=tail
     )

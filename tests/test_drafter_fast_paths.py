@@ -332,11 +332,12 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
     compiled_draft_step_matches(small_target, name, head, slots)
 
 
-def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-5):
+def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-5, attention="auto"):
     """Compile the draft step with inductor (``fullgraph``), check its proposals against the
     reference for every rows count and drafted length, and that each compiled function made one
     graph for a single row and one for every larger count; returns what a caller checks further
-    (drafter, cache, anchors, uniforms, Shared, the compile counter)."""
+    (drafter, cache, anchors, uniforms, Shared, the compile counter). ``attention``: the draft
+    step's (``FusedDraft.attention``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dspark.core.types import Shared
@@ -346,6 +347,7 @@ def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
+    drafter._fused.attention = attention
     with torch.inference_mode():
         for r in (4, 2, 1, 3):
             for n in sorted({1, 2, drafter.gamma}):
@@ -355,6 +357,18 @@ def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-
                 assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
     assert counter.frame_count == (6 if name == "dspark" else 2)
     return drafter, cache, anchors, u, shared, counter
+
+
+def test_draft_step_attention_keeps_sdpa_off_cuda_and_without_block_room(small_target):
+    """``FusedDraft.attention_impl``: the kernel only over a static cache on CUDA (or forced, as
+    the interpreter tests do); a concatenating cache keeps SDPA even when forced."""
+    drafter, cache, _, _ = drafting_setup(small_target, "dflash", "none", "anchor")
+    drafter.compile_inference(compiler=None)
+    fused = drafter._fused
+    assert fused.attention_impl(cache) == "torch"  # auto, on the CPU
+    fused.attention = "triton"
+    assert fused.attention_impl(cache) == "triton"
+    assert fused.attention_impl(DraftCache(k=cache.k, v=cache.v, length=cache.length)) == "torch"
 
 
 def test_fused_draft_step_follows_parameter_changes(small_target):

@@ -828,7 +828,8 @@ def test_compiled_context_write_on_cuda_matches_eager_inside_graphs(small_target
 )
 def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, name, head, slots):
     """The compiled draft step on CUDA (``fullgraph``: a graph break raises; the Triton sampler
-    between the graphs writing into the proposal's buffer): proposals equal the eager reference's
+    between the graphs writing into the proposal's buffer; the layers attending with the cache
+    kernel, the reference with SDPA): proposals equal the eager reference's
     for every rows count and drafted length, in two graphs per compiled function (one row, more
     rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
     and uniforms, as the fast engine's draft step does."""
@@ -846,6 +847,7 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
         )
         with torch.inference_mode():
             rows = rows_of(cache, 4)
+            assert drafter._fused.attention_impl(rows) == "triton"  # the cache kernel, in the graphs
             static = (anchors.clone(), cache.length[:4].clone(), u.clone())
 
             def step():

@@ -511,7 +511,27 @@ def cache_case(r=3, w=4, heads=6, kv_heads=2, hd=16, cap=40, rows=5, row0=1, *, 
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)] + [pos.to(device)]
 
 
-def naive_cache_attention(q, k, v, pos, scale, row0, window=None):
+def draft_case(lengths, w, heads=4, kv_heads=2, hd=16, ctx=40, room=None, *, seed=0, dtype=torch.float32,
+               device="cpu"):  # fmt: skip
+    """The drafter's layout (``DraftCache.block_slots``): row i's context in the first lengths[i] of
+    ``ctx`` slots, its block's W keys in the room at tail = ctx (``room`` slots, W + 3 by default);
+    every query's position is its row's length - 1. Returns q, k, v, positions, tail."""
+    r, room = len(lengths), w + 3 if room is None else room
+    q, k, v, _ = cache_case(r, w, heads, kv_heads, hd, ctx + room, r, 0, seed=seed, dtype=dtype,
+                            device=device)  # fmt: skip
+    last = torch.tensor(lengths, device=device)[:, None].expand(r, w) - 1
+    return q, k, v, last, ctx
+
+
+def hide_unseen_slots(k, v, lengths, tail, w):
+    """NaN in every slot the drafter's rule hides: past each row's context, past its block."""
+    for i, n in enumerate(lengths):
+        for t in (k, v):
+            t[i, :, n:tail] = float("nan")
+            t[i, :, tail + w :] = float("nan")
+
+
+def naive_cache_attention(q, k, v, pos, scale, row0, window=None, tail=None):
     """Per query, in float64: softmax over exactly the slots the rule allows."""
     r, w, heads, hd = q.shape
     groups = heads // k.shape[1]
@@ -520,9 +540,12 @@ def naive_cache_attention(q, k, v, pos, scale, row0, window=None):
         for t in range(w):
             p = int(pos[i, t])
             lo = 0 if window is None else max(0, p - window + 1)
+            slots = torch.arange(lo, p + 1)
+            if tail is not None:
+                slots = torch.cat([slots, torch.arange(tail, tail + w)])
             for h in range(heads):
-                keys = k[row0 + i, h // groups, lo : p + 1].double()
-                vals = v[row0 + i, h // groups, lo : p + 1].double()
+                keys = k[row0 + i, h // groups, slots].double()
+                vals = v[row0 + i, h // groups, slots].double()
                 att = torch.softmax(keys @ q[i, t, h].double() * scale, dim=0)
                 out[i, t, h] = att @ vals
     return out
@@ -538,10 +561,19 @@ def test_cache_attention_reference_is_the_rule(window):
     assert rel_err(got, want) < 1e-5
 
 
-def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch):
+def test_cache_attention_reference_is_the_drafter_rule():
+    """With ``tail``: each row's context (none, some, all of it) and its whole block in the room."""
+    q, k, v, pos, tail = draft_case([0, 7, 40], w=5, seed=1)
+    got = cache_attention_reference(q, k, v, pos, scale=0.25, tail=tail)
+    want = naive_cache_attention(q, k, v, pos, 0.25, 0, tail=tail)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["target", "drafter"])
+def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch, tail):
     """A kernel the device cannot run (here: Triton on plain CPU tensors, which it refuses) makes
-    the self-check say no, once, with a warning naming the fallback; the static target then keeps
-    SDPA instead of failing its run."""
+    the self-check say no, once, with a warning naming the fallback; the static target (and the
+    draft step: ``tail``) then keeps SDPA instead of failing its run."""
     import importlib
 
     module = importlib.import_module("dspark.kernels.cache_attention")  # the package's name is the function
@@ -549,8 +581,8 @@ def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch):
     if INTERPRETING:  # the interpreter runs it on the CPU: make it fail another way
         monkeypatch.setattr(module, "_cache_attention_triton", lambda *a: 1 / 0)
     with pytest.warns(UserWarning, match="SDPA runs instead"):
-        assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)
-    assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2)  # remembered, silent
+        assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)
+    assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)  # remembered, silent
 
 
 def test_cache_attention_refusals():
@@ -561,6 +593,8 @@ def test_cache_attention_refusals():
         cache_attention(q, k, v, pos[:, :2], scale=1.0)
     with pytest.raises(ValueError, match="does not fit"):
         cache_attention(q[..., :8], k, v, pos, scale=1.0)
+    with pytest.raises(ValueError, match="tail slots"):
+        cache_attention(q, k, v, pos, scale=1.0, tail=k.shape[2] - 3)  # a block of 4 past the end
 
 
 # ----------------------------------------------------------------------------- triton, interpreter
@@ -736,10 +770,32 @@ def test_interp_cache_attention(shape, window):
 
 
 @needs_interpreter
-def test_interp_cache_attention_self_check():
+@pytest.mark.parametrize("w", [1, 2, 4, 7, 8])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(heads=4, kv_heads=2, hd=16), dict(heads=9, kv_heads=3, hd=64), dict(heads=16, kv_heads=1, hd=16)],
+    ids=["tiny", "smollm2", "query-tiles"],  # query-tiles: G·W > 64 from W = 5
+)
+def test_interp_cache_attention_draft_block(shape, w):
+    """The drafter's rule (``tail``) against the reference, for block widths 1..8 and rows whose
+    contexts end anywhere: none, inside the first key tile, on a tile's edge, past it, the whole
+    context. Every slot the rule hides holds NaN (past each context, past the block), so a kernel
+    that read one would fail."""
+    lengths = [0, 5, 64, 100, 130]
+    q, k, v, pos, tail = draft_case(lengths, w, **shape, ctx=130, seed=4)
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+    hide_unseen_slots(k, v, lengths, tail, w)
+    got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
+    assert got.shape == q.shape and torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tail", [False, True], ids=["target", "drafter"])
+def test_interp_cache_attention_self_check(tail):
     from dspark.kernels.cache_attention import kernel_self_check
 
-    assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3)
+    assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3, tail)
 
 
 @needs_interpreter
@@ -753,6 +809,95 @@ def test_interp_static_forward_with_the_cache_kernel(small_target):
         fast, ref = _static_steps(t, "triton", "cpu"), _static_steps(t, "torch", "cpu")
         for a, b in zip(fast, ref):
             torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
+
+
+def draft_attention_calls(monkeypatch) -> list[str]:
+    """The impl of every draft layer's call of the cache kernel from now on (impl="triton" runs the
+    kernel or raises: it never falls back)."""
+    import dspark.drafters.layers as layers
+
+    impls, inner = [], layers.cache_attention
+
+    def spy(*args, **kw):
+        impls.append(kw["impl"])
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(layers, "cache_attention", spy)
+    return impls
+
+
+def unseen_slots_poisoned(cache):
+    """A copy of a static drafter cache with NaN in every context slot past each row's length."""
+    from dspark.core.types import DraftCache
+
+    c = cache.k[0].shape[2] - cache.block_slots
+    k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    for t in k + v:
+        for i, n in enumerate(cache.length.tolist()):
+            t[i, :, n:c] = float("nan")
+    return DraftCache(k=k, v=v, length=cache.length, block_slots=cache.block_slots)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name,head,slots", [("dspark", "rnn", "masks"), ("dflash", "none", "anchor")])
+def test_interp_draft_step_with_the_cache_kernel(small_target, name, head, slots, monkeypatch):
+    """The fused draft step attending with the kernel (forced here, the CPU) proposes the SDPA
+    path's tokens, probabilities and confidences for every rows count and drafted length, over a
+    cache whose slots past each row's context hold NaN (SDPA's mask cannot hide a NaN: the
+    reference reads the clean cache); every layer of every step went through the kernel."""
+    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, reference_proposal, rows_of
+
+    from dspark.core.types import Shared
+
+    impls = draft_attention_calls(monkeypatch)
+    drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots)
+    shared = Shared.of(small_target)
+    drafter.compile_inference(compiler=None)
+    drafter._fused.attention = "triton"
+    poisoned = unseen_slots_poisoned(cache)
+    steps = 0
+    with torch.inference_mode():
+        for r in (4, 1, 3):
+            for n in sorted({1, drafter.gamma}):
+                args = (anchors[:r], cache.length[:r], shared, 1.0)
+                kw = dict(uniforms=u[:r], draft_len=n)
+                want = reference_proposal(drafter, rows_of(cache, r), *args, **kw)
+                got = drafter.propose(rows_of(poisoned, r), *args, **kw)
+                assert_same_proposal(got, want, tol=1e-4)  # the online softmax rounds unlike SDPA
+                steps += 1
+    assert impls == ["triton"] * steps * len(drafter.layers)
+
+
+@needs_interpreter
+def test_interp_compiled_draft_step_with_the_cache_kernel(small_target):
+    """The kernel inside the compiled draft step (inductor, ``fullgraph``: the operator is one node
+    of the graph): the reference's proposals, in the same two graphs as the SDPA path."""
+    from test_drafter_fast_paths import compiled_draft_step_matches
+
+    compiled_draft_step_matches(small_target, "dflash", "none", "anchor", attention="triton")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_interp_fast_engine_with_the_draft_kernel(small_target, temperature, monkeypatch):
+    """The fast engine whose draft steps attend with the kernel (its static cache) gives the plain
+    engine's rounds (whose growing cache keeps SDPA): tokens, acceptance and confidences."""
+    from test_drafter_fast_paths import build
+    from test_engine import prompts_for
+    from test_fast_engine import _engines, assert_same_rounds
+
+    from dspark.decoding.engine import Request
+
+    drafter = build(small_target, "dspark", "rnn", layers=2, seed=3)
+    drafter.compile_inference(compiler=None)
+    drafter._fused.attention = "triton"
+    prompts = prompts_for(small_target, 5, seed=12)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 20, 12, 1, 17])]
+    plain, fast = _engines(small_target, drafter, temperature, seed=7)
+    want = plain.generate(reqs)
+    impls = draft_attention_calls(monkeypatch)
+    assert_same_rounds(fast.generate(reqs), want)
+    assert impls and set(impls) == {"triton"}
 
 
 # ----------------------------------------------------------------------------- triton, GPU
@@ -872,3 +1017,21 @@ def test_gpu_cache_attention(shape, window):
     ref = cache_attention_reference(q, k, v, pos, scale=scale, row0=shape["row0"], window=window)
     got = cache_attention(q, k, v, pos, scale=scale, row0=shape["row0"], window=window, impl="triton")
     assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("r", [1, 4, 256])
+def test_gpu_cache_attention_draft_block(r):
+    """bf16 at SmolLM2's drafter shapes (9 heads over 3 KV heads of 64, a block of 7) over the
+    engine's draft cache (656 context slots, the block's room after them) against the reference,
+    with NaN in every slot the rule hides."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [0, 656, *torch.randint(0, 657, (r,), generator=g).tolist()][:r] if r > 1 else [300]
+    q, k, v, pos, tail = draft_case(
+        lengths, 7, heads=9, kv_heads=3, hd=64, ctx=656, room=7, seed=3, dtype=torch.bfloat16, device="cuda"
+    )
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+    hide_unseen_slots(k, v, lengths, tail, 7)
+    got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
+    assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2

@@ -40,7 +40,7 @@ from .base import (
 )
 from .context_write import ContextWriter
 from .draft_step import FusedDraft, inference_compiler
-from .layers import DraftLayer, FusedProjections, RMSNorm, matmul_input
+from .layers import CacheSpan, DraftLayer, FusedProjections, RMSNorm, matmul_input
 from .registry import register
 
 
@@ -427,26 +427,38 @@ class BlockDrafter(Drafter):
         block_slots: int,
         position_major: bool = False,
         fused: list[FusedProjections] | None = None,
+        attention: str = "torch",
     ) -> Tensor:
         """The backbone over each anchor's block: the hidden states of the slots that draft
         x_{a+1}..x_{a+γ}, [R, γ, d] ([γ, R, d] when ``position_major``). ``k``/``v``: the cache's
         per-layer context keys/values, ``length`` [R] the context each row sees, ``block_slots``:
         the cache's room for the block (``DraftCache.block_slots``), ``fused``: each layer's
-        stacked projections (``FusedProjections``: fewer GEMMs). The attention mask is folded
-        for grouped-query attention once, for every layer."""
-        r = anchor_tokens.shape[0]
+        stacked projections (``FusedProjections``: fewer GEMMs), ``attention``: see
+        ``draft_mask``."""
         device = anchor_tokens.device
-        width = self.block_size
         x = self.block_inputs(anchor_tokens, shared)  # [R, block, d]
-        pos = anchor_pos[:, None] + torch.arange(width, device=device)
+        pos = anchor_pos[:, None] + torch.arange(self.block_size, device=device)
         c = k[0].shape[2] - block_slots  # context slots; the block's own keys follow
-        sees_ctx = torch.arange(c, device=device)[None, :] < length[:, None]
-        mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=device)], dim=1)
-        s = self.layers[0].attn.s
-        mask = fold_mask(mask[:, None, :].expand(r, width, -1), s.num_heads // s.num_kv_heads)
+        mask = self.draft_mask(length, c, block_slots, attention)
         tail = c if block_slots else None
         hidden = self.drafting_slots(self.backbone(x, pos, list(zip(k, v)), mask, None, tail, fused))
         return hidden.transpose(0, 1).contiguous() if position_major else hidden
+
+    def draft_mask(self, length: Tensor, c: int, block_slots: int, attention: str = "torch"):
+        """What the block's queries see, built once for every layer: each row's first ``length``
+        of the ``c`` context slots and the whole block (bidirectionally). ``attention`` "torch":
+        a bool mask over context + block for SDPA, folded for grouped-query attention (the
+        reference, and the only way when the block's keys are concatenated: no ``block_slots``);
+        else, over a static cache, a ``CacheSpan`` for ``kernels.cache_attention`` with that
+        ``impl``, whose reads stop at each row's context."""
+        r, width = length.shape[0], self.block_size
+        if attention != "torch" and block_slots:
+            last = (length.clamp(max=c) - 1)[:, None].expand(r, width).contiguous()
+            return CacheSpan(last, attention)
+        sees_ctx = torch.arange(c, device=length.device)[None, :] < length[:, None]
+        mask = torch.cat([sees_ctx, torch.ones(r, width, dtype=torch.bool, device=length.device)], dim=1)
+        s = self.layers[0].attn.s
+        return fold_mask(mask[:, None, :].expand(r, width, -1), s.num_heads // s.num_kv_heads)
 
     @torch.no_grad()
     def write_context(self, cache: DraftCache, taps: Tensor, positions: Tensor, rows: Tensor) -> None:

@@ -14,6 +14,9 @@ kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
   * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
+On CUDA over a static cache the layers attend with ``kernels.cache_attention`` (``attention_impl``),
+an operator inside the ``hidden`` graph, which reads each row's keys only up to its context: SDPA
+with the mask read the cache's whole capacity and ran helper kernels (mask conversion, fills).
 Dynamo specialises a size of 1, so each function compiles two graphs: one for a single row, one
 for every larger row count (marked dynamic). The drafted length enters none of them (the hidden
 states and the confidences cover the whole block, the head's step one position): nothing
@@ -29,6 +32,8 @@ import torch.fx.experimental._config  # noqa: F401  (no_duck_shapes)
 from torch import Tensor
 
 from ..core.types import DraftCache, Proposal, Shared
+from ..kernels import triton_available
+from ..kernels.cache_attention import kernel_self_check, triton_fits
 from .derived import DerivedWeights
 from .layers import FusedProjections
 
@@ -100,6 +105,8 @@ class FusedDraft:
     ``sample_block_fused`` and, for DSpark, ``position_logits`` and ``confidence_by_position``);
     their eager use in ``propose``/``sample_block`` is the reference."""
 
+    attention = "auto"  # the draft step's attention (attention_impl); "torch" or "triton" force one
+
     def __init__(self, drafter, compiler=inference_compiler):
         self.drafter = drafter
         self.compiled = compiler is not None
@@ -131,6 +138,20 @@ class FusedDraft:
         with no_duck_shapes():
             return self.position(base, h, prev, state, softcap)
 
+    def attention_impl(self, cache: DraftCache) -> str:
+        """``draft_hidden``'s ``attention``: "triton" (``kernels.cache_attention``) over a static
+        cache on CUDA where the kernel takes the drafter's heads and passed its self-check on this
+        device (a failed check warns once); else "torch", SDPA with the mask (the reference)."""
+        if not cache.block_slots:
+            return "torch"  # the block's keys are concatenated after the context, not in the cache
+        if self.attention != "auto":
+            return self.attention
+        k, s = cache.k[0], self.drafter.layers[0].attn.s
+        if not (k.is_cuda and triton_available() and triton_fits(s.head_dim)):
+            return "torch"
+        groups = s.num_heads // s.num_kv_heads
+        return "triton" if kernel_self_check(k.device, k.dtype, s.head_dim, groups, tail=True) else "torch"
+
     def propose(
         self, cache: DraftCache, anchor_tokens: Tensor, anchor_pos: Tensor, shared: Shared, temperature, u
     ) -> Proposal:
@@ -141,7 +162,7 @@ class FusedDraft:
         fused = [FusedProjections(qkv.get(), gate_up.get()) for qkv, gate_up in self.projections]
         hidden = self.hidden(
             cache.k, cache.v, cache.length, anchor_tokens, anchor_pos, shared, cache.block_slots,
-            d.position_major, fused,
+            d.position_major, fused, self.attention_impl(cache),
         )  # fmt: skip
         tokens, probs, conf = d.sample_block_fused(hidden, anchor_tokens, shared, temperature, u, self)
         return Proposal(tokens=tokens, probs=probs, confidence_logits=conf)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels.cache_attention import fold_mask
+from ..kernels.cache_attention import cache_attention, fold_mask
 
 
 @dataclass
@@ -96,6 +96,15 @@ class FusedProjections(NamedTuple):
     gate_up: Tensor
 
 
+class CacheSpan(NamedTuple):
+    """A draft step's mask as ``kernels.cache_attention`` takes it, for a static cache (``tail``):
+    each query sees its row's context, slots <= ``last`` [R, Q] (the context length - 1, alike
+    along Q), and the whole block in the room at ``tail``; ``impl``: the kernel's dispatch."""
+
+    last: Tensor
+    impl: str
+
+
 class Attention(nn.Module):
     def __init__(self, s: LayerShape):
         super().__init__()
@@ -132,7 +141,8 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [B, Q, d] draft tokens; ctx_kv: keys/values [B, Hkv, C, hd] placed before the draft's own;
         mask: bool [B, Q, C + Q] (True = may attend; or already folded, [B, 1, G·Q, C + Q]:
-        ``fold_mask``), a flex-attention BlockMask over the same layout, or None for full
+        ``fold_mask``), a flex-attention BlockMask over the same layout, a ``CacheSpan`` (with
+        ``tail``: the cache kernel, which reads no slot the mask hides), or None for full
         attention. ``tail`` (a static cache's room for the block, slots tail..tail+Q of ctx_kv's
         buffers): the draft's own keys/values are written there in place and the buffers attended
         as they are (C = tail), instead of concatenated. ``qkv_weight``: the three projections'
@@ -153,6 +163,12 @@ class Attention(nn.Module):
             ctx_kv[0][:, :, tail : tail + t] = k_self.to(ctx_kv[0].dtype)
             ctx_kv[1][:, :, tail : tail + t] = v_self.to(ctx_kv[1].dtype)
             k, v = ctx_kv[0][:, :, : tail + t], ctx_kv[1][:, :, : tail + t]
+            if isinstance(mask, CacheSpan):  # q as [B, Q, H, hd] in, the same layout out: no copies
+                out = cache_attention(
+                    q.transpose(1, 2), ctx_kv[0], ctx_kv[1], mask.last, scale=self.s.head_dim**-0.5,
+                    tail=tail, impl=mask.impl,
+                )  # fmt: skip
+                return self.o_proj(out.flatten(-2)), (k_self, v_self)
         elif ctx_kv is not None:
             k = torch.cat([ctx_kv[0], k_self], dim=2)
             v = torch.cat([ctx_kv[1], v_self], dim=2)
