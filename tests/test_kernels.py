@@ -1035,3 +1035,152 @@ def test_gpu_cache_attention_draft_block(r):
     hide_unseen_slots(k, v, lengths, tail, 7)
     got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
     assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
+
+
+# ----------------------------------------------------------------------------- low-rank bias
+# ``sample_step(..., low_rank=LowRankBias(W2, b[, index]))``: the kernels compute bias = b @ W2ᵀ
+# themselves, in float32. The reference is the dense path on the exact bias (float64, rounded to
+# float32 once): the kernels' dot products differ from it by float32 summation order only, ~1e-7 of
+# |bias|, so probabilities keep split_rows' tolerance (1e-6 absolute) and greedy tokens (gaps far
+# above that here; the designed ties have bias exactly 0) are equal.
+
+LOW_RANK_TIES = (3, 10, 200, 299)  # sampling_rows' and split_rows' tied or planted columns (and V - 2)
+
+
+def low_rank_bias(base, rank, *, gather=False, seed=0, dtype=torch.float32):
+    """``LowRankBias`` for ``base`` [R, V] (bias ~ N(0, 1), zero on the designed ties' columns) in
+    ``dtype``, and its exact dense bias [R, V] (float32); ``gather``: b is a table [50, r] with an
+    index [R] (repeats included), the Markov head's form."""
+    from dspark.kernels.sample_step import LowRankBias
+
+    r, v = base.shape
+    g = torch.Generator().manual_seed(seed)
+    w2 = torch.randn(v, rank, generator=g) / rank**0.5
+    w2[[c for c in (*LOW_RANK_TIES, v - 2) if c < v]] = 0.0
+    b = torch.randn(50 if gather else r, rank, generator=g)
+    index = torch.randint(0, 50, (r,), generator=g) if gather else None
+    if gather:
+        index[-1] = index[0]
+    low = LowRankBias(w2.to(dtype), b.to(dtype), index)
+    feats = low.b if index is None else low.b[index]
+    dense = (feats.double() @ low.w2.double().t()).float()
+    return low, dense
+
+
+def test_sample_step_low_rank_reference():
+    """The PyTorch path materialises b @ W2ᵀ in float32: the dense reference on that bias, for
+    both forms (a plain tuple too); a dense and a low-rank bias together, or factors that do not
+    fit, are refused."""
+    from dspark.kernels.sample_step import LowRankBias
+
+    base, _, u = sampling_rows(5, 300, seed=45)
+    for gather in (False, True):
+        low, dense = low_rank_bias(base, 6, gather=gather, seed=46)
+        torch.testing.assert_close(low.dense(), dense, rtol=1e-6, atol=1e-6)
+        for temperature in (0.0, 0.7):
+            want = sample_step_reference(base, low.dense(), temperature, u)
+            for form in (low, tuple(low)):
+                got = sample_step(base, None, temperature, u, low_rank=form)
+                assert torch.equal(got.tokens, want.tokens) and torch.equal(got.probs, want.probs)
+            got = sample_step_reference(base, None, temperature, u, low_rank=low)
+            assert torch.equal(got.probs, want.probs)
+    w2, b = low.w2, torch.randn(5, 6)
+    bad = [
+        ((torch.randn(5, 300), LowRankBias(w2, b)), "not both"),
+        ((None, LowRankBias(w2[:299], b)), "w2"),
+        ((None, LowRankBias(w2, b[:, :5])), "w2"),
+        ((None, LowRankBias(w2, b[:4])), "rows"),
+        ((None, LowRankBias(w2, b, torch.zeros(5))), "index"),
+        ((None, LowRankBias(w2, b, torch.zeros(4, dtype=torch.long))), "index"),
+    ]
+    for (bias, low), match in bad:
+        with pytest.raises(ValueError, match=match):
+            sample_step(base, bias, 0.7, u, low_rank=low)
+
+
+def test_low_rank_pays():
+    """Few rows on the split path, up to LOW_RANK_MAX_ROWS; not past it (each row's programs read
+    all of W2), not from SM_TARGET rows (one program per row), not for a one-block vocabulary."""
+    from dspark.kernels.sample_step import LOW_RANK_MAX_ROWS, low_rank_pays
+
+    assert low_rank_pays(1, 49152) and low_rank_pays(LOW_RANK_MAX_ROWS, 49152)
+    assert not low_rank_pays(LOW_RANK_MAX_ROWS + 1, 49152) and not low_rank_pays(SM_TARGET, 49152)
+    assert not low_rank_pays(1, 100)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rank", [6, 100], ids=["r6", "r100"])  # r100: padded to 128, 64-column tiles
+@pytest.mark.parametrize("gather", [False, True], ids=["features", "gather"])
+@pytest.mark.parametrize("chunks", [1, 3, None], ids=["single", "split3", "auto"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_interp_sample_step_low_rank(temperature, chunks, gather, rank):
+    """The low-rank bias (features or the Markov gather) through the single-program kernel and the
+    split path (forced and the chooser's) against the dense reference on the exact bias: split_rows'
+    edges (masked chunks, a single live entry, u = 0 and 1, ties) included."""
+    base, _, u = split_rows(seed=41)
+    low, dense = low_rank_bias(base, rank, gather=gather, seed=42)
+    got = sample_step(base, None, temperature, u, low_rank=low, impl="triton", chunks=chunks)
+    assert_split_matches(got, base, dense, temperature, u)
+    if temperature == 0:
+        assert got.tokens[1] == 3 and got.tokens[7] == 10 and got.tokens[5] == 517
+    else:
+        assert got.tokens[4] == 299 and got.tokens[5] == 517
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chunks", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_interp_sample_step_low_rank_strided(temperature, chunks):
+    """``out=`` one position of [R, n, V] (the split path stashes the logits there between its
+    phases), u a column of [R, γ], W2, b and the Markov table views whose rows are longer than the
+    rank: the same tokens and probabilities as contiguous factors, the neighbouring positions
+    untouched."""
+    from dspark.kernels.sample_step import LowRankBias
+
+    base, _, u = sampling_rows(6, 300, seed=43)
+    columns = torch.rand(6, 4, generator=torch.Generator().manual_seed(44))
+    columns[:, 2] = u
+    for gather in (False, True):
+        low, dense = low_rank_bias(base, 8, gather=gather, seed=45)
+        wide = [torch.full((t.shape[0], 13), 7.0) for t in low[:2]]
+        for w, t in zip(wide, low[:2]):
+            w[:, 3:11] = t
+        views = LowRankBias(wide[0][:, 3:11], wide[1][:, 3:11], low.index)
+        buf = torch.full((6, 3, 300), -1.0)
+        got = sample_step(base, None, temperature, columns[:, 2], low_rank=views, impl="triton",
+                          chunks=chunks, out=buf[:, 1])  # fmt: skip
+        want = sample_step(base, None, temperature, u, low_rank=low, impl="triton", chunks=chunks)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(buf[:, 1], want.probs)
+        assert got.probs.data_ptr() == buf[:, 1].data_ptr()
+        assert (buf[:, 0] == -1).all() and (buf[:, 2] == -1).all()
+        assert_split_matches(got, base, dense, temperature, u)
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("gather", [False, True], ids=["features", "gather"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gpu_sample_step_low_rank(temperature, gather):
+    """SmolLM2's head shapes (V = 49 152, r = 64, bf16 logits and factors) at R = 1 and 16, the
+    chooser's split path and the single-program kernel, against the dense reference on the exact
+    bias of the bf16 factors; float32 summation order apart, the same numbers."""
+    from dspark.kernels.sample_step import LowRankBias
+
+    base, _, u = split_rows(16, GPU_V, seed=24)
+    low, dense = low_rank_bias(base, 64, gather=gather, seed=25, dtype=torch.bfloat16)
+    base, dense, u = base.cuda().bfloat16(), dense.cuda(), u.cuda()
+    w2, b, index = (None if t is None else t.cuda() for t in low)
+    for rows in (slice(0, 1), slice(0, 16)):
+        case = LowRankBias(w2, b, index[rows]) if gather else LowRankBias(w2, b[rows])
+        tokens, probs = expected_sample(base[rows], dense[rows], temperature, u[rows])
+        for chunks in (None, 1):
+            got = sample_step(
+                base[rows], None, temperature, u[rows], low_rank=case, impl="triton", chunks=chunks
+            )
+            torch.testing.assert_close(got.probs, probs, rtol=1e-5, atol=1e-7)
+            if temperature == 0:
+                assert torch.equal(got.tokens, tokens)
+            else:
+                assert valid_inverse_cdf(got.probs, u[rows], got.tokens, 1e-5)
+                sure = unambiguous(probs, u[rows], 1e-5)
+                assert torch.equal(got.tokens[sure], tokens[sure])
