@@ -19,10 +19,10 @@ head: W2 [V, r], its features b [R, r]), and with ``index`` [R] the kernel also 
 b[i] = table[index[i]] (the Markov head: W1[prev]). Each program then computes its columns' bias
 from its W2 rows and the row's b in float32 (the dense form's ``base.float() + bias.float()`` up to
 the summation order), so neither a [R, V] bias tensor nor its GEMM is needed: at few rows that saves
-launches and the bias's round trip through memory. Columns go BLOCK_LOW_RANK at a time (a [columns,
-r] tile in registers), and on the split path at T > 0 phase 1 leaves the logits in ``out`` for
-phase 2, so W2 is read once. Each row's programs read all of W2 (L2 hits after the first): at
-many rows a tensor-core GEMM of the dense bias is cheaper (``low_rank_pays``).
+launches and the bias's round trip through memory. Pieces are then LOW_RANK_TILE / r columns wide
+(a [columns, r] tile of W2 in registers), and on the split path at T > 0 phase 1 leaves the logits
+in ``out`` for phase 2, so each row reads W2 once (L2 hits after the first row). That per-row read
+is why, past a few rows, the dense bias's tensor-core GEMM is cheaper: ``low_rank_pays``.
 """
 
 from __future__ import annotations
@@ -464,22 +464,21 @@ def _unit_columns(t: Tensor) -> Tensor:
 
 
 class _Bias(NamedTuple):
-    """The kernels' bias arguments: pointers, strides and constexpr flags."""
+    """The kernels' bias arguments (pointers to base stand in for the unused ones)."""
 
-    bias: Tensor  # the dense bias, or the low-rank features b (their table with index)
-    index: Tensor  # GATHER: b's row of each row
+    tensor: Tensor  # the dense bias, or the low-rank features b (the table, with index)
+    index: Tensor  # GATHER: each row's row of the table
     w2: Tensor
-    stride_bias: int
+    stride: int  # tensor's row stride
     stride_w2: int
-    flags: dict
+    flags: dict  # the constexprs HAS_BIAS, RANK (0: dense), RANK_P2, GATHER
 
     @classmethod
     def of(cls, base: Tensor, bias: Tensor | None, low_rank: LowRankBias | None) -> _Bias:
-        if low_rank is None:  # the unused pointers point at base
+        if low_rank is None:
+            flags = {"HAS_BIAS": bias is not None, "RANK": 0, "RANK_P2": 1, "GATHER": False}
             bias = base if bias is None else _unit_columns(bias)
-            stride = 0 if bias is base else bias.stride(0)
-            flags = {"HAS_BIAS": bias is not base, "RANK": 0, "RANK_P2": 1, "GATHER": False}
-            return cls(bias, base, base, stride, 0, flags)
+            return cls(bias, base, base, bias.stride(0), 0, flags)
         w2, b, index = _unit_columns(low_rank.w2), _unit_columns(low_rank.b), low_rank.index
         rank = w2.shape[1]
         flags = {"HAS_BIAS": True, "RANK": rank, "RANK_P2": _pow2_at_least(rank), "GATHER": index is not None}
@@ -504,17 +503,16 @@ def _sample_step_split(
     # A low-rank bias is computed once, in phase 1, which leaves z in probs for phase 2.
     stash = bias.low_rank and not greedy
     _split_stats_kernel[(r, chunks)](
-        base, bias.bias, bias.index, bias.w2, stats[0], stats[1], arg, probs, v, base.stride(0),
-        bias.stride_bias, bias.stride_w2, probs.stride(0), float(temperature), **bias.flags, STASH=stash,
+        base, bias.tensor, bias.index, bias.w2, stats[0], stats[1], arg, probs, v, base.stride(0),
+        bias.stride, bias.stride_w2, probs.stride(0), float(temperature), **bias.flags, STASH=stash,
         GREEDY=greedy, **shape,
     )  # fmt: skip
-    if stash:  # phase 2 reads z as its base logits, no bias
-        z, z_bias, stride_z, stride_z_bias, has_bias = probs, probs, probs.stride(0), 0, False
-    else:  # the dense path (a low-rank bias at T = 0: phase 2 writes the one-hot, reads no logits)
-        z, z_bias, stride_z, stride_z_bias = base, bias.bias, base.stride(0), bias.stride_bias
-        has_bias = bias.flags["HAS_BIAS"] and not bias.low_rank
+    if stash:  # phase 2 reads z back as its logits, without a bias
+        z, z_bias, has_bias = probs, probs, False
+    else:  # a low-rank bias at T = 0 is not read: phase 2 writes the one-hot
+        z, z_bias, has_bias = base, bias.tensor, bias.flags["HAS_BIAS"] and not bias.low_rank
     _split_write_kernel[(r, chunks)](
-        z, z_bias, stats[0], stats[1], arg, stats[2], tokens, probs, v, stride_z, stride_z_bias,
+        z, z_bias, stats[0], stats[1], arg, stats[2], tokens, probs, v, z.stride(0), z_bias.stride(0),
         probs.stride(0), float(temperature), HAS_BIAS=has_bias, GREEDY=greedy, **shape,
         CHUNKS_P2=triton.next_power_of_2(chunks),
     )  # fmt: skip
@@ -541,7 +539,7 @@ def _sample_step_triton(base_logits, bias, low_rank, temperature, u, chunks: int
     tokens = torch.empty(r, device=base.device, dtype=torch.int64)
     u = u.float()
     _sample_step_kernel[(r,)](
-        base, bias.bias, bias.index, bias.w2, u, tokens, probs, v, base.stride(0), bias.stride_bias,
+        base, bias.tensor, bias.index, bias.w2, u, tokens, probs, v, base.stride(0), bias.stride,
         bias.stride_w2, u.stride(0), probs.stride(0), float(temperature), **bias.flags,
         GREEDY=temperature == 0, BLOCK=block,
     )  # fmt: skip
