@@ -199,10 +199,7 @@ def test_fast_engine_with_the_fused_paths_reproduces_the_plain_engine(small_targ
     """The fast engine over a drafter whose fused paths run (eagerly: their logic, not inductor's)
     gives the plain engine's tokens, acceptance and confidences: prefills, verify steps and the
     ring's flushes all write the context through the fused function."""
-    from test_engine import prompts_for
-    from test_fast_engine import _engines, assert_same_rounds
-
-    from dspark.decoding.engine import Request
+    from test_fast_engine import _engines, assert_same_rounds, seven_requests
 
     name, head = kind.split("-")
     drafter = build(small_target, name, head, layers=2, seed=3)
@@ -211,8 +208,7 @@ def test_fast_engine_with_the_fused_paths_reproduces_the_plain_engine(small_targ
     writer = drafter._context_writer
     inner = writer._write
     writer._write = lambda kv, taps, *a: fused_writes.append(taps.shape[0]) or inner(kv, taps, *a)
-    prompts = prompts_for(small_target, 7, seed=12)
-    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+    reqs = seven_requests(small_target)
     plain, fast = _engines(small_target, drafter, temperature, seed=7, deferred_context=2)
     drafter._context_writer = None  # the plain engine extends its growing cache: the reference
     a = plain.generate(reqs)
@@ -332,12 +328,14 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
     compiled_draft_step_matches(small_target, name, head, slots)
 
 
-def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-5, attention="auto"):
+def compiled_draft_step_matches(
+    target, name, head, slots, device="cpu", tol=1e-5, attention="auto", low_rank=None
+):
     """Compile the draft step with inductor (``fullgraph``), check its proposals against the
     reference for every rows count and drafted length, and that each compiled function made one
     graph for a single row and one for every larger count; returns what a caller checks further
-    (drafter, cache, anchors, uniforms, Shared, the compile counter). ``attention``: the draft
-    step's (``FusedDraft.attention``)."""
+    (drafter, cache, anchors, uniforms, Shared, the compile counter). ``attention``, ``low_rank``:
+    the draft step's (``FusedDraft.attention``, ``FusedDraft.low_rank_bias``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dspark.core.types import Shared
@@ -347,7 +345,7 @@ def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
-    drafter._fused.attention = attention
+    drafter._fused.attention, drafter._fused.low_rank_bias = attention, low_rank
     with torch.inference_mode():
         for r in (4, 2, 1, 3):
             for n in sorted({1, 2, drafter.gamma}):
@@ -355,7 +353,9 @@ def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-
                 kw = dict(uniforms=u[:r], draft_len=n)
                 want = reference_proposal(drafter, *args, **kw)
                 assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
-    assert counter.frame_count == (6 if name == "dspark" else 2)
+    # hidden and confidence graphs, and the head's step unless the sampler looks the Markov bias up
+    markov_in_kernel = low_rank and head == "markov"
+    assert counter.frame_count == (2 if name != "dspark" else 4 if markov_in_kernel else 6)
     return drafter, cache, anchors, u, shared, counter
 
 
@@ -517,11 +517,9 @@ def test_fast_engine_with_the_low_rank_bias_reproduces_the_plain_engine(
 ):
     """The fast engine over the fused paths with the bias in low-rank form at every row count gives
     the plain engine's tokens, acceptance and confidences (continuous batching, 1 to 3 rows)."""
-    from test_engine import prompts_for
-    from test_fast_engine import _engines, assert_same_rounds
+    from test_fast_engine import _engines, assert_same_rounds, seven_requests
 
     import dspark.drafters.dspark as dspark_module
-    from dspark.decoding.engine import Request
 
     low_rank_steps = []
     inner = dspark_module.sample_step
@@ -535,8 +533,7 @@ def test_fast_engine_with_the_low_rank_bias_reproduces_the_plain_engine(
     drafter = build(small_target, "dspark", head, layers=2, seed=3)
     drafter.compile_inference(compiler=None)
     drafter._fused.low_rank_bias = True
-    prompts = prompts_for(small_target, 7, seed=12)
-    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+    reqs = seven_requests(small_target)
     plain, fast = _engines(small_target, drafter, temperature, seed=7, deferred_context=2)
     fused, drafter._fused = drafter._fused, None  # the plain engine drafts by the eager reference
     a = plain.generate(reqs)
@@ -550,29 +547,9 @@ def test_fast_engine_with_the_low_rank_bias_reproduces_the_plain_engine(
 
 
 def compiled_low_rank_draft_step_matches(target, head, device="cpu", tol=1e-5):
-    """``compiled_draft_step_matches`` for DSpark with the bias in low-rank form (forced): the
-    compiled step's proposals against the eager reference's (dense) for every rows count and
-    drafted length, the head's step in two graphs (one row, more rows), none for the Markov head;
-    returns (drafter, cache, anchors, uniforms, Shared, the compile counter)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from dspark.core.types import Shared
-
-    drafter, cache, anchors, u = drafting_setup(target, "dspark", head, "anchor", device=device)
-    shared = Shared.of(target)
-    counter = CompileCounterWithBackend("inductor")
-    torch._dynamo.reset()
-    drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
-    drafter._fused.low_rank_bias = True
-    with torch.inference_mode():
-        for r in (4, 2, 1, 3):
-            for n in sorted({1, 2, drafter.gamma}):
-                args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
-                kw = dict(uniforms=u[:r], draft_len=n)
-                want = reference_proposal(drafter, *args, **kw)
-                assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
-    assert counter.frame_count == (4 if head == "markov" else 6)
-    return drafter, cache, anchors, u, shared, counter
+    """``compiled_draft_step_matches`` for DSpark with the bias in low-rank form (forced; the
+    eager reference keeps it dense): no head graph for the Markov head."""
+    return compiled_draft_step_matches(target, "dspark", head, "anchor", device, tol, low_rank=True)
 
 
 def test_compiled_low_rank_draft_step_equals_the_reference(small_target):

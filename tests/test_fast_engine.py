@@ -149,6 +149,13 @@ def _engines(t, drafter, temperature, deferred_context=8, **kw):
     return Engine(t, drafter, **common), fast
 
 
+def seven_requests(target, seed: int = 12) -> list[Request]:
+    """The engine comparisons' workload: seven prompts with budgets from 1 to 30 tokens, more than
+    the engines' slots (continuous batching, rows leaving at different rounds)."""
+    prompts = prompts_for(target, 7, seed=seed)
+    return [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+
+
 def assert_same_rounds(fast, plain, confidences: bool = True) -> None:
     """Two engines' results (EngineResult) alike: tokens, each round's request, acceptance and
     verified length and (``confidences``: where the plain engine has them) confidence logits."""
@@ -171,9 +178,7 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     if kind != "target":
         name, _, head = kind.partition("-")
         drafter = make_drafter(t, name, head or "none", gamma=4, seed=3)[0]
-    prompts = prompts_for(t, 7, seed=12)
-    budgets = [5, 30, 12, 22, 1, 17, 26]
-    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    reqs = seven_requests(t)
     plain, fast = _engines(t, drafter, temperature, seed=7)  # a seed where a random drafter is accepted
     a, b = plain.generate(reqs), fast.generate(reqs)
     assert_same_rounds(b, a)
@@ -202,8 +207,7 @@ def test_fast_engine_reproduces_plain_engine_under_every_policy(small_target, po
     two at a time (idle rows) and requests riding along one round after they end."""
     t = small_target
     drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
-    prompts = prompts_for(t, 7, seed=21)
-    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+    reqs = seven_requests(t, seed=21)
 
     def make():
         return Cycling() if policy == "cycling" else build_policy(policy)
@@ -519,8 +523,7 @@ def test_fast_engine_reproduces_plain_engine_on_gemma3(gemma3_target, kind, temp
     reading the taps; greedy target-only decoding also equals transformers' own DynamicCache."""
     t = gemma3_target
     drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0] if kind != "target" else None
-    prompts = prompts_for(t, 7, seed=12)
-    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 22, 1, 17, 26])]
+    reqs = seven_requests(t)
     plain, fast = _engines(t, drafter, temperature, seed=7)
     a, b = plain.generate(reqs), fast.generate(reqs)
     assert [g.tokens for g in b.generations] == [g.tokens for g in a.generations]
@@ -528,7 +531,7 @@ def test_fast_engine_reproduces_plain_engine_on_gemma3(gemma3_target, kind, temp
         (r.request, r.accepted, r.proposed) for r in a.rounds
     ]
     if drafter is None and temperature == 0.0:
-        assert b.generations[1].tokens == hf_greedy(t, prompts[1], 30)
+        assert b.generations[1].tokens == hf_greedy(t, reqs[1].prompt, 30)
 
 
 @pytest.mark.parametrize(
@@ -833,12 +836,7 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
     for every rows count and drafted length, in two graphs per compiled function (one row, more
     rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
     and uniforms, as the fast engine's draft step does."""
-    from test_drafter_fast_paths import (
-        assert_same_proposal,
-        compiled_draft_step_matches,
-        reference_proposal,
-        rows_of,
-    )
+    from test_drafter_fast_paths import compiled_draft_step_matches, rows_of
 
     t = small_target.to("cuda")
     try:
@@ -848,32 +846,38 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
         with torch.inference_mode():
             rows = rows_of(cache, 4)
             assert drafter._fused.attention_impl(rows) == "triton"  # the cache kernel, in the graphs
-            static = (anchors.clone(), cache.length[:4].clone(), u.clone())
-
-            def step():
-                return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
-
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            g = torch.Generator(device="cuda").manual_seed(9)
-            for _ in range(3):
-                static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
-                static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
-                graph.replay()
-                want = reference_proposal(
-                    drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2]
-                )
-                assert_same_proposal(out, want, tol=1e-4)
+            replay_draft_step_in_a_graph(drafter, rows, anchors, cache.length[:4], u, shared, t.vocab_size)
             assert counter.frame_count == (6 if name == "dspark" else 2)  # nothing compiled in capture
     finally:
         small_target.to("cpu")
+
+
+def replay_draft_step_in_a_graph(drafter, rows, anchors, lengths, u, shared, vocab: int) -> None:
+    """Capture the drafter's whole draft step over ``rows`` (4 of them) in a CUDA graph and replay
+    it for fresh anchors and uniforms: each replay's proposal equals the eager reference's."""
+    from test_drafter_fast_paths import assert_same_proposal, reference_proposal
+
+    static = (anchors.clone(), lengths.clone(), u.clone())
+
+    def step():
+        return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for _ in range(3):
+        static[0].copy_(torch.randint(4, vocab, (4,), device="cuda", generator=g))
+        static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
+        graph.replay()
+        want = reference_proposal(drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2])
+        assert_same_proposal(out, want, tol=1e-4)
 
 
 @pytest.mark.gpu
@@ -884,12 +888,7 @@ def test_compiled_low_rank_draft_step_on_cuda_matches_eager_inside_graphs(small_
     form (forced; the Markov head's looked up by the kernel, no head graph): proposals equal the
     eager reference's (dense bias) for every rows count and drafted length, and a captured CUDA
     graph of the whole step replays them for fresh anchors and uniforms."""
-    from test_drafter_fast_paths import (
-        assert_same_proposal,
-        compiled_low_rank_draft_step_matches,
-        reference_proposal,
-        rows_of,
-    )
+    from test_drafter_fast_paths import compiled_low_rank_draft_step_matches, rows_of
 
     t = small_target.to("cuda")
     try:
@@ -899,29 +898,7 @@ def test_compiled_low_rank_draft_step_on_cuda_matches_eager_inside_graphs(small_
         frames = counter.frame_count
         with torch.inference_mode():
             rows = rows_of(cache, 4)
-            static = (anchors.clone(), cache.length[:4].clone(), u.clone())
-
-            def step():
-                return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
-
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            g = torch.Generator(device="cuda").manual_seed(9)
-            for _ in range(3):
-                static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
-                static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
-                graph.replay()
-                want = reference_proposal(
-                    drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2]
-                )
-                assert_same_proposal(out, want, tol=1e-4)
+            replay_draft_step_in_a_graph(drafter, rows, anchors, cache.length[:4], u, shared, t.vocab_size)
             assert counter.frame_count == frames  # nothing compiled in capture
     finally:
         small_target.to("cpu")
