@@ -2,10 +2,10 @@
 # H200, issue 18 (speculation that pays at every load), in about 8 minutes (15 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
-#   2. the cost table: the verify curve, the draft step per R and drafted length, a round's
-#      overhead beyond its steps and the cost of reading its width back, whole rounds per R and
-#      drafted length at the e2e prompts' mean context (ROUND_CONTEXT, default 172: gsm8k's 108
-#      prompt tokens plus half the 128 new ones), the draft step's parts, each step's kernels at
+#   2. the cost table, all of it at the e2e prompts' mean context (ROUND_CONTEXT, default 172:
+#      gsm8k's 108 prompt tokens plus half the 128 new ones): the verify curve, the draft step per
+#      R and drafted length, a round's overhead beyond its steps and the cost of reading its width
+#      back, whole rounds per R and drafted length, the draft step's parts, each step's kernels at
 #      R = 1 and 256 (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
@@ -44,7 +44,8 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
 fi
 
 stage "cost table"
-timeout 270 python3 -m dspark.bench.engine_sps $T --context 512 --no-hf --warmup 3 --repeats 15 \
+# Every piece of the table at the workload's context: the policies price these rounds, not longer ones.
+timeout 270 python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" --no-hf --warmup 3 --repeats 15 \
   --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
   --draft-parts 1,16,64,256 --kernels 1,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60

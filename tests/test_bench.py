@@ -10,7 +10,7 @@ from test_engine import Oracle, prompts_for
 from test_evaluate import _bench, _save
 
 from dspark.bench import e2e, engine_sps
-from dspark.bench.measure import WARMUP_TOKENS, measure
+from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, run_noise
 from dspark.decoding.engine import Engine
 from dspark.scheduling.cost import CostModel
 from dspark.scheduling.policies import Fixed
@@ -109,6 +109,32 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
         assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
     assert report["cost_table"] == CostModel.load(cost).to_dict()
     assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
+
+
+def test_goal_checks_tell_a_tie_within_the_runs_noise_from_a_loss():
+    """hardware_aware against fixed γ: "beats" at >= 1x, "ties" when short by less than how far
+    the points' own repeats stray from their median (a median absolute deviation: one stalled
+    repeat does not widen it), "loses" otherwise."""
+
+    def point(run, tps, throughput, repeats):
+        reps = [{"tps_per_user": tps * f, "throughput": throughput * f} for f in repeats]
+        speedups = {"speedup_per_user": tps / 100, "speedup_throughput": throughput / 1000}
+        return {"run": run, "concurrency": 16, "tps_per_user": tps, "throughput": throughput, **speedups,
+                "repeats": reps}  # fmt: skip
+
+    steady, noisy = (1.0, 1.001, 0.999), (1.0, 1.03, 0.97)
+    for ha, repeats, verdict in [(1.01, steady, "beats"), (0.99, noisy, "ties"), (0.99, steady, "loses")]:
+        rows = [
+            point("target_only", 100, 1000, steady),
+            point("d/fixed", 200, 1500, steady),
+            point("d/hardware_aware", 200 * ha, 1500 * ha, repeats),
+        ]
+        (check,) = goal_checks(rows)
+        assert check["hardware_aware_verdict"] == verdict
+        assert check["hardware_aware_vs_fixed"] == pytest.approx(ha)
+        assert check["hardware_aware_beats_fixed"] == (ha >= 1)
+    stalled = point("x", 100, 1000, (1.0, 1.001, 0.2))  # one repeat hit a stall
+    assert run_noise(stalled) == pytest.approx(0.001) and run_noise(point("x", 1, 1, (1.0,))) == 0
 
 
 def test_e2e_keeps_the_points_of_a_run_cut_short(tiny_target, tmp_path, monkeypatch):

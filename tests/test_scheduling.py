@@ -739,13 +739,57 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
     assert first[0] and pol._realised < 0.2 / 0.9
     later, shadows = rounds(24, lambda m: m)
     assert not any(later) and sum(shadows) == 3 and not any(shadows[:4])  # one round in 8, no read-back
-    # Shadow walks that would have cut every block to nothing: the read-back pays again.
+    # Shadow walks that would have cut every block to nothing: the read-back pays again (one
+    # round in 8 verifies its whole draft, to time it against the walks).
     cut, _ = rounds(24, lambda m: 0)
-    assert not any(cut[:4]) and all(cut[-4:])
+    assert not any(cut[:4]) and sum(cut[-8:]) == 7
     # A policy without shadows (the default) never computes one.
     assert Fixed().shadow_lengths(torch.full((2, 3), 0.5)) is None
     with pytest.raises(ValueError, match="explore_every"):
         HardwareAware(explore_every=0)
+
+
+def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
+    """The cost table says the walk pays at R = 64 (0.9 ms to save, 0.2 ms to read back) but the
+    rounds say otherwise (issue 18's H200 run: walked rounds slower than whole ones). Once the
+    clock has ``min_timed`` rounds of each, HardwareAware walks only where walked rounds emitted
+    more tokens per ms; one round in ``explore_every`` still runs the other way (a whole-draft
+    round among walks, a real walk where the clock ruled walks out) so both clocks stay current.
+    Rows counts are timed apart: R = 16's clock says nothing about R = 64."""
+    cost = CostModel({1: 2.0, 16: 2.1, 64: 2.4, 128: 2.6, 512: 3.3}, draft_ms={64: 1.5}, padded=True,
+                     readback_ms=0.2)  # fmt: skip
+    pol = HardwareAware(explore_every=4, min_timed=2)
+    for _ in range(10):
+        pol.observe_round(np.full(64, 7), np.full(64, 7))
+
+    def rounds(n, ms_walked, ms_whole, rows=64):
+        """Walks cut every block to 2 (3 tokens a row, the table's estimate keeps walking); whole
+        rounds verify and accept all 7 (8 tokens a row)."""
+        walked = []
+        for _ in range(n):
+            m = pol.draft_length(rows, 7, cost)
+            walked.append(pol.width(m) is None)
+            verified = 2 if walked[-1] else m
+            pol.observe_round(np.full(rows, verified), np.full(rows, verified))
+            pol.observe_time(ms_walked if walked[-1] else ms_whole)
+        return walked
+
+    # The table says walk; round 4 is the whole-draft control round.
+    assert rounds(8, 2.6, 2.7) == [True, True, True, False] * 2
+    # The clock has 6 walked rounds (74 tokens/ms) and 2 whole ones (190): no more walks, except
+    # one real walk in 4 (not a shadow) to keep the walked clock current.
+    later = rounds(8, 2.6, 2.7)
+    assert later == [False, False, False, True] * 2
+    assert pol.shadow_lengths(torch.full((64, 7), 0.5), cost) is None
+    # Walks become the faster way (0.5 ms: 384 tokens/ms): the clock brings them back once the
+    # exploring walks outweigh the old ones.
+    assert rounds(48, 0.5, 2.7)[-4:] == [True, True, True, False]
+    assert pol._clocked_walk(16) is None  # another row count: the table decides there
+    pol.observe_time(1.0)  # a time without a planned round is ignored
+    pol.forget()
+    assert pol._clocked_walk(64) is None
+    with pytest.raises(ValueError, match="min_timed"):
+        HardwareAware(min_timed=0)
 
 
 def test_draft_aware_choice_is_lossless_and_anticipation_is_not():

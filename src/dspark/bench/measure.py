@@ -218,7 +218,9 @@ def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
     """Per concurrency, from ``speedup_rows``: the best policy per user, in aggregate, and on both
     at once against target-only (the issue's floor: one policy >= ``floor`` x on both), and whether
     ``hardware_aware`` matches or beats every fixed-length policy (``fixed``, ``fixed_<g>``,
-    ``mtp1``) in both."""
+    ``mtp1``) in both: ``hardware_aware_vs_fixed`` its worst ratio over them and both axes, and
+    ``hardware_aware_verdict`` "beats" (>= 1), "ties" (short by less than ``run_noise``, how
+    far the compared points' own timed repeats stray) or "loses"."""
     out = []
     for R in sorted({r["concurrency"] for r in rows}):
         runs = {
@@ -250,8 +252,29 @@ def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
                 ha["tps_per_user"] >= runs[n]["tps_per_user"] and ha["throughput"] >= runs[n]["throughput"]
                 for n in fixed
             )
+            ratio = min(ha[k] / runs[n][k] for n in fixed for k in ("tps_per_user", "throughput"))
+            noise = max(run_noise(runs[n]) for n in ["hardware_aware", *fixed])
+            check["hardware_aware_vs_fixed"] = ratio
+            check["run_noise"] = noise
+            verdict = "beats" if ratio >= 1 else "ties" if ratio >= 1 - noise else "loses"
+            check["hardware_aware_verdict"] = verdict
         out.append(check)
     return out
+
+
+def run_noise(point: dict) -> float:
+    """How far a point's timed repeats stray from their median: the median absolute deviation
+    over the median (one stalled repeat does not widen it), the larger of per-user speed and
+    throughput; 0 without repeats."""
+    reps = point.get("repeats") or []
+    if len(reps) < 2:
+        return 0.0
+    spreads = []
+    for key in ("tps_per_user", "throughput"):
+        values = np.array([r[key] for r in reps], dtype=float)
+        median = np.median(values)
+        spreads.append(float(np.median(np.abs(values - median)) / median))
+    return max(spreads)
 
 
 def check_policies(names: Sequence[str], cost: CostModel | None) -> None:

@@ -693,6 +693,8 @@ class Engine:
             # one-off work since the previous round's record (graph captures, compiles, GC passes)
             "events": self._watch.increments() if self._watch is not None else {},
         }
+        if self.drafter is not None:
+            self.policy.observe_time(info["ms"])
         return recs, ended, info
 
     def _calibrated(self, z: Tensor) -> Tensor:

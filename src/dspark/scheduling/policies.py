@@ -289,6 +289,10 @@ class Policy:
     def observe_shadow(self, lengths: np.ndarray) -> None:
         """A completed round's ``shadow_lengths`` (live rows only), right after its ``observe_round``."""
 
+    def observe_time(self, ms: float) -> None:
+        """A completed round's duration (ms on the device's timeline, idle gaps included; the
+        host's clock on the CPU), right after its ``observe_round`` / ``observe_shadow``."""
+
     def reset(self) -> None:
         """A new ``generate``: forget the state of the rounds in flight (stateless policies have
         none); what a policy learned about the drafter may carry over (``DraftAware``)."""
@@ -404,6 +408,14 @@ class HardwareAware(Policy):
     the round verifies its whole draft like the others (nothing read back, the same cost as fixed
     γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
     with the round's outcome to update the estimate, so it follows the workload for free.
+    The estimate prices the walk with the cost table; the clock has the last word: at each row
+    count it times completed rounds that walked and rounds that verified the whole draft (tokens
+    per ms on the device's timeline, ``observe_time``; an average that decays like the acceptance)
+    and, once it has ``min_timed`` of each, walks only where walking was faster. To keep both
+    clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
+    whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
+    before any), so a table that misprices the walk (the read-back's idle device, the walk's own
+    kernels, a flatter verify curve than profiled) costs a few rounds, not the run.
     Losslessness is untouched: every choice uses completed rounds only, and a shadow walk never
     shortens the round it sees.
 
@@ -417,16 +429,24 @@ class HardwareAware(Policy):
     name = "hardware_aware"
     needs_cost = True
 
-    def __init__(self, check: bool = True, decay: float = 0.9, explore_every: int = 32) -> None:
+    def __init__(
+        self, check: bool = True, decay: float = 0.9, explore_every: int = 32, min_timed: int = 4
+    ) -> None:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
+        if min_timed < 1:
+            raise ValueError(f"min_timed must be >= 1, got {min_timed}")
         self.check = check
         self.explore_every = int(explore_every)
+        self.min_timed = int(min_timed)
         self._acceptance = AcceptanceEstimate(decay)
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
-        self._since_walk = 0
+        self._since_explore = 0
+        # (rows, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
+        self._clock: dict[tuple[int, bool], np.ndarray] = {}
+        self._tokens = 0  # the tokens of the round observe_round just completed
         # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
         # flight, the bound only keeps a caller that never reports rounds from growing it.
         self._plans: deque = deque(maxlen=8)
@@ -441,7 +461,8 @@ class HardwareAware(Policy):
     def forget(self) -> None:
         """Drop the estimates too (a new drafter or workload)."""
         self._acceptance.reset()
-        self._realised, self._since_walk = None, 0
+        self._realised, self._since_explore = None, 0
+        self._clock.clear()
 
     def acceptance(self, gamma: int) -> np.ndarray:
         return self._acceptance.rates(gamma)
@@ -452,13 +473,26 @@ class HardwareAware(Policy):
             return 0
         drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
         largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
-        expected = largest * (1.0 if self._realised is None else self._realised)
         could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
-        self._walk = could and expected > cost.readback_ms
-        self._shadow = could and not self._walk and self._since_walk + 1 >= self.explore_every
-        self._since_walk = 0 if self._walk or self._shadow else self._since_walk + 1
-        self._plans.append((rows, drafted, self._walk, cost))
+        walk, shadow, clocked = False, False, self._clocked_walk(rows)
+        if could:
+            expected = largest * (1.0 if self._realised is None else self._realised)
+            walk = expected > cost.readback_ms if clocked is None else clocked
+            self._since_explore += 1
+            if self._since_explore >= self.explore_every:  # this round runs the other way
+                self._since_explore = 0
+                walk, shadow = (False, False) if walk else (clocked is not None, clocked is None)
+        self._walk, self._shadow = walk, shadow
+        self._plans.append((rows, drafted, walk, cost))
         return drafted
+
+    def _clocked_walk(self, rows: int) -> bool | None:
+        """Whether walked rounds at ``rows`` emitted more tokens per ms than whole-draft ones;
+        None until the clock has ``min_timed`` of each."""
+        walked, whole = self._clock.get((rows, True)), self._clock.get((rows, False))
+        if walked is None or whole is None or min(walked[2], whole[2]) < self.min_timed:
+            return None
+        return bool(walked[0] / walked[1] > whole[0] / whole[1])
 
     def width(self, drafted: int) -> int | None:
         return None if self._walk else drafted
@@ -491,10 +525,19 @@ class HardwareAware(Policy):
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self._acceptance.observe(lengths, accepted)
+        self._tokens = int(np.size(accepted) + np.sum(accepted))  # each live row's accepted + 1
         # A round this policy did not plan (the analytical replay) teaches the estimate nothing.
         self._observed = self._plans.popleft() if self._plans else None  # launch order
         if self._observed is not None and self._observed[2]:  # walked: its lengths are the walk's
             self._learn(lengths)
+
+    def observe_time(self, ms: float) -> None:
+        if self._observed is None or not self._observed[1] or not ms > 0:  # unplanned or plain
+            return
+        rows, _, walked, _ = self._observed
+        sums = self._clock.setdefault((rows, walked), np.zeros(3))  # tokens and ms decay, rounds count
+        sums[:2] = self._acceptance.decay * sums[:2] + (self._tokens, ms)
+        sums[2] += 1
 
     def observe_shadow(self, lengths: np.ndarray) -> None:
         if self._observed is not None:
@@ -710,6 +753,9 @@ class Truncated(Policy):
 
     def observe_shadow(self, lengths: np.ndarray) -> None:
         self.inner.observe_shadow(lengths)
+
+    def observe_time(self, ms: float) -> None:
+        self.inner.observe_time(ms)
 
     def reset(self) -> None:
         self.inner.reset()
