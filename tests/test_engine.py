@@ -398,13 +398,19 @@ HARDWARE_AWARE_COST = CostModel(
 )
 
 
-@pytest.mark.parametrize("policy", ["hardware_aware", "threshold"])
+@pytest.mark.parametrize("policy", ["hardware_aware", "hardware_aware_clocked", "threshold"])
 def test_confidence_lengths_after_a_planned_draft_are_lossless(small_target, stat_prompt, exact, policy):
     """The confidence-driven choices after a draft length planned from earlier rounds:
     HardwareAware's pre-draft plan then its depth walk over the round's confidences (the width
-    read back), the threshold's bound from its recent lengths then its prefix cut."""
+    read back); the same with the clock choosing between walked and whole-draft rounds from the
+    times of completed ones (every other round runs the other way); the threshold's bound from
+    its recent lengths then its prefix cut."""
     drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
-    pol = HardwareAware() if policy == "hardware_aware" else Threshold(0.3)
+    pol = {
+        "hardware_aware": HardwareAware(),
+        "hardware_aware_clocked": HardwareAware(explore_every=2, min_timed=1),
+        "threshold": Threshold(0.3),
+    }[policy]
     samples, _ = _first_three(
         small_target, drafter, stat_prompt, seed=6, policy=pol, concurrency=500, cost=HARDWARE_AWARE_COST
     )
@@ -412,8 +418,11 @@ def test_confidence_lengths_after_a_planned_draft_are_lossless(small_target, sta
     proposed = {r.proposed for r in eng.last_rounds}
     assert_matches(samples, exact, N_SAMPLES, f"{policy} (drafted {sorted(set(eng.drafted))})")
     assert len(proposed) > 1, proposed  # lengths were cut by the confidences
+    read_back = {s["readback_ms"] > 0 for s in eng.last_steps if s["drafted"]}
     if policy == "hardware_aware":
-        assert {s["readback_ms"] > 0 for s in eng.last_steps if s["drafted"]} == {True}
+        assert read_back == {True}
+    if policy == "hardware_aware_clocked":  # walked and whole-draft rounds both ran
+        assert read_back == {True, False} and pol._clock
 
 
 def test_shadow_walks_are_lossless_and_read_nothing_back(small_target, stat_prompt, exact):
