@@ -1184,31 +1184,3 @@ def test_gpu_sample_step_low_rank(temperature, gather):
                 assert valid_inverse_cdf(got.probs, u[rows], got.tokens, 1e-5)
                 sure = unambiguous(probs, u[rows], 1e-5)
                 assert torch.equal(got.tokens[sure], tokens[sure])
-
-
-@needs_interpreter
-@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
-def test_interp_draft_step_low_rank(small_target, head, monkeypatch):
-    """DSpark's fused draft step with the Triton sampler, as on the GPU (here the split path at
-    V = 256): the bias in low-rank form (the Markov head's looked up by the kernel) proposes the
-    dense form's tokens, and its probabilities and confidences to rounding."""
-    import functools
-
-    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, rows_of
-
-    import dspark.drafters.dspark as dspark_module
-    from dspark.core.types import Shared
-
-    monkeypatch.setattr(dspark_module, "sample_step", functools.partial(sample_step, impl="triton"))
-    drafter, cache, anchors, u = drafting_setup(small_target, "dspark", head, "anchor")
-    shared = Shared.of(small_target)
-    drafter.compile_inference(compiler=None)
-    with torch.inference_mode():
-        for r in (4, 1):
-            for temperature in (0.0, 1.0):
-                args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, temperature)
-                proposals = []
-                for low_rank in (False, True):
-                    drafter._fused.low_rank_bias = low_rank
-                    proposals.append(drafter.propose(*args, uniforms=u[:r]))
-                assert_same_proposal(proposals[1], proposals[0])
