@@ -13,16 +13,6 @@ fills the GPU). With few rows that leaves most SMs idle, so each row's vocabular
 chunks handled by C programs (grid R x C, three launches): per-chunk statistics, then p and each
 chunk's mass, then one program per row finds the chunk holding u·total and searches it.
 ``choose_chunks`` picks C (the default); ``chunks=1`` forces the single-program kernel.
-
-The bias may come in low-rank form, ``low_rank=LowRankBias(w2, b)`` with bias = b @ w2ᵀ (DSpark's
-head: W2 [V, r], its features b [R, r]), and with ``index`` [R] the kernel also looks b up itself,
-b[i] = table[index[i]] (the Markov head: W1[prev]). Each program then computes its columns' bias
-from its W2 rows and the row's b in float32 (the dense form's ``base.float() + bias.float()`` up to
-the summation order), so neither a [R, V] bias tensor nor its GEMM is needed: at few rows that saves
-launches and the bias's round trip through memory. Pieces are then LOW_RANK_TILE / r columns wide
-(a [columns, r] tile of W2 in registers), and on the split path at T > 0 phase 1 leaves the logits
-in ``out`` for phase 2, so each row reads W2 once (L2 hits after the first row). That per-row read
-is why, past a few rows, the dense bias's tensor-core GEMM is cheaper: ``low_rank_pays``.
 """
 
 from __future__ import annotations
@@ -35,54 +25,17 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 
-__all__ = [
-    "LowRankBias",
-    "SampleStep",
-    "choose_chunks",
-    "low_rank_pays",
-    "sample_from_reference",
-    "sample_step_reference",
-    "sample_step",
-]
+__all__ = ["SampleStep", "choose_chunks", "sample_from_reference", "sample_step_reference", "sample_step"]
 
 BLOCK = 4096  # columns per piece on the GPU (the interpreter uses 128)
 # Programs the split path aims for: about one per SM (H200: 132). R >= SM_TARGET rows fill the
 # GPU with one program per row, so they keep the single-program kernel.
 SM_TARGET = 128
-# A low-rank bias's [columns, r] float32 tile: 8192 elements, 64 registers a thread at 4 warps.
-LOW_RANK_TILE = 8192
-# Rows up to which the split path computes the low-rank bias itself (``low_rank_pays``). Each row's
-# programs read all of W2 (6 MiB at V = 49 152, r = 64; L2 hits after the first row), against one
-# GEMM and two launches (~3 µs each) for the dense bias: an estimate, to be confirmed on the H200.
-LOW_RANK_MAX_ROWS = 4
 
 
 class SampleStep(NamedTuple):
     tokens: Tensor  # [R] int64
     probs: Tensor  # [R, V] float32, the exact distribution the token was drawn from
-
-
-class LowRankBias(NamedTuple):
-    """bias = b @ w2ᵀ [R, V], in factors: the kernels compute it column by column, never whole.
-    With ``index`` [R] (integer), ``b`` is a table [V', r] and row i's features are b[index[i]]
-    (the Markov head: W1[prev], looked up by the kernel)."""
-
-    w2: Tensor  # [V, r]
-    b: Tensor  # [R, r], or the table [V', r] that index reads
-    index: Tensor | None = None  # [R]
-
-    def dense(self) -> Tensor:
-        """The bias [R, V] in float32, the kernels' accumulation."""
-        b = self.b if self.index is None else self.b[self.index]
-        return b.float() @ self.w2.float().t()
-
-
-def low_rank_pays(rows: int, vocab: int) -> bool:
-    """Whether ``rows`` rows should pass a low-rank bias to ``sample_step`` rather than the dense
-    b @ W2ᵀ: where the vocabulary is split over several programs per row (``choose_chunks``) and
-    the rows are few enough that re-reading W2 per row costs less than the GEMM and its launches
-    (``LOW_RANK_MAX_ROWS``). Static (shapes only), so fixed per captured CUDA graph."""
-    return rows <= LOW_RANK_MAX_ROWS and choose_chunks(rows, vocab, _dense_block(vocab)) > 1
 
 
 def sample_from_reference(dist: Tensor, u: Tensor) -> Tensor:
@@ -101,24 +54,16 @@ def sample_from_reference(dist: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last)
 
 
-def _combined_logits(base_logits: Tensor, bias: Tensor | None, low_rank: LowRankBias | None) -> Tensor:
+def _combined_logits(base_logits: Tensor, bias: Tensor | None) -> Tensor:
     z = base_logits.float()
-    if low_rank is not None:
-        return z + LowRankBias(*low_rank).dense()
     return z if bias is None else z + bias.float()
 
 
 def sample_step_reference(
-    base_logits: Tensor,
-    bias: Tensor | None,
-    temperature: float,
-    u: Tensor,
-    *,
-    low_rank: LowRankBias | None = None,
+    base_logits: Tensor, bias: Tensor | None, temperature: float, u: Tensor
 ) -> SampleStep:
-    """PyTorch reference: float32 logits (base and bias are each upcast before adding; a low-rank
-    bias is materialised in float32)."""
-    z = _combined_logits(base_logits, bias, low_rank)
+    """PyTorch reference: float32 logits (base and bias are each upcast before adding)."""
+    z = _combined_logits(base_logits, bias)
     if temperature == 0:
         tokens = z.argmax(-1)
         probs = torch.zeros_like(z)
@@ -131,45 +76,22 @@ def sample_step_reference(
 if HAS_TRITON:
 
     @triton.jit
-    def _rows(base_ptr, bias_ptr, index_ptr, r, stride_base, stride_bias, GATHER: tl.constexpr):
-        """Row r's logits and its bias row: dense, or the low-rank features b (table row index[r])."""
-        bias_row = r
-        if GATHER:
-            bias_row = tl.load(index_ptr + r).to(tl.int64)
-        return base_ptr + r * stride_base, bias_ptr + bias_row * stride_bias
-
-    @triton.jit
-    def _load_logits(base_row, bias_row, w2_ptr, stride_w2, offs, V, HAS_BIAS: tl.constexpr,
-                     RANK: tl.constexpr, RANK_P2: tl.constexpr):  # fmt: skip
-        """z = base + bias over ``offs``, float32; RANK > 0: bias = W2[offs] · b, b at bias_row."""
+    def _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS: tl.constexpr):
         ok = offs < V
-        z = tl.load(base_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        z = tl.load(base_ptr + r * stride_base + offs, mask=ok, other=float("-inf")).to(tl.float32)
         if HAS_BIAS:
-            if RANK == 0:
-                z += tl.load(bias_row + offs, mask=ok, other=0.0).to(tl.float32)
-            else:
-                j = tl.arange(0, RANK_P2)
-                b = tl.load(bias_row + j, mask=j < RANK, other=0.0).to(tl.float32)
-                w = tl.load(
-                    w2_ptr + offs[:, None].to(tl.int64) * stride_w2 + j[None, :],
-                    mask=ok[:, None] & (j[None, :] < RANK),
-                    other=0.0,
-                ).to(tl.float32)
-                z += tl.sum(w * b[None, :], axis=1)
+            z += tl.load(bias_ptr + r * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)
         return z
 
     @triton.jit
-    def _span_argmax(base_row, bias_row, w2_ptr, stride_w2, start, V: tl.constexpr, SPAN: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, RANK: tl.constexpr, RANK_P2: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
+    def _span_argmax(base_ptr, bias_ptr, r, start, V: tl.constexpr, SPAN: tl.constexpr, stride_base,
+                     stride_bias, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         """Max and lowest argmax of z over [start, start + SPAN) ∩ [0, V), BLOCK-wide pieces."""
         lane = tl.arange(0, BLOCK)
         best = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
         best_i = tl.min(tl.zeros((BLOCK,), tl.int64), axis=0) + start
         for v0 in range(0, SPAN, BLOCK):
-            z = _load_logits(
-                base_row, bias_row, w2_ptr, stride_w2, start + v0 + lane, V, HAS_BIAS, RANK, RANK_P2
-            )
+            z = _load_logits(base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
             m = tl.max(z, axis=0)
             i = tl.argmax(z, axis=0).to(tl.int64) + start + v0
             take = m > best  # strict: earlier pieces win ties, like torch.argmax
@@ -178,20 +100,17 @@ if HAS_TRITON:
         return best, best_i
 
     @triton.jit
-    def _span_max_sumexp(base_row, bias_row, w2_ptr, stride_w2, stash_row, start, V: tl.constexpr,
-                         SPAN: tl.constexpr, temperature, HAS_BIAS: tl.constexpr, RANK: tl.constexpr,
-                         RANK_P2: tl.constexpr, STASH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        """Online max m and sum of exp(z / T - m) over [start, start + SPAN) ∩ [0, V); STASH: also
-        store z at stash_row (the next phase reads it there instead of recomputing the bias)."""
+    def _span_max_sumexp(base_ptr, bias_ptr, r, start, V: tl.constexpr, SPAN: tl.constexpr, stride_base,
+                         stride_bias, temperature, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Online max m and sum of exp(z / T - m) over [start, start + SPAN) ∩ [0, V)."""
         lane = tl.arange(0, BLOCK)
         m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
         s = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
         for v0 in range(0, SPAN, BLOCK):
-            offs = start + v0 + lane
-            z = _load_logits(base_row, bias_row, w2_ptr, stride_w2, offs, V, HAS_BIAS, RANK, RANK_P2)
-            if STASH:
-                tl.store(stash_row + offs, z, mask=offs < V)
-            y = z / temperature
+            y = (
+                _load_logits(base_ptr, bias_ptr, r, start + v0 + lane, V, stride_base, stride_bias, HAS_BIAS)
+                / temperature
+            )
             m_new = tl.maximum(m, tl.max(y, axis=0))
             # Guard -inf - -inf (all-masked pieces) which would give NaN.
             scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
@@ -203,22 +122,16 @@ if HAS_TRITON:
     def _sample_step_kernel(
         base_ptr,
         bias_ptr,
-        index_ptr,
-        w2_ptr,
         u_ptr,
         tokens_ptr,
         probs_ptr,
         V: tl.constexpr,
         stride_base,
         stride_bias,
-        stride_w2,
         stride_u,
         stride_probs,
         temperature,
         HAS_BIAS: tl.constexpr,
-        RANK: tl.constexpr,
-        RANK_P2: tl.constexpr,
-        GATHER: tl.constexpr,
         GREEDY: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -227,10 +140,9 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         lane = tl.arange(0, BLOCK)
         out_row = probs_ptr + r * stride_probs
-        base_row, bias_row = _rows(base_ptr, bias_ptr, index_ptr, r, stride_base, stride_bias, GATHER)
         if GREEDY:
             _, best_i = _span_argmax(
-                base_row, bias_row, w2_ptr, stride_w2, 0, V, V, HAS_BIAS, RANK, RANK_P2, BLOCK
+                base_ptr, bias_ptr, r, 0, V, V, stride_base, stride_bias, HAS_BIAS, BLOCK
             )
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
@@ -239,9 +151,8 @@ if HAS_TRITON:
         else:
             # Pass 1: online max / sum-exp of z / T.
             m, s = _span_max_sumexp(
-                base_row, bias_row, w2_ptr, stride_w2, out_row, 0, V, V, temperature, HAS_BIAS, RANK, RANK_P2,
-                False, BLOCK,
-            )  # fmt: skip
+                base_ptr, bias_ptr, r, 0, V, V, stride_base, stride_bias, temperature, HAS_BIAS, BLOCK
+            )
             # Pass 2: write p; the sampling total is the cdf's last element, built by the same
             # blockwise scan that pass 3 repeats, so threshold and cdf agree exactly.
             carry = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
@@ -249,7 +160,7 @@ if HAS_TRITON:
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
                 y = (
-                    _load_logits(base_row, bias_row, w2_ptr, stride_w2, offs, V, HAS_BIAS, RANK, RANK_P2)
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
                     / temperature
                 )
                 p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
@@ -264,7 +175,7 @@ if HAS_TRITON:
             for v0 in range(0, V, BLOCK):
                 offs = v0 + lane
                 y = (
-                    _load_logits(base_row, bias_row, w2_ptr, stride_w2, offs, V, HAS_BIAS, RANK, RANK_P2)
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
                     / temperature
                 )
                 p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
@@ -281,46 +192,34 @@ if HAS_TRITON:
     def _split_stats_kernel(
         base_ptr,
         bias_ptr,
-        index_ptr,
-        w2_ptr,
         m_ptr,
         s_ptr,
         arg_ptr,
-        probs_ptr,
         V: tl.constexpr,
         stride_base,
         stride_bias,
-        stride_w2,
-        stride_probs,
         temperature,
         HAS_BIAS: tl.constexpr,
-        RANK: tl.constexpr,
-        RANK_P2: tl.constexpr,
-        GATHER: tl.constexpr,
-        STASH: tl.constexpr,
         GREEDY: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNK: tl.constexpr,
         CHUNKS: tl.constexpr,
     ):
-        # Phase 1: the chunk's max and sum-exp of z / T relative to it (greedy: max and argmax);
-        # STASH: z itself into the chunk's probabilities, which phase 2 then reads and overwrites.
+        # Phase 1: the chunk's max and sum-exp of z / T relative to it (greedy: max and argmax).
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
         start = c * CHUNK
         at = r * CHUNKS + c
-        base_row, bias_row = _rows(base_ptr, bias_ptr, index_ptr, r, stride_base, stride_bias, GATHER)
         if GREEDY:
             best, best_i = _span_argmax(
-                base_row, bias_row, w2_ptr, stride_w2, start, V, CHUNK, HAS_BIAS, RANK, RANK_P2, BLOCK
+                base_ptr, bias_ptr, r, start, V, CHUNK, stride_base, stride_bias, HAS_BIAS, BLOCK
             )
             tl.store(m_ptr + at, best)
             tl.store(arg_ptr + at, best_i)
         else:
             m, s = _span_max_sumexp(
-                base_row, bias_row, w2_ptr, stride_w2, probs_ptr + r * stride_probs, start, V, CHUNK,
-                temperature, HAS_BIAS, RANK, RANK_P2, STASH, BLOCK,
-            )  # fmt: skip
+                base_ptr, bias_ptr, r, start, V, CHUNK, stride_base, stride_bias, temperature, HAS_BIAS, BLOCK
+            )
             tl.store(m_ptr + at, m)
             tl.store(s_ptr + at, s)
 
@@ -357,7 +256,6 @@ if HAS_TRITON:
         cok = ci < CHUNKS
         cm = tl.load(m_ptr + r * CHUNKS + ci, mask=cok, other=float("-inf"))
         out_row = probs_ptr + r * stride_probs
-        base_row, bias_row = base_ptr + r * stride_base, bias_ptr + r * stride_bias
         if GREEDY:
             carg = tl.load(arg_ptr + r * CHUNKS + ci, mask=cok, other=V)
             best = tl.max(cm, axis=0)
@@ -375,8 +273,10 @@ if HAS_TRITON:
             mass = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
             for v0 in range(0, CHUNK, BLOCK):
                 offs = start + v0 + lane
-                # A low-rank bias is never computed here: phase 1 stashed z in out_row, passed as base.
-                y = _load_logits(base_row, bias_row, bias_row, 0, offs, V, HAS_BIAS, 0, 1) / temperature
+                y = (
+                    _load_logits(base_ptr, bias_ptr, r, offs, V, stride_base, stride_bias, HAS_BIAS)
+                    / temperature
+                )
                 p = tl.where(offs < V, tl.exp(y - m) / s, 0.0)
                 tl.store(out_row + offs, p, mask=offs < V)
                 # The same blockwise running cdf, from 0 at the chunk's start, as phase 3's search.
@@ -451,70 +351,25 @@ def choose_chunks(rows: int, vocab: int, block: int = BLOCK) -> int:
     return _chunk_layout(want, vocab, block)[0]
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _dense_block(vocab: int) -> int:
-    return 128 if triton_interpreting() else min(BLOCK, _pow2_at_least(vocab))
-
-
-def _unit_columns(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-class _Bias(NamedTuple):
-    """The kernels' bias arguments (pointers to base stand in for the unused ones)."""
-
-    tensor: Tensor  # the dense bias, or the low-rank features b (the table, with index)
-    index: Tensor  # GATHER: each row's row of the table
-    w2: Tensor
-    stride: int  # tensor's row stride
-    stride_w2: int
-    flags: dict  # the constexprs HAS_BIAS, RANK (0: dense), RANK_P2, GATHER
-
-    @classmethod
-    def of(cls, base: Tensor, bias: Tensor | None, low_rank: LowRankBias | None) -> _Bias:
-        if low_rank is None:
-            flags = {"HAS_BIAS": bias is not None, "RANK": 0, "RANK_P2": 1, "GATHER": False}
-            bias = base if bias is None else _unit_columns(bias)
-            return cls(bias, base, base, bias.stride(0), 0, flags)
-        w2, b, index = _unit_columns(low_rank.w2), _unit_columns(low_rank.b), low_rank.index
-        rank = w2.shape[1]
-        flags = {"HAS_BIAS": True, "RANK": rank, "RANK_P2": _pow2_at_least(rank), "GATHER": index is not None}
-        return cls(b, base if index is None else index, w2, b.stride(0), w2.stride(0), flags)
-
-    @property
-    def low_rank(self) -> bool:
-        return self.flags["RANK"] > 0
-
-
-def _sample_step_split(
-    base, bias: _Bias, temperature, u, chunks: int, block: int, probs: Tensor
-) -> SampleStep:
+def _sample_step_split(base, bias, temperature, u, chunks: int, block: int, probs: Tensor) -> SampleStep:
     r, v = base.shape
     chunks, chunk = _chunk_layout(chunks, v, block)
     device = base.device
     tokens = torch.empty(r, device=device, dtype=torch.int64)
     stats = torch.empty((3, r, chunks), device=device, dtype=torch.float32)  # max, sum-exp, mass
     arg = torch.empty((r, chunks), device=device, dtype=torch.int64)  # greedy: chunk argmax
+    bias_arg = base if bias is None else bias
+    stride_bias = 0 if bias is None else bias.stride(0)
     greedy = temperature == 0
     shape = {"BLOCK": block, "CHUNK": chunk, "CHUNKS": chunks}
-    # A low-rank bias is computed once, in phase 1, which leaves z in probs for phase 2.
-    stash = bias.low_rank and not greedy
+    common = (v, base.stride(0), stride_bias)
+    flags = {"HAS_BIAS": bias is not None, "GREEDY": greedy}
     _split_stats_kernel[(r, chunks)](
-        base, bias.tensor, bias.index, bias.w2, stats[0], stats[1], arg, probs, v, base.stride(0),
-        bias.stride, bias.stride_w2, probs.stride(0), float(temperature), **bias.flags, STASH=stash,
-        GREEDY=greedy, **shape,
+        base, bias_arg, stats[0], stats[1], arg, *common, float(temperature), **flags, **shape
     )  # fmt: skip
-    if stash:  # phase 2 reads z back as its logits, without a bias
-        z, z_bias, has_bias = probs, probs, False
-    else:  # a low-rank bias at T = 0 is not read: phase 2 writes the one-hot
-        z, z_bias, has_bias = base, bias.tensor, bias.flags["HAS_BIAS"] and not bias.low_rank
     _split_write_kernel[(r, chunks)](
-        z, z_bias, stats[0], stats[1], arg, stats[2], tokens, probs, v, z.stride(0), z_bias.stride(0),
-        probs.stride(0), float(temperature), HAS_BIAS=has_bias, GREEDY=greedy, **shape,
-        CHUNKS_P2=triton.next_power_of_2(chunks),
+        base, bias_arg, stats[0], stats[1], arg, stats[2], tokens, probs, *common, probs.stride(0),
+        float(temperature), **flags, **shape, CHUNKS_P2=triton.next_power_of_2(chunks),
     )  # fmt: skip
     if not greedy:
         u = u.float()  # a strided u (a column of [R, γ]) is read in place
@@ -525,13 +380,12 @@ def _sample_step_split(
     return SampleStep(tokens, probs)
 
 
-def _sample_step_triton(base_logits, bias, low_rank, temperature, u, chunks: int | None, out: Tensor | None):
+def _sample_step_triton(base_logits, bias, temperature, u, chunks: int | None, out: Tensor | None):
     r, v = base_logits.shape
-    base = _unit_columns(base_logits)
-    bias = _Bias.of(base, bias, low_rank)
-    block = _dense_block(v)
-    if bias.low_rank:  # the [block, r] tile of W2 must fit in registers
-        block = min(block, max(16, LOW_RANK_TILE // bias.flags["RANK_P2"]))
+    base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    block = 128 if triton_interpreting() else min(BLOCK, triton.next_power_of_2(v))
     chunks = choose_chunks(r, v, block) if chunks is None else _chunk_layout(chunks, v, block)[0]
     probs = torch.empty((r, v), device=base.device, dtype=torch.float32) if out is None else out
     if chunks > 1:
@@ -539,10 +393,21 @@ def _sample_step_triton(base_logits, bias, low_rank, temperature, u, chunks: int
     tokens = torch.empty(r, device=base.device, dtype=torch.int64)
     u = u.float()
     _sample_step_kernel[(r,)](
-        base, bias.tensor, bias.index, bias.w2, u, tokens, probs, v, base.stride(0), bias.stride,
-        bias.stride_w2, u.stride(0), probs.stride(0), float(temperature), **bias.flags,
-        GREEDY=temperature == 0, BLOCK=block,
-    )  # fmt: skip
+        base,
+        base if bias is None else bias,
+        u,
+        tokens,
+        probs,
+        v,
+        base.stride(0),
+        0 if bias is None else bias.stride(0),
+        u.stride(0),
+        probs.stride(0),
+        float(temperature),
+        HAS_BIAS=bias is not None,
+        GREEDY=temperature == 0,
+        BLOCK=block,
+    )
     return SampleStep(tokens, probs)
 
 
@@ -552,19 +417,11 @@ def sample_step(
     temperature: float,
     u: Tensor,
     *,
-    low_rank: LowRankBias | None = None,
     impl: str = "auto",
     chunks: int | None = None,
     out: Tensor | None = None,
 ) -> SampleStep:
     """Sample one token per row from softmax((base + bias) / T); see the module docstring.
-
-    ``low_rank`` (with ``bias=None``): the bias as ``LowRankBias(w2 [V, r], b [R, r])``, or
-    ``LowRankBias(w2, table [V', r], index [R])`` for b = table[index]; computed in float32 inside
-    the kernels (materialised by the PyTorch path). The kernels' dot products differ from the dense
-    float32 bias by summation order only (~1e-7 of |bias|; the tests hold the probabilities to 1e-6
-    absolute, 1e-5 relative at V = 49 152, and greedy tokens equal). Worth it at few rows only:
-    ``low_rank_pays``.
 
     ``out``: float32 [R, V] (unit column stride, any row stride, e.g. one position of a [R, γ, V]
     proposal) that receives the probabilities in place of a new tensor, and is returned.
@@ -590,27 +447,8 @@ def sample_step(
             f"out must be float32 {tuple(base_logits.shape)} with unit column stride, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
-    tensors = [base_logits, u] + ([] if bias is None else [bias])
-    if low_rank is not None:
-        low_rank = LowRankBias(*low_rank)
-        _check_low_rank(low_rank, bias, base_logits.shape)
-        tensors += [t for t in low_rank if t is not None]
+    tensors = (base_logits, u) if bias is None else (base_logits, bias, u)
     if resolve_impl(impl, *tensors) == "triton":
-        return _sample_step_triton(base_logits, bias, low_rank, temperature, u, chunks, out)
-    step = sample_step_reference(base_logits, bias, temperature, u, low_rank=low_rank)
+        return _sample_step_triton(base_logits, bias, temperature, u, chunks, out)
+    step = sample_step_reference(base_logits, bias, temperature, u)
     return step if out is None else SampleStep(step.tokens, out.copy_(step.probs))
-
-
-def _check_low_rank(low_rank: LowRankBias, bias: Tensor | None, shape: torch.Size) -> None:
-    w2, b, index = low_rank
-    rows, vocab = shape
-    if bias is not None:
-        raise ValueError("pass the bias either dense (bias) or low-rank (low_rank), not both")
-    if w2.dim() != 2 or w2.shape[0] != vocab or b.dim() != 2 or b.shape[1] != w2.shape[1]:
-        raise ValueError(
-            f"low_rank needs w2 [V={vocab}, r] and b [R, r], got {tuple(w2.shape)} and {tuple(b.shape)}"
-        )
-    if index is None and b.shape[0] != rows:
-        raise ValueError(f"low_rank b must have R={rows} rows, got {tuple(b.shape)}")
-    if index is not None and (index.shape != (rows,) or index.dtype.is_floating_point or index.is_complex()):
-        raise ValueError(f"low_rank index must be integer [R]={rows}, got {index.dtype} {tuple(index.shape)}")

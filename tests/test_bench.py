@@ -59,7 +59,6 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms") and k != "sequential_head_ms")
         head = part["head_sampling_graph_ms"] - part["parallel_sampling_graph_ms"]
         assert part["sequential_head_ms"] == max(0.0, head)  # what the head adds to parallel sampling
-        assert part["fused_heads_dense_graph_ms"] > 0 and part["fused_heads_low_rank_graph_ms"] > 0
     # --kernels: the verify step at widths 1 and γ + 1, the draft step and a plain round's step, each
     # profiled (CPU ops here)
     assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [

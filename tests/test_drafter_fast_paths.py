@@ -328,14 +328,12 @@ def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_t
     compiled_draft_step_matches(small_target, name, head, slots)
 
 
-def compiled_draft_step_matches(
-    target, name, head, slots, device="cpu", tol=1e-5, attention="auto", low_rank=None
-):
+def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-5, attention="auto"):
     """Compile the draft step with inductor (``fullgraph``), check its proposals against the
     reference for every rows count and drafted length, and that each compiled function made one
     graph for a single row and one for every larger count; returns what a caller checks further
-    (drafter, cache, anchors, uniforms, Shared, the compile counter). ``attention``, ``low_rank``:
-    the draft step's (``FusedDraft.attention``, ``FusedDraft.low_rank_bias``)."""
+    (drafter, cache, anchors, uniforms, Shared, the compile counter). ``attention``: the draft
+    step's (``FusedDraft.attention``)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dspark.core.types import Shared
@@ -345,7 +343,7 @@ def compiled_draft_step_matches(
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
-    drafter._fused.attention, drafter._fused.low_rank_bias = attention, low_rank
+    drafter._fused.attention = attention
     with torch.inference_mode():
         for r in (4, 2, 1, 3):
             for n in sorted({1, 2, drafter.gamma}):
@@ -353,9 +351,7 @@ def compiled_draft_step_matches(
                 kw = dict(uniforms=u[:r], draft_len=n)
                 want = reference_proposal(drafter, *args, **kw)
                 assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
-    # hidden and confidence graphs, and the head's step unless the sampler looks the Markov bias up
-    markov_in_kernel = low_rank and head == "markov"
-    assert counter.frame_count == (2 if name != "dspark" else 4 if markov_in_kernel else 6)
+    assert counter.frame_count == (6 if name == "dspark" else 2)
     return drafter, cache, anchors, u, shared, counter
 
 
@@ -435,124 +431,3 @@ def test_compile_inference_is_idempotent_for_one_compiler(small_target):
     assert drafter._fused is fused and drafter._context_writer is writer
     drafter.compile_inference(compiler=lambda fn: fn)
     assert drafter._fused is not fused and drafter._context_writer is not writer
-
-
-# ---------------------------------------------------------------------------------------------
-# DSpark's bias handed to the sampler in low-rank form (sample_block_fused, kernels.sample_step)
-
-
-@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
-def test_low_rank_bias_draft_step_equals_the_dense_one(small_target, head):
-    """The fused draft step with the bias in low-rank form (forced: at this vocabulary
-    ``low_rank_pays`` never holds) proposes the dense form's tokens, and its probabilities and
-    confidences to rounding, for every row count, drafted length and temperature; the Markov head
-    runs no head graph (the sampler looks W1[prev] up), the others one per position, as before."""
-    from dspark.core.types import Shared
-
-    drafter, cache, anchors, u = drafting_setup(small_target, "dspark", head, "anchor")
-    shared = Shared.of(small_target)
-    drafter.compile_inference(compiler=None)
-    fused = drafter._fused
-    calls = []
-    inner = fused.position
-    fused.position = lambda *a: calls.append(a[-1]) or inner(*a)
-    seen_tokens = set()
-    with torch.inference_mode():
-        for r in (4, 1, 3):
-            for n in sorted({1, 2, drafter.gamma}):
-                for temperature in (0.0, 1.0, 8.0):
-                    args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, temperature)
-                    kw = dict(uniforms=u[:r], draft_len=n)
-                    fused.low_rank_bias = False
-                    want = drafter.propose(*args, **kw)
-                    assert calls[-n:] == [False] * n
-                    calls.clear()
-                    fused.low_rank_bias = True
-                    got = drafter.propose(*args, **kw)
-                    assert calls == ([] if head == "markov" else [True] * n)
-                    calls.clear()
-                    assert_same_proposal(got, want)
-                    seen_tokens.update(got.tokens.flatten().tolist())
-    assert len(seen_tokens) > 2
-
-
-def test_the_low_rank_form_follows_the_rule(small_target, monkeypatch):
-    """Left to itself the draft step asks ``low_rank_pays`` (rows, vocabulary) and uses the
-    low-rank form where it holds, never under a soft-cap (the cap needs the dense sum) nor without
-    a head."""
-    import dspark.drafters.dspark as dspark_module
-    from dspark.core.types import Shared
-
-    asked, forms = [], []
-    monkeypatch.setattr(dspark_module, "low_rank_pays", lambda r, v: asked.append((r, v)) or r == 1)
-    inner = dspark_module.sample_step
-    monkeypatch.setattr(
-        dspark_module,
-        "sample_step",
-        lambda *a, low_rank=None, **kw: (
-            forms.append(low_rank is not None) or inner(*a, low_rank=low_rank, **kw)
-        ),
-    )
-    v = small_target.vocab_size
-    for head, softcap, r, want in [
-        ("markov", None, 1, True),
-        ("markov", None, 3, False),
-        ("rnn", None, 1, True),
-        ("rnn", 3.0, 1, False),
-        ("none", None, 1, False),
-    ]:
-        drafter, cache, anchors, u = drafting_setup(small_target, "dspark", head, "anchor")
-        drafter.compile_inference(compiler=None)
-        shared = Shared(small_target.embed, small_target.lm_head_weight, softcap)
-        asked.clear(), forms.clear()
-        with torch.inference_mode():
-            drafter.propose(rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0, uniforms=u[:r])
-        assert asked == [(r, v)] and forms == [want] * drafter.gamma, (head, softcap, r)
-
-
-@pytest.mark.parametrize("head", ["markov", "gated"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fast_engine_with_the_low_rank_bias_reproduces_the_plain_engine(
-    small_target, head, temperature, monkeypatch
-):
-    """The fast engine over the fused paths with the bias in low-rank form at every row count gives
-    the plain engine's tokens, acceptance and confidences (continuous batching, 1 to 3 rows)."""
-    from test_fast_engine import _engines, assert_same_rounds, seven_requests
-
-    import dspark.drafters.dspark as dspark_module
-
-    low_rank_steps = []
-    inner = dspark_module.sample_step
-    monkeypatch.setattr(
-        dspark_module,
-        "sample_step",
-        lambda *a, low_rank=None, **kw: (
-            low_rank_steps.append(low_rank is not None) or inner(*a, low_rank=low_rank, **kw)
-        ),
-    )
-    drafter = build(small_target, "dspark", head, layers=2, seed=3)
-    drafter.compile_inference(compiler=None)
-    drafter._fused.low_rank_bias = True
-    reqs = seven_requests(small_target)
-    plain, fast = _engines(small_target, drafter, temperature, seed=7, deferred_context=2)
-    fused, drafter._fused = drafter._fused, None  # the plain engine drafts by the eager reference
-    a = plain.generate(reqs)
-    assert not any(low_rank_steps)
-    drafter._fused = fused
-    b = fast.generate(reqs)
-    assert_same_rounds(b, a)
-    assert sum(low_rank_steps) > 10
-    if temperature == 1.0:
-        assert sum(r.accepted for r in a.rounds) > 0  # drafts were accepted: the bias mattered
-
-
-def compiled_low_rank_draft_step_matches(target, head, device="cpu", tol=1e-5):
-    """``compiled_draft_step_matches`` for DSpark with the bias in low-rank form (forced; the
-    eager reference keeps it dense): no head graph for the Markov head."""
-    return compiled_draft_step_matches(target, "dspark", head, "anchor", device, tol, low_rank=True)
-
-
-def test_compiled_low_rank_draft_step_equals_the_reference(small_target):
-    """Inductor on the CPU (``fullgraph``) with the bias in low-rank form: the head's step returns
-    its features b, the sampler computes W2 b; the reference's proposals, in two graphs per path."""
-    compiled_low_rank_draft_step_matches(small_target, "rnn")

@@ -836,7 +836,12 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
     for every rows count and drafted length, in two graphs per compiled function (one row, more
     rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
     and uniforms, as the fast engine's draft step does."""
-    from test_drafter_fast_paths import compiled_draft_step_matches, rows_of
+    from test_drafter_fast_paths import (
+        assert_same_proposal,
+        compiled_draft_step_matches,
+        reference_proposal,
+        rows_of,
+    )
 
     t = small_target.to("cuda")
     try:
@@ -846,59 +851,29 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
         with torch.inference_mode():
             rows = rows_of(cache, 4)
             assert drafter._fused.attention_impl(rows) == "triton"  # the cache kernel, in the graphs
-            replay_draft_step_in_a_graph(drafter, rows, anchors, cache.length[:4], u, shared, t.vocab_size)
+            static = (anchors.clone(), cache.length[:4].clone(), u.clone())
+
+            def step():
+                return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            g = torch.Generator(device="cuda").manual_seed(9)
+            for _ in range(3):
+                static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
+                static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
+                graph.replay()
+                want = reference_proposal(
+                    drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2]
+                )
+                assert_same_proposal(out, want, tol=1e-4)
             assert counter.frame_count == (6 if name == "dspark" else 2)  # nothing compiled in capture
-    finally:
-        small_target.to("cpu")
-
-
-def replay_draft_step_in_a_graph(drafter, rows, anchors, lengths, u, shared, vocab: int) -> None:
-    """Capture the drafter's whole draft step over ``rows`` (4 of them) in a CUDA graph and replay
-    it for fresh anchors and uniforms: each replay's proposal equals the eager reference's."""
-    from test_drafter_fast_paths import assert_same_proposal, reference_proposal
-
-    static = (anchors.clone(), lengths.clone(), u.clone())
-
-    def step():
-        return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    g = torch.Generator(device="cuda").manual_seed(9)
-    for _ in range(3):
-        static[0].copy_(torch.randint(4, vocab, (4,), device="cuda", generator=g))
-        static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
-        graph.replay()
-        want = reference_proposal(drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2])
-        assert_same_proposal(out, want, tol=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
-def test_compiled_low_rank_draft_step_on_cuda_matches_eager_inside_graphs(small_target, head):
-    """The compiled draft step on CUDA with DSpark's bias handed to the Triton sampler in low-rank
-    form (forced; the Markov head's looked up by the kernel, no head graph): proposals equal the
-    eager reference's (dense bias) for every rows count and drafted length, and a captured CUDA
-    graph of the whole step replays them for fresh anchors and uniforms."""
-    from test_drafter_fast_paths import compiled_low_rank_draft_step_matches, rows_of
-
-    t = small_target.to("cuda")
-    try:
-        drafter, cache, anchors, u, shared, counter = compiled_low_rank_draft_step_matches(
-            t, head, device="cuda", tol=1e-4
-        )
-        frames = counter.frame_count
-        with torch.inference_mode():
-            rows = rows_of(cache, 4)
-            replay_draft_step_in_a_graph(drafter, rows, anchors, cache.length[:4], u, shared, t.vocab_size)
-            assert counter.frame_count == frames  # nothing compiled in capture
     finally:
         small_target.to("cpu")

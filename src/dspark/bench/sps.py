@@ -205,10 +205,7 @@ def draft_parts(
     curve ``draft_len_ms`` times) against DFlash's parallel sampling of the same hidden states (one
     LM-head product, one sampling pass over all R × γ positions: ``parallel_sampling_graph_ms``);
     their difference bounds what the sequential head costs a draft step (``sequential_head_ms``,
-    Fig. 4). DSpark also: its fused path's heads and sampling (``sample_block_fused``, the head's
-    steps eager) with the bias dense and in low-rank form (``fused_heads_{dense,low_rank}_graph_ms``:
-    where the low-rank form stops paying, ``sample_step.LOW_RANK_MAX_ROWS``). A block drafter only
-    (``sample_block``)."""
+    Fig. 4). A block drafter only (``sample_block``)."""
     if not hasattr(drafter, "sample_block"):
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
@@ -270,17 +267,6 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
         ),
         "parallel_sampling_graph_ms": captured("parallel", parallel),
     }
-    if getattr(drafter, "head", None) is not None:  # DSpark's fused path, the bias dense or low-rank
-        from ..drafters.draft_step import FusedDraft
-
-        fused, by_position = FusedDraft(drafter, compiler=None), hidden.transpose(0, 1).contiguous()
-
-        def fused_heads(low_rank: bool) -> None:
-            fused.low_rank_bias = low_rank
-            drafter.sample_block_fused(by_position, anchors, shared, temperature, u, fused)
-
-        parts["fused_heads_dense_graph_ms"] = captured("fused_dense", lambda: fused_heads(False))
-        parts["fused_heads_low_rank_graph_ms"] = captured("fused_low_rank", lambda: fused_heads(True))
     out = {"rows": r, **{name: median_ms(fn, device, warmup, repeats) for name, fn in parts.items()}}
     out["sequential_head_ms"] = max(0.0, out["head_sampling_graph_ms"] - out["parallel_sampling_graph_ms"])
     return out

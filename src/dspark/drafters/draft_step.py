@@ -10,8 +10,7 @@ kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
     across layer boundaries; for DSpark laid out position-major, so each position's slice is
     contiguous;
   * ``position``: one compiled graph per drafted position for the sequential head's step and its
-    bias (and a soft-cap): ``DSparkDrafter.position_logits``; at few rows only the head's low-rank
-    features, the sampler computing the bias, and none for the Markov head (``sample_block_fused``);
+    bias (and a soft-cap): ``DSparkDrafter.position_logits``;
   * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
@@ -19,10 +18,9 @@ On CUDA over a static cache the layers attend with ``kernels.cache_attention`` (
 an operator inside the ``hidden`` graph, which reads each row's keys only up to its context: SDPA
 with the mask read the cache's whole capacity and ran helper kernels (mask conversion, fills).
 Dynamo specialises a size of 1, so each function compiles two graphs: one for a single row, one
-for every larger row count (marked dynamic), and ``position`` one more where the row count changes
-the bias's form (dense or low-rank, ``sample_block_fused``). The drafted length enters none of them
-(the hidden states and the confidences cover the whole block, the head's step one position):
-nothing recompiles across the engine's buckets and drafted lengths (tested)."""
+for every larger row count (marked dynamic). The drafted length enters none of them (the hidden
+states and the confidences cover the whole block, the head's step one position): nothing
+recompiles across the engine's buckets and drafted lengths (tested)."""
 
 from __future__ import annotations
 
@@ -126,22 +124,19 @@ class FusedDraft:
         self.confidence = (
             wrap(drafter.confidence_by_position) if hasattr(drafter, "confidence_by_position") else None
         )
-        # DSpark's bias to the sampler in low-rank form: None where ``low_rank_pays``, True or False
-        # everywhere (where a head and no soft-cap allow it): tests compare the two.
-        self.low_rank_bias: bool | None = None
 
     def mark(self, t: Tensor | None, *dims: int) -> None:
         if self.compiled:
             mark_dynamic(t, *dims)
 
-    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap, low_rank=False):
+    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
         """``position`` for one drafted position. Its slices of the block sit at another storage
         offset for each position: duck sizing (one symbol for equal sizes) would tie an offset to an
         equal size or stride and recompile at the position where they part, so it is off here."""
         if not self.compiled:
-            return self.position(base, h, prev, state, softcap, low_rank)
+            return self.position(base, h, prev, state, softcap)
         with no_duck_shapes():
-            return self.position(base, h, prev, state, softcap, low_rank)
+            return self.position(base, h, prev, state, softcap)
 
     def attention_impl(self, cache: DraftCache) -> str:
         """``draft_hidden``'s ``attention``: "triton" (``kernels.cache_attention``) over a static

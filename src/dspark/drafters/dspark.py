@@ -8,9 +8,9 @@ from torch import Tensor
 
 from ..core.errors import ConfigError
 from ..core.types import TargetDims
-from ..kernels.sample_step import LowRankBias, low_rank_pays, sample_step
+from ..kernels.sample_step import sample_step
 from .dflash import BlockDrafter, check_slots
-from .heads import HEADS, ConfidenceHead, MarkovHead
+from .heads import HEADS, ConfidenceHead
 from .registry import register
 
 
@@ -80,18 +80,13 @@ class DSparkDrafter(BlockDrafter):
         tokens = torch.stack(tokens, 1)
         return tokens, torch.stack(probs, 1), self.confidence_pass(hidden, anchor, tokens)
 
-    def position_logits(
-        self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None, low_rank: bool = False
-    ):
+    def position_logits(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
         """One position: the LM head's logits ``base`` [R, V], the backbone's hidden state ``h``
         [R, d] and the token before ``prev`` [R] -> (logits, bias or None, the head's new state):
-        what ``sample_step`` draws from. ``low_rank`` (no soft-cap): the head's features b [R, r]
-        in place of the bias, which the sampler then computes itself (``LowRankBias(W2, b)``)."""
+        what ``sample_step`` draws from."""
         bias = None
         if self.head is not None:
             b, state = self.head.step(h, prev, state)
-            if low_rank:
-                return base, b, state
             bias = self.head.bias_logits(b)
         if softcap:  # the cap applies to the sum: add first
             logits = base.float() + (0.0 if bias is None else bias.float())
@@ -117,37 +112,21 @@ class DSparkDrafter(BlockDrafter):
         the head's step and the confidences compiled (``fused.position``, ``fused.confidence``) and
         each position's probabilities written into the proposal's buffer. The confidences run over
         the whole block (the tokens past n padded; a position's confidence reads only its own
-        hidden state and the token before it), so their graph does not depend on n.
-
-        Where ``low_rank_pays`` (few rows) and no soft-cap needs the dense sum, the sampler takes
-        the bias in low-rank form (``fused.low_rank_bias`` overrides the rule): no W2 GEMM, no
-        [R, V] bias, and for the Markov head (b = W1[prev]) no head graph either, the sampler
-        looking b up itself. Decided from the shapes alone, so fixed per captured CUDA graph. The
-        bias is then float32 throughout where the dense path rounds W2 b to the model's dtype, so
-        with a bf16 head the probabilities differ from ``sample_block``'s by that rounding."""
+        hidden state and the token before it), so their graph does not depend on n."""
         r, n = u.shape
         gamma = hidden.shape[0]
         first = hidden[:n]  # [n, R, d], contiguous
         base = first @ shared.lm_weight.t().to(first.dtype)  # [n, R, V]: one GEMM
         probs = base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
-        head = self.head
-        low_rank = fused.low_rank_bias
-        if low_rank is None:
-            low_rank = low_rank_pays(r, base.shape[-1])
-        low_rank = low_rank and head is not None and not shared.softcap
-        state = head.init_state(r, first) if head is not None else None
+        state = self.head.init_state(r, first) if self.head is not None else None
         prev, tokens = anchor, []
         for k in range(n):
-            logits, bias, h, factors = base[k], None, first[k], None
-            if low_rank and isinstance(head, MarkovHead):
-                factors = LowRankBias(head.W2.weight, head.W1.weight, index=prev)
-            elif head is not None or shared.softcap:
+            logits, bias, h = base[k], None, first[k]
+            if self.head is not None or shared.softcap:
                 for t in (logits, h, prev, state):  # the very tensors passed: marks live on them
                     fused.mark(t, 0)
-                logits, bias, state = fused.step(logits, h, prev, state, shared.softcap, low_rank)
-                if low_rank:
-                    bias, factors = None, LowRankBias(head.W2.weight, bias)
-            prev = sample_step(logits, bias, temperature, u[:, k], low_rank=factors, out=probs[:, k]).tokens
+                logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)
+            prev = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
             tokens.append(prev)
         if self.confidence is None:
             return torch.stack(tokens, 1), probs, None
