@@ -26,8 +26,9 @@
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (the evaluate overrides it needs,
-#           STS fitted on held-out validation prompts: the data's first CAL_PROMPTS (60), or the
-#           turns-JSONL CAL_FILE), then python -m dspark.report mode=table1 and
+#           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
+#           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
+#           CAL_FILE), then python -m dspark.report mode=table1 and
 #           mode=figures into outputs/h200/out/table1/, and the runs' dashboard into its dashboard/. Steps per drafter are in each run's summary:
 #           state the budget as minutes on a shared GPU, or compare at equal steps: put
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
@@ -112,7 +113,8 @@ pipeline)
     IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage}"
     specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
     if [ -z "${CAL_FILE:-}" ]; then
-      python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-60}" > /dev/null || return 2
+      python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
+        > /dev/null || return 2
     fi
     while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
       run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \

@@ -26,8 +26,9 @@
 #                  logs/: the last 300 lines of each train and eval log; steps.tsv
 #   rounds.tar.xz  (KEEP_ROUNDS=1) every evaluation's rounds.jsonl, dropped if over 15 MiB
 #
-# Environment: TEMPS ("0 1"), EVAL_PROMPTS (80 per benchmark; AIME25 has 30), CAL_PROMPTS (60 held-out
-# validation prompts STS is fitted on, drafters with a confidence head: Figs. 5 / 6; the reported
+# Environment: TEMPS ("0 1"), EVAL_PROMPTS (80 per benchmark; AIME25 has 30), CAL_PROMPTS (15: the
+# held-out prompts STS is fitted on, drafters with a confidence head, Figs. 5 / 6: that many
+# validation prompts and that many of each benchmark past the EVAL_PROMPTS it reports; the reported
 # benchmark prompts stay the same for every row), N (30000: the data h200_drafter.sh data wrote),
 # SPLIT_GAMMA=1 (one table per γ: block-size sweeps), CALL_LIMIT, MIN_TRAIN_S (150: no training
 # slice shorter), EVAL_MIN_S (150: no evaluation started with less left), TRAIN_EXTRA / EVAL_EXTRA
@@ -110,7 +111,8 @@ if ! dry && [ ! -f "$DATA_DIR/DONE.json" ]; then
 fi
 CAL=$WORK/calibration_prompts.jsonl
 if ! dry && [ ! -f "$CAL" ]; then
-  $PY -m dspark.bench.batch calibration-prompts "$DATA_DIR" "$CAL" "${CAL_PROMPTS:-60}" > /dev/null || exit 2
+  $PY -m dspark.bench.batch calibration-prompts "$DATA_DIR" "$CAL" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
+    > /dev/null || exit 2
 fi
 
 # timed LABEL COMMAND…: run it, its seconds and status appended to steps.tsv.

@@ -98,6 +98,37 @@ def test_calibration_prompts_are_the_data_validation_prompts(tmp_path):
         write_calibration_prompts(data, tmp_path / "x.jsonl", 0)
 
 
+def test_calibration_prompts_add_the_benchmark_prompts_evaluation_never_reports(tmp_path):
+    """With SKIP (evaluation's prompts per benchmark: each suite's first ones), N prompts of each
+    suite past its first SKIP join the validation prompts, where the suite has them: STS is fitted
+    on the domains the benchmark rounds hold, on prompts no row reports."""
+    data = tmp_path / "data"
+    (data / "prompts").mkdir(parents=True)
+    rows = [{"id": f"v{i}", "prompt": f"Validation question {i}?", "domain": "chat"} for i in range(5)]
+    (data / "prompts" / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for name, size in (("long", 6), ("short", 3)):
+        lines = [json.dumps({"turns": [f"{name} {i}"]}) + "\n" for i in range(size)]
+        (bench / f"{name}.jsonl").write_text("".join(lines))
+    out = write_calibration_prompts(data, tmp_path / "calibration.jsonl", 2, skip=3, benchmark_dir=bench)
+    assert first_turns(out.stem, out.parent) == [
+        "Validation question 0?", "Validation question 1?", "long 3", "long 4",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="SKIP must be >= 0"):
+        write_calibration_prompts(data, tmp_path / "x.jsonl", 2, skip=-1)
+    # From the command line, as h200_session.sh calls it, with the packaged suites.
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark.bench.batch", "calibration-prompts", str(data),
+         str(tmp_path / "c.jsonl"), "2", "80"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    turns = first_turns("c", tmp_path)
+    assert len(turns) == 2 + 4 * 2  # GSM8K, MATH500, HumanEval, MBPP have prompts past the 80th
+    assert turns[2] == first_turns("gsm8k")[80]
+
+
 def test_cli_errors_are_one_line():
     proc = subprocess.run(
         [

@@ -8,10 +8,14 @@
         the evaluate overrides this drafter needs: ``engine=fast`` when it runs on static caches
         (else ``engine=plain``), and for a drafter with a confidence head ``calibrate=true`` with the
         held-out prompts of CALIBRATION_FILE (Figs. 5 / 6)
-    python -m dspark.bench.batch calibration-prompts DATA_DIR OUT.jsonl [N]
-        the first N (60) validation prompts of a prepared data.dir as a turns-JSONL file: the held-out
-        prompts STS is fitted on. They are not benchmark prompts, so calibrating a drafter leaves its
-        reported prompts the same as those of the drafters without a confidence head (with
+    python -m dspark.bench.batch calibration-prompts DATA_DIR OUT.jsonl [N] [SKIP]
+        the held-out prompts STS is fitted on, as a turns-JSONL file: the first N (60) validation
+        prompts of a prepared data.dir; with SKIP (the prompts per benchmark that evaluation
+        reports: it reads each suite's first ones), also N prompts of each packaged suite past its
+        first SKIP, where it has them (GSM8K, MATH500, HumanEval, MBPP; AIME25's 30 and MT-Bench's
+        80 are all reported), so the temperatures are fitted on the math and code the benchmark
+        rounds hold, not on chat alone. None of them is ever reported, so calibrating a drafter
+        leaves its reported prompts those of the drafters without a confidence head (with
         ``calibration.prompts`` evaluate would hold out the last prompts of each benchmark instead,
         and the rows of Table 1 would differ on AIME25 and MT-Bench, whose sets are small).
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ConfigError
+from ..data.benchmarks import PACKAGED_BENCHMARKS, available_benchmarks, first_turns
 
 # A name becomes a folder (outputs/h200/<name>, eval_<name>_t<T>) and a Table 1 row label.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -102,14 +107,24 @@ def eval_overrides(drafter_dir: str | Path, calibration_file: str | None = None)
     return out
 
 
-def write_calibration_prompts(data_dir: str | Path, out: str | Path, n: int = 60) -> Path:
-    """The first ``n`` validation prompts of a prepared data.dir as turns-JSONL (atomically)."""
+def write_calibration_prompts(
+    data_dir: str | Path, out: str | Path, n: int = 60, skip: int | None = None,
+    benchmark_dir: str | Path = PACKAGED_BENCHMARKS,
+) -> Path:  # fmt: skip
+    """The first ``n`` validation prompts of a prepared data.dir and, with ``skip``, ``n`` prompts
+    of each suite in ``benchmark_dir`` past its first ``skip`` (the ones evaluation reports), as
+    turns-JSONL (atomically)."""
     from ..core.io import atomic_write_jsonl
     from ..data.dataset import validation_prompts
 
     if n < 1:
         raise ConfigError(f"calibration prompts: N must be >= 1, got {n}")
+    if skip is not None and skip < 0:
+        raise ConfigError(f"calibration prompts: SKIP must be >= 0, got {skip}")
     prompts = validation_prompts(data_dir)[:n]
+    if skip is not None:
+        for name in available_benchmarks(benchmark_dir):
+            prompts += first_turns(name, benchmark_dir)[skip : skip + n]
     atomic_write_jsonl(out, ({"turns": [p]} for p in prompts))
     return Path(out)
 
@@ -125,17 +140,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"{e.name}\t{' '.join(shlex.quote(o) for o in e.overrides)}")
         elif command == "eval-args" and len(args) in (1, 2):
             print(" ".join(eval_overrides(*args)))
-        elif command == "calibration-prompts" and len(args) in (2, 3):
-            try:
-                n = int(args[2]) if len(args) == 3 else 60
-            except ValueError:
-                raise ConfigError(f"calibration-prompts: N must be a number, got {args[2]!r}") from None
-            print(write_calibration_prompts(args[0], args[1], n))
+        elif command == "calibration-prompts" and len(args) in (2, 3, 4):
+            n = _count("N", args[2]) if len(args) > 2 else 60
+            skip = _count("SKIP", args[3]) if len(args) > 3 else None
+            print(write_calibration_prompts(args[0], args[1], n, skip))
         else:
             raise ConfigError(
                 "usage: python -m dspark.bench.batch split SPEC… | eval-args DRAFTER_DIR "
-                "[CALIBRATION_FILE] | calibration-prompts DATA_DIR OUT.jsonl [N]"
+                "[CALIBRATION_FILE] | calibration-prompts DATA_DIR OUT.jsonl [N] [SKIP]"
             )
+
+
+def _count(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"calibration-prompts: {name} must be a number, got {value!r}") from None
 
 
 if __name__ == "__main__":
