@@ -311,14 +311,14 @@ def kernel_self_check(
         try:
             g = torch.Generator(device=device).manual_seed(0)
             q = torch.randn(2, 3, 2 * groups, head_dim, device=device, generator=g).to(dtype)
-            k, v = (torch.randn(2, 2, 70, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
-            pos = torch.tensor([[5, 6, 7], [60, 61, 62]], device=device)
+            k, v = (torch.randn(2, 2, 140, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
+            pos = torch.tensor([[5, 6, 7], [130, 131, 132]], device=device)
             room = None
-            if tail:  # each row's context (6 and 61 slots), its block in the room at slots 67..69
-                pos, room = pos[:, :1].expand(2, 3), 67
+            if tail:  # each row's context (6 and 131 slots), its block in the room at slots 137..139
+                pos, room = pos[:, :1].expand(2, 3), 137
             ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5, tail=room)
             err = 0.0
-            for splits in (1, 3):  # the single kernel, and the split one with its merge
+            for splits in (1, 3):  # the single kernel; the split one (row 2: three chunks) and its merge
                 got = cache_attention(
                     q, k, v, pos, scale=head_dim**-0.5, tail=room, impl="triton", splits=splits
                 )
