@@ -5,8 +5,9 @@
 #   2. the cost table, all of it at the e2e prompts' mean context (ROUND_CONTEXT, default 172:
 #      gsm8k's 108 prompt tokens plus half the 128 new ones): the verify curve, the draft step per
 #      R and drafted length, a round's overhead beyond its steps and the cost of reading its width
-#      back, whole rounds per R and drafted length, the draft step's parts, each step's kernels at
-#      R = 1 and 256 (python -m dspark.bench.engine_sps);
+#      back, whole rounds per R and drafted length, the draft step's parts, the cache-attention
+#      kernel split against unsplit, each step's kernels at R = 1 and 256
+#      (python -m dspark.bench.engine_sps);
 #   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
 #      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
 #      T = 0 and T = 1 (E2E_TEMPERATURES, default "0 1"; gsm8k, 32 prompts, 128 new tokens, bf16,
@@ -47,7 +48,7 @@ stage "cost table"
 # Every piece of the table at the workload's context: the policies price these rounds, not longer ones.
 timeout 270 python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" --no-hf --warmup 3 --repeats 15 \
   --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
-  --draft-parts 1,16,64,256 --kernels 1,256 \
+  --draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60
 
 # One e2e run per temperature, each with its own limit: T = 1 once got none left after T = 0.

@@ -22,7 +22,8 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
          "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "--overhead",
-         "--rounds", "1,2", "--round-context", "8", "--draft-parts", "1,2", "--kernels", "2", "target=tiny"]
+         "--rounds", "1,2", "--round-context", "8", "--draft-parts", "1,2", "--kernels", "2",
+         "--attention-splits", "1", "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -59,6 +60,7 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms") and k != "sequential_head_ms")
         head = part["head_sampling_graph_ms"] - part["parallel_sampling_graph_ms"]
         assert part["sequential_head_ms"] == max(0.0, head)  # what the head adds to parallel sampling
+    assert saved["attention_splits"] == []  # the kernel alone: CUDA only
     # --kernels: the verify step at widths 1 and γ + 1, the draft step and a plain round's step, each
     # profiled (CPU ops here)
     assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [

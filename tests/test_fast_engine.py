@@ -15,9 +15,9 @@ from test_engine import Cycling, hf_greedy, make_drafter, prompts_for
 from dspark.core.types import Shared
 from dspark.decoding.engine import Engine, Request, retire_order
 from dspark.decoding.fast_engine import FastEngine
-from dspark.decoding.graphs import bucket_for
+from dspark.decoding.graphs import GraphBank, bucket_for
 from dspark.decoding.kv import RaggedKV
-from dspark.decoding.static_target import StaticTarget, UnsupportedTarget
+from dspark.decoding.static_target import StaticTarget, UnsupportedTarget, store_kv
 from dspark.scheduling.cost import CostModel
 from dspark.scheduling.policies import DraftAware, build_policy
 from dspark.target import Target
@@ -138,6 +138,70 @@ def test_compiled_layers_match_eager(small_target, device):
         for a, b in zip(fused, eager):
             scale = float(b.abs().max())
             torch.testing.assert_close(a, b, atol=1e-5 * scale, rtol=1e-5)
+    finally:
+        small_target.to("cpu")
+
+
+def test_store_kv_writes_each_token_at_its_slot():
+    """The cache store: token (r, w) of k and v at row rows[r, w], slot positions[r, w], all its
+    KV heads; every other slot untouched."""
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(5, 2, 12, 4, generator=g) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    rows, pos = torch.tensor([1, 3])[:, None].expand(2, 3), torch.tensor([[0, 1, 2], [7, 8, 9]])
+    k, v = (torch.randn(2, 3, 2, 4, generator=g) for _ in range(2))
+    store_kv(k_cache, v_cache, rows, pos, k, v)
+    for r in range(2):
+        for w in range(3):
+            want_k[rows[r, w], :, pos[r, w]] = k[r, w]
+            want_v[rows[r, w], :, pos[r, w]] = v[r, w]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def _cache_after_steps(t, compile: bool, device: str):
+    """A fresh StaticTarget's K/V caches (zeros) after a prompt and two ragged steps in rows 1..3,
+    and the ``aten::index_put_`` calls the last step dispatched (the eager path's cache stores)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(11)
+    static = StaticTarget(t, rows=4, capacity=32, compile=compile)
+    with torch.inference_mode():
+        prompt = torch.randint(4, 256, (3, 9), generator=g).to(device)
+        static.forward(prompt, torch.arange(9, device=device).expand(3, -1), start=1)
+        step = torch.randint(4, 256, (3, 4), generator=g).to(device)
+        static.forward(step, torch.tensor([[9], [5], [7]], device=device) + torch.arange(4, device=device), 1)
+        last = torch.randint(4, 256, (3, 1), generator=g).to(device)
+        at = torch.tensor([[13], [9], [20]], device=device)
+        static.forward(last, at, start=1)  # W = 1 compiles a graph of its own: not in the profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            static.forward(last, at, start=1)  # the same step again: the same stores
+    stores = sum(e.count for e in prof.key_averages() if e.key == "aten::index_put_")
+    return static.k + static.v, stores
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),  # inductor's C++ build takes minutes on 2 cores
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_compiled_cache_stores_match_eager(small_target, device):
+    """The K/V stores inside the compiled input function leave the caches as the eager path's
+    advanced-index assignments do (the same slots written, equal to RoPE's rounding, every other
+    slot untouched) without an index operator of their own: the eager step dispatches two
+    ``aten::index_put_`` a layer, the compiled one none (its stores are the fused kernel's)."""
+    t = small_target.to(device)
+    try:
+        eager, eager_stores = _cache_after_steps(t, False, device)
+        fused, fused_stores = _cache_after_steps(t, True, device)
+        assert eager_stores == len(eager) and fused_stores == 0  # len(eager): 2 caches a layer
+        for a, b in zip(fused, eager):
+            assert torch.equal(a != 0, b != 0)
+            torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
     finally:
         small_target.to("cpu")
 
@@ -601,6 +665,36 @@ def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
         if temperature == 0:
             plain = engine(Engine).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
+    finally:
+        small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_cache_stores_inside_cuda_graphs(small_target):
+    """The compiled forward (its K/V stores inside the compiled input function) captured once in a
+    CUDA graph and replayed at new positions: each replay's outputs and caches equal the eager
+    forward's after the same steps (the graph writes the caches in place)."""
+    t = small_target.to("cuda")
+    try:
+        g = torch.Generator().manual_seed(12)
+        eager, fused = (StaticTarget(t, rows=4, capacity=32, compile=c) for c in (False, True))
+        ids = torch.zeros(3, 2, dtype=torch.long, device="cuda")
+        pos = torch.zeros(3, 2, dtype=torch.long, device="cuda")
+        bank = GraphBank(torch.device("cuda"))
+        with torch.inference_mode():
+            prompt = torch.randint(4, 256, (3, 9), generator=g).to("cuda")
+            for static in (eager, fused):
+                static.forward(prompt, torch.arange(9, device="cuda").expand(3, -1), start=1)
+            for at in ([9, 5, 7], [11, 7, 9], [13, 2, 20]):
+                ids.copy_(torch.randint(4, 256, (3, 2), generator=g))
+                pos.copy_(torch.tensor(at)[:, None] + torch.arange(2))
+                want, _ = eager.forward(ids, pos, start=1, taps=False)
+                got, _ = bank.run("step", lambda: fused.forward(ids, pos, start=1, taps=False))
+                torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+                for a, b in zip(fused.k + fused.v, eager.k + eager.v):
+                    torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
+        assert len(bank) == 1
     finally:
         small_target.to("cpu")
 

@@ -38,6 +38,7 @@ from dspark.kernels import (
     triton_available,
     triton_interpreting,
 )
+from dspark.kernels.cache_attention import choose_splits
 from dspark.kernels.fused_loss import chunk_plan
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, _chunk_layout, choose_chunks
 
@@ -595,6 +596,30 @@ def test_cache_attention_refusals():
         cache_attention(q[..., :8], k, v, pos, scale=1.0)
     with pytest.raises(ValueError, match="tail slots"):
         cache_attention(q, k, v, pos, scale=1.0, tail=k.shape[2] - 3)  # a block of 4 past the end
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="splits"):
+            cache_attention(q, k, v, pos, scale=1.0, splits=bad)
+
+
+def test_choose_splits():
+    """The split rule on SmolLM2's shapes (9 heads over 3 KV heads of 64, capacity 640) on a 132-SM
+    GPU: R = 1 splits as far as the capacity's key tiles go, 16 rows take the SMs' worth, and from 44
+    rows (132 programs) up the single kernel runs; a sliding window bounds S by the slots it reads."""
+    smollm2 = dict(heads=9, kv_heads=3, head_dim=64, capacity=640, sms=132)
+    assert [choose_splits(r, 1, **smollm2) for r in (1, 16, 32, 43, 44, 256)] == [10, 3, 2, 2, 1, 1]
+    assert [choose_splits(r, 8, **smollm2) for r in (1, 16, 22, 43, 44)] == [10, 3, 2, 2, 1]  # 1 query tile
+    assert choose_splits(1, 16, 16, 1, 16, 10_000, 132) == 33  # 256 queries: 4 query tiles
+    assert choose_splits(1, 1, 4, 1, 256, 4096, 132, window=512) == 18  # ceil((512 + 1 + 32) / 32)
+    assert choose_splits(1, 1, 4, 1, 256, 4096, 132) == 128  # the capacity's 32-key tiles
+    assert choose_splits(1, 1, 9, 3, 64, 64, 132) == 1  # one key tile: nothing to split
+    assert choose_splits(1, 8, 9, 3, 64, 640, 0) == 1  # no SMs (not CUDA)
+    for r in (1, 2, 3, 5, 8, 13, 21, 34, 55):  # 1 to 2 programs an SM when the capacity allows
+        for w in (1, 4, 8, 16):
+            groups_w = 3 * w
+            programs = r * 3 * -(-groups_w // min(max(16, 1 << (groups_w - 1).bit_length()), 64))
+            s = choose_splits(r, w, 9, 3, 64, 1 << 20, 132)
+            assert (s == 1) == (programs >= 132)
+            assert s == 1 or 132 <= programs * s < 132 + programs, (r, w, s)
 
 
 # ----------------------------------------------------------------------------- triton, interpreter
@@ -798,6 +823,44 @@ def test_interp_cache_attention_self_check(tail):
     assert kernel_self_check(torch.device("cpu"), torch.float32, 32, 3, tail)
 
 
+SPLIT_CASES = {  # rows ending short of one key tile, inside, across tiles, at the capacity's end
+    "decode": dict(ends=[3, 70, 200, 299], w=1, heads=9, kv_heads=3),
+    "verify": dict(ends=[12, 130, 299], w=8, heads=9, kv_heads=3),
+    "tiles": dict(ends=[20, 260], w=12, heads=8, kv_heads=1),  # G·W = 96: two query tiles
+    "window": dict(ends=[40, 150, 299], w=4, heads=4, kv_heads=2, window=70),
+    "drafter": dict(ends=[0, 5, 64, 200, 250], w=7, heads=9, kv_heads=3, tail=True),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=list(SPLIT_CASES))
+def test_interp_cache_attention_split(case):
+    """The split kernel (S chunks of each row's context, then the merge) equals the single kernel
+    and the reference, for S = 2, 3 and 8 (S = 8 leaves every row but the longest with empty chunks,
+    the shortest with all but one), over rows of different lengths; every slot the rule hides holds
+    NaN, so a chunk reading past its row's context would fail."""
+    c = dict(SPLIT_CASES[case])
+    ends, w, window, tail = c.pop("ends"), c.pop("w"), c.pop("window", None), c.pop("tail", False)
+    if tail:  # the drafter: row i's context in its first ends[i] slots, its block at slots 250..256
+        q, k, v, pos, tail = draft_case(ends, w, **c, ctx=250, room=w, seed=6)
+        ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+        hide_unseen_slots(k, v, ends, tail, w)
+    else:  # row i's W queries end at position ends[i]
+        q, k, v, _ = cache_case(len(ends), w, **c, hd=16, cap=300, rows=len(ends), row0=0, seed=6)
+        pos = torch.tensor(ends)[:, None] - w + 1 + torch.arange(w)
+        ref = cache_attention_reference(q, k, v, pos, scale=0.125, window=window)
+        for i, end in enumerate(ends):
+            k[i, :, end + 1 :] = v[i, :, end + 1 :] = float("nan")
+        tail = None
+    kw = dict(scale=0.125, window=window, tail=tail, impl="triton")
+    whole = cache_attention(q, k, v, pos, **kw, splits=1)
+    assert rel_err(whole, ref) < 1e-5
+    for splits in (2, 3, 8):
+        got = cache_attention(q, k, v, pos, **kw, splits=splits)
+        assert got.shape == q.shape and torch.isfinite(got).all()
+        assert rel_err(got, ref) < 1e-5 and rel_err(got, whole) < 1e-5
+
+
 @needs_interpreter
 def test_interp_static_forward_with_the_cache_kernel(small_target):
     """The target's static-cache forward with the kernel in its decode and verify steps equals
@@ -996,7 +1059,6 @@ def test_gpu_rejection():
     assert_same_draws(got.next_token, ref.next_token, torch.where(use[:, None], resid, dist), us)
 
 
-
 @pytest.mark.gpu
 @needs_cuda_triton
 @pytest.mark.parametrize(
@@ -1035,3 +1097,50 @@ def test_gpu_cache_attention_draft_block(r):
     hide_unseen_slots(k, v, lengths, tail, 7)
     got = cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
     assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("r,w", [(1, 1), (1, 8), (16, 8)])
+def test_gpu_cache_attention_split(r, w):
+    """bf16 at SmolLM2's shapes where the rule splits (R = 1: S = 10 on an H200, R = 16: 3), rows of
+    random lengths: the rule's S, the single kernel, and S = 64 (chunks past every live context:
+    empty), against the reference."""
+    from dspark.kernels.cache_attention import device_sms
+
+    q, k, v, pos = cache_case(r, w, 9, 3, 64, 650, r, 0, seed=7, dtype=torch.bfloat16, device="cuda")
+    assert choose_splits(r, w, 9, 3, 64, 650, device_sms(q.device)) > 1
+    ref = cache_attention_reference(q, k, v, pos, scale=0.125)
+    for splits in (None, 1, 64):
+        got = cache_attention(q, k, v, pos, scale=0.125, impl="triton", splits=splits)
+        assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2, splits
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("drafter", [False, True], ids=["target", "drafter"])
+def test_gpu_cache_attention_split_in_cuda_graph(drafter):
+    """The kernel at R = 1 (SmolLM2's shapes: the rule splits) captured once in a CUDA graph and
+    replayed with the row's context at other lengths (S is fixed by the shapes, the chunks follow the
+    positions): each replay equals the reference, from a context of a few slots (all chunks but one
+    empty; the drafter's: none) to the whole capacity."""
+    from dspark.decoding.graphs import GraphBank
+
+    w, tail = (7, 656) if drafter else (8, None)
+    cap = 663 if drafter else 650
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, w, 9, 64, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(1, 3, cap, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    pos = torch.zeros(1, w, dtype=torch.long, device="cuda")
+    bank = GraphBank(torch.device("cuda"))
+
+    def step():
+        return cache_attention(q, k, v, pos, scale=0.125, tail=tail, impl="triton")
+
+    # drafter: every query at its row's context length - 1; target: W positions ending at `end`
+    for end in (300, 5, 649, 100, 0) if drafter else (300, 7, 649, 100):
+        pos.copy_(torch.full((1, w), end - 1) if drafter else end - w + 1 + torch.arange(w)[None])
+        got = bank.run("attention", step)
+        ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
+        assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2, end
+    assert len(bank) == 1

@@ -4,7 +4,7 @@
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
         [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
         [--rounds 1,16,64,256 [--round-context 256]] [--draft-parts 1,16,64,256] [--kernels 1,256]] \\
-        [--no-compile]
+        [--attention-splits 1,16,256] [--no-compile]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
@@ -13,10 +13,12 @@ verify width back costs, with ``--rounds`` whole rounds as the engine runs them 
 drafted length γ_d = 0..γ (at ``--round-context``, default ``--context``: the workload's typical
 context, since a round's attention reads it), which the draft-aware policies then price, with
 ``--draft-parts`` the draft step's parts, with ``--kernels`` each step's kernels (count, device
-time, the costliest) from an eager, profiled run. The fast path is compiled on CUDA unless
-``--no-compile``. Prints tables; writes JSON (and, with --cost-table, the verify curve, plus the
-draft curves and the round overhead when timed, as a scheduler cost table for
-``python -m dspark.schedule cost_table=...``, ``python -m dspark.bench.e2e --cost-table ...``).
+time, the costliest) from an eager, profiled run, with ``--attention-splits`` the cache-attention
+kernel alone per row count and width, unsplit against split (``dspark.bench.attention_splits``).
+The fast path is compiled on CUDA unless ``--no-compile``. Prints tables; writes JSON (and, with
+--cost-table, the verify curve, plus the draft curves and the round overhead when timed, as a
+scheduler cost table for ``python -m dspark.schedule cost_table=...``,
+``python -m dspark.bench.e2e --cost-table ...``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def _parse(argv):
     ap.add_argument(
         "--kernels", default="",
         help="row counts to profile the verify (width 1 and γ+1) and draft steps at, kernel by kernel",
+    )  # fmt: skip
+    ap.add_argument(
+        "--attention-splits", default="",
+        help="row counts to time the cache-attention kernel alone at, split (S > 1) against unsplit",
     )  # fmt: skip
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
@@ -126,6 +132,13 @@ def main(argv=None) -> dict:
             parts = [int(r) for r in args.draft_parts.split(",")]
             report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
             save()
+    if args.attention_splits:
+        from .attention_splits import attention_splits
+
+        attention_rows = [int(r) for r in args.attention_splits.split(",")]
+        cap = capacity(ctx, widths)
+        report["attention_splits"] = attention_splits(target, attention_rows, widths, ctx, cap, **timing)
+        save()
     if args.kernels:  # last: the profiler's own cost stays out of every timing above
         kernel_rows = [int(r) for r in args.kernels.split(",")]
         served = drafter if args.drafter_dir else None

@@ -12,10 +12,12 @@ addresses never change:
   caller's ``lengths`` say which slots are committed, and a query at position p sees slots <= p
   only, so rejected drafts and padding are invisible and overwritten later ("crop" = set length).
 * q/k/v stay in the projections' layout ([R, W, heads, hd]): the cache stores take them as they
-  are, and the decode and verify steps (widths up to ``KERNEL_MAX_WIDTH``) attend on CUDA with
-  ``kernels.cache_attention`` (one launch a layer, the mask computed from positions, keys read
-  only up to each row's last position); prompts, and the CPU, use SDPA over the capacity with
-  the G query heads of each KV head folded into the query axis (each cached key read once).
+  are, at the end of each layer's input function (``store_kv``: compiled, they are stores of the
+  kernels that compute k and v, not index kernels of their own), and the decode and verify steps
+  (widths up to ``KERNEL_MAX_WIDTH``) attend on CUDA with ``kernels.cache_attention`` (one launch
+  a layer, the mask computed from positions, keys read only up to each row's last position);
+  prompts, and the CPU, use SDPA over the capacity with the G query heads of each KV head folded
+  into the query axis (each cached key read once).
 * RoPE comes from the model's own rotary module(s), tabulated once for positions 0..capacity-1.
 
 Supported decoders (``SUPPORTED``), each an ``Arch`` (its layer tensors and two layer functions):
@@ -51,7 +53,7 @@ from torch import Tensor
 from ..kernels import cache_attention, folded_mask, triton_available
 from ..kernels.cache_attention import kernel_self_check, triton_fits
 
-__all__ = ["KERNEL_MAX_WIDTH", "SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows"]
+__all__ = ["KERNEL_MAX_WIDTH", "SUPPORTED", "StaticTarget", "UnsupportedTarget", "move_rows", "store_kv"]
 
 KERNEL_MAX_WIDTH = 16  # widest step that attends with the cache kernel (decode, verify); prompts use SDPA
 
@@ -147,6 +149,14 @@ def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tenso
     return q, k, v
 
 
+def store_kv(k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+    """This step's keys/values k, v [R, W, Hkv, hd] into the caches at rows ``rows`` and slots
+    ``positions`` (both [R, W]; slot == position): advanced indices around a slice, so
+    cache[rows, :, slots] is [R, W, Hkv, hd], the projections' own layout, written in place."""
+    k_cache[rows, :, positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.to(v_cache.dtype)
+
+
 def _gated(h: Tensor, w, act) -> Tensor:
     """The gated MLP's inner activation act(h W_gateᵀ) ⊙ h W_upᵀ from one GEMM over gate|up."""
     gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
@@ -183,14 +193,16 @@ class LayerWeights:
 
 
 def attention_inputs(
-    x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
-):
-    """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE: q [R, W, H, hd] and k/v
-    [R, W, Hkv, hd]."""
+    x: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int,
+    k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor,
+) -> Tensor:  # fmt: skip
+    """Pre-norm, q/k/v projections, (qwen3) per-head q/k norm, RoPE; k/v [R, W, Hkv, hd] stored
+    into the caches (``store_kv``); returns q [R, W, H, hd]."""
     q, k, v = _qkv(_rms(x, w.ln1, eps), w, heads, kv_heads)
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+    store_kv(k_cache, v_cache, rows, positions, _rope(k, cos, sin), v)
+    return _rope(q, cos, sin)
 
 
 def layer_output(x: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor:
@@ -234,12 +246,15 @@ class GemmaLayerWeights:
 
 
 def gemma_attention_inputs(
-    x: Tensor, w: GemmaLayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
-):
-    """Gemma pre-norm, q/k/v projections, per-head q/k norms, RoPE (the layer type's table)."""
+    x: Tensor, w: GemmaLayerWeights, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int,
+    k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor,
+) -> Tensor:  # fmt: skip
+    """Gemma pre-norm, q/k/v projections, per-head q/k norms, RoPE (the layer type's table); k/v
+    stored into the caches (``store_kv``); returns q."""
     q, k, v = _qkv(_gemma_rms(x, w.ln1, eps), w, heads, kv_heads)
     q, k = _gemma_rms(q, w.q_norm, eps), _gemma_rms(k, w.k_norm, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+    store_kv(k_cache, v_cache, rows, positions, _rope(k, cos, sin), v)
+    return _rope(q, cos, sin)
 
 
 def gemma_layer_output(x: Tensor, attn: Tensor, w: GemmaLayerWeights, eps: float) -> Tensor:
@@ -349,8 +364,10 @@ class StaticTarget:
         self.layer_types = arch.layer_types(cfg)
         self.window = int(cfg.sliding_window) if SLIDING in self.layer_types else None
         # torch.compile fuses the norms, RoPE and the gated activation around the GEMMs (fewer
-        # kernels per step); tensors in, tensors out, so one graph serves every layer. The cache
-        # writes and the attention stay eager.
+        # kernels per step); tensors in, tensors out, so one graph serves every layer. The K/V
+        # cache stores are part of the inputs' graph: inductor emits them as stores of the kernels
+        # that compute k and v (RoPE) instead of two generic index kernels a layer, in place (the
+        # caches keep their addresses, which the captured graphs write). The attention stays eager.
         self._inputs = torch.compile(arch.inputs, dynamic=True) if compile else arch.inputs
         self._output = torch.compile(arch.output, dynamic=True) if compile else arch.output
         self.rows, self.capacity = int(rows), int(capacity)
@@ -397,11 +414,11 @@ class StaticTarget:
         row_index = torch.arange(start, start + r, device=ids.device)[:, None].expand(r, w)
         for i, (weights, kind) in enumerate(zip(self.weights, self.layer_types)):
             cos, sin = rope[kind]
-            q, k, v = self._inputs(x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads)
-            # Write this step's keys/values at their positions (advanced indices around a slice:
-            # cache[rows, :, slots] is [R, W, Hkv, hd], the projections' own layout), then attend.
-            self.k[i][row_index, :, positions] = k.to(self.k[i].dtype)
-            self.v[i][row_index, :, positions] = v.to(self.v[i].dtype)
+            # This step's keys/values go into the caches at their positions, then q attends.
+            q = self._inputs(
+                x, weights, cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.k[i], self.v[i],
+                row_index, positions,
+            )  # fmt: skip
             attn = cache_attention(
                 q, self.k[i], self.v[i], positions, scale=self.scale, row0=start, window=windows[kind],
                 mask=masks[kind], impl=impl,
