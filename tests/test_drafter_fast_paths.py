@@ -402,7 +402,7 @@ def test_a_function_that_does_not_compile_runs_eagerly_with_a_warning():
     retried; a working one compiles."""
     from torch._dynamo.testing import CompileCounter
 
-    from dspark.drafters.draft_step import EagerOnFailure
+    from dspark.core.compiling import EagerOnFailure
 
     def branchy(x):
         return x + 1 if x.sum().item() > 0 else x - 1

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.compiling import EagerOnFailure
 from ..kernels import cache_attention, folded_mask, triton_available
 from ..kernels.cache_attention import kernel_self_check, triton_fits
 
@@ -368,8 +369,10 @@ class StaticTarget:
         # cache stores are part of the inputs' graph: inductor emits them as stores of the kernels
         # that compute k and v (RoPE) instead of two generic index kernels a layer, in place (the
         # caches keep their addresses, which the captured graphs write). The attention stays eager.
-        self._inputs = torch.compile(arch.inputs, dynamic=True) if compile else arch.inputs
-        self._output = torch.compile(arch.output, dynamic=True) if compile else arch.output
+        self._inputs, self._output = arch.inputs, arch.output
+        if compile:  # a layer function this torch cannot compile runs eagerly, with a warning
+            self._inputs = EagerOnFailure(torch.compile(arch.inputs, dynamic=True), arch.inputs)
+            self._output = EagerOnFailure(torch.compile(arch.output, dynamic=True), arch.output)
         self.rows, self.capacity = int(rows), int(capacity)
         self.num_heads = target.num_heads
         self.num_kv_heads = target.num_kv_heads

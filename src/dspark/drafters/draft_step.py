@@ -24,13 +24,13 @@ recompiles across the engine's buckets and drafted lengths (tested)."""
 
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
 
 import torch
 import torch.fx.experimental._config  # noqa: F401  (no_duck_shapes)
 from torch import Tensor
 
+from ..core.compiling import EagerOnFailure
 from ..core.types import DraftCache, Proposal, Shared
 from ..kernels import triton_available
 from ..kernels.cache_attention import kernel_self_check, triton_fits
@@ -45,28 +45,6 @@ def inference_compiler(fn):
     several graphs and eager glue between them, so none is allowed (``fullgraph``). A function this
     torch cannot compile runs eagerly instead, with a warning (``EagerOnFailure``)."""
     return EagerOnFailure(torch.compile(fn, fullgraph=True), fn)
-
-
-class EagerOnFailure:
-    """``compiled``, unless compiling it fails: then, with a warning naming the error, ``fn``
-    itself (the same code, eagerly) from then on. A serving run then loses the fusion, not the
-    run; the tests compile with their own counting compilers, so a failure fails them."""
-
-    def __init__(self, compiled, fn):
-        self.compiled, self.fn = compiled, fn
-        self.error: Exception | None = None
-
-    def __call__(self, *args, **kwargs):
-        if self.error is None:
-            try:
-                return self.compiled(*args, **kwargs)
-            except Exception as err:  # dynamo's and inductor's errors share no base class
-                self.error = err
-                name = getattr(self.fn, "__qualname__", repr(self.fn))
-                warnings.warn(
-                    f"torch.compile failed on {name}, which runs eagerly instead: {err!r}", stacklevel=2
-                )
-        return self.fn(*args, **kwargs)
 
 
 def mark_dynamic(t: Tensor | None, *dims: int) -> None:
