@@ -23,11 +23,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 train: setup
 	$(PY) -m dspark.train $(ARGS)
 
+# One worker per core (at most 4): the tests run single-threaded (tests/conftest.py), each in its own
+# temporary folder, so two cores take half the time.
+XDIST := -n auto --maxprocesses 4
+
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(XDIST) $(ARGS)
 
 test-all: setup
-	$(PY) -m pytest -m "not gpu" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "not gpu" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src kernels tests
