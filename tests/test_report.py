@@ -131,6 +131,23 @@ def test_head_type_axis_and_series(tmp_path):
         sweep_axis(runs, prefer="no.such.key")
 
 
+def test_a_comparison_of_drafters_is_labelled_by_their_names(tmp_path):
+    """DFlash against DSpark-Gated: drafter, head, rank and loss weights all co-vary (one factor).
+    The axis and the labels are its names, not the first key by priority (rank=0 / rank=256)."""
+    fake_run(tmp_path / "dflash", head="none", rank=0, drafter="dflash")
+    fake_run(tmp_path / "gated", head="gated", rank=256)
+    runs = find_runs(str(tmp_path))
+    axis = sweep_axis(runs)
+    assert axis.key == "drafter.name" and axis.names == ["drafter.name", "head.name"] and axis.series == []
+    label_runs(runs, axis)
+    assert sorted(r.label for r in runs) == ["dflash none", "dspark gated"]
+    assert [axis.value(r) for r in axis.order(runs)] == ["dflash", "dspark"]
+    # Asked for an axis, the caller gets that key's values as labels.
+    axis = sweep_axis(runs, prefer="head.rank")
+    label_runs(runs, axis)
+    assert axis.names == [] and sorted(r.label for r in runs) == ["rank=0", "rank=256"]
+
+
 def test_evaluations_join_their_runs(tmp_path):
     run = fake_run(tmp_path / "train" / "a", rank=64)
     fake_eval(run / "eval", run / "drafter")  # inside
@@ -151,6 +168,25 @@ def test_evaluations_join_their_runs(tmp_path):
     assert only[0].path == run.resolve() and only[0].summary["global_step"] == 2
     with pytest.raises(FileNotFoundError):
         find_runs(str(tmp_path / "missing"))
+
+
+def test_published_evaluations_join_the_run_folder_of_their_name(tmp_path):
+    """docs/results keeps a run's summary and config without its drafter folder, and its
+    evaluations still name the drafter where it was trained (outputs/h200/<name>/drafter): each
+    joins the one given run folder of that name; an ambiguous name joins none."""
+    pub = tmp_path / "published"
+    for name, rank in (("DSpark-Gated", 256), ("DFlash", 0)):
+        run = fake_run(pub / name, head="gated" if rank else "none", rank=rank)
+        shutil.rmtree(run / "drafter")
+        for t in (0, 1):
+            fake_eval(pub / f"eval_{name}_t{t}", Path("outputs/h200") / name / "drafter")
+        (run / "logs" / "metrics.csv").rename(run / "metrics.csv")  # published at the top
+    runs = find_runs([str(pub / "*")])
+    assert sorted((r.path.name, len(r.evaluations)) for r in runs) == [("DFlash", 2), ("DSpark-Gated", 2)]
+    assert all(r.curves["train/loss"] == [(0, 3.0), (1, 2.5)] for r in runs)
+    fake_run(tmp_path / "other" / "DFlash", rank=0)  # a second run of that name
+    runs = find_runs([str(pub / "*"), str(tmp_path / "other" / "DFlash")])
+    assert sum(len(r.evaluations) for r in runs if r.path.name == "DFlash") == 0
 
 
 def test_synthetic_dashboard_and_markdown(tmp_path):

@@ -1,8 +1,9 @@
 """Training runs and evaluation folders read back from disk, and the sweep axis found among them.
 
 Everything here works offline from the folders the pipeline writes (dspark.artifacts): a run's
-config, summary, logged curves (logs/metrics.csv or tb/ event files) and validation calibration
-report; an evaluation's results, calibration and meta (whose `drafter_dir` links it to a run).
+config, summary, logged curves (logs/metrics.csv, a published copy's metrics.csv, or tb/ event
+files) and validation calibration report; an evaluation's results, calibration and meta (whose
+`drafter_dir` links it to a run).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     history in a binary file: log with csv too to get curves here."""
     run = RunFolder(run_dir)
     parts, read = _parts(run.logs, "metrics.csv"), _csv_curves
+    if not parts and (run_dir / "metrics.csv").is_file():  # a published copy keeps it at its top
+        parts = [(0, run_dir)]
     if not parts and run.tensorboard.is_dir():
         parts, read = _parts(run.tensorboard, "events.out.tfevents.*"), _tb_curves
     curves: dict[str, list[tuple[int, float]]] = {}
@@ -300,6 +303,11 @@ def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
             continue
         ddir = ev.drafter_dir()
         owner = ddir.parent if ddir is not None else None
+        if owner is not None and owner not in runs and not ddir.exists():
+            # A copy published elsewhere (docs/results): the drafter folder it names is gone, and
+            # the run whose folder bears that run's name, if just one does, is the one it evaluated.
+            same = [r for r in runs if r.name == owner.name]
+            owner = same[0] if len(same) == 1 else owner
         if owner in runs:
             runs[owner].evaluations.append(ev)
         elif d in eval_dirs:
@@ -371,6 +379,7 @@ class SweepAxis:
     key: str | None  # config key on the x-axis (None: nothing differs)
     series: list[str]  # further keys that split runs into lines
     differing: list[str]  # every experimental key that differs
+    names: list[str] = field(default_factory=list)  # a name axis' labels: the names it determines
 
     def value(self, run: Run) -> Any:
         return run.flat.get(self.key) if self.key else None
@@ -402,8 +411,11 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
     form one factor. The axis is the factor with the most levels (a rank sweep also flips head.name
     between none and markov, but the rank has more levels and explains it); on a tie, a knob swept on
     its own beats a bundle of co-varying keys (block size over drafter in a DFlash-vs-DSpark
-    comparison). Keys the axis does not explain become series, names first; keys explained by the
-    axis and the series already kept are dropped."""
+    comparison). A factor of co-varying keys is named by its name keys, and a name axis labels runs
+    by every name it determines (a DFlash vs DSpark-Gated comparison reads "dflash none" / "dspark
+    gated", not "rank=0" / "rank=256"). Keys the
+    axis does not explain become series, names first; keys explained by the axis and the series
+    already kept are dropped."""
     flats = [r.flat for r in runs]
     if not flats:
         return SweepAxis(None, [], [])
@@ -429,13 +441,19 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
         key = max(differing, key=lambda k: (levels(k), -factor_size(k), -_prio(k)))
     else:
         return SweepAxis(None, [], [])
+    if not prefer:  # the axis' factor (the keys it and they determine each other) by its name
+        factor = [k for k in differing if _determined(k, [key], flats) and _determined(key, [k], flats)]
+        key = next((k for k in SERIES_FIRST if k in factor), key)
+    names: list[str] = []
+    if key in SERIES_FIRST:  # a name axis: labelled by every name it determines ("dspark gated")
+        names = [k for k in SERIES_FIRST if k in differing and _determined(k, [key], flats)]
     series: list[str] = []
     for k in sorted(
         differing, key=lambda k: (SERIES_FIRST.index(k) if k in SERIES_FIRST else 9, _prio(k), k)
     ):
         if k != key and not _determined(k, [key, *series], flats):
             series.append(k)
-    return SweepAxis(key, series, differing)
+    return SweepAxis(key, series, differing, names)
 
 
 def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
@@ -443,7 +461,8 @@ def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
     for r in runs:
         if axis.key:
             short = axis.key.split(".")[-1]
-            parts = [f"{short}={axis.value(r)}"] + ([axis.series_label(r)] if axis.series else [])
+            head = [str(r.flat.get(k)) for k in axis.names] or [f"{short}={axis.value(r)}"]
+            parts = head + ([axis.series_label(r)] if axis.series else [])
             r.label = " ".join(parts)
         else:
             r.label = r.name
