@@ -28,9 +28,13 @@ from ._common import HAS_TRITON, resolve_impl, tl, triton, triton_interpreting
 __all__ = ["SampleStep", "choose_chunks", "sample_from_reference", "sample_step_reference", "sample_step"]
 
 BLOCK = 4096  # columns per piece on the GPU (the interpreter uses 128)
-# Programs the split path aims for: about one per SM (H200: 132). R >= SM_TARGET rows fill the
-# GPU with one program per row, so they keep the single-program kernel.
+# Programs the split path aims for: about one per SM (H200: 132).
 SM_TARGET = 128
+# Up to this many rows the split path keeps at least two chunks a row even where one program per
+# row fills the GPU: on the H200 (SmolLM2's 49 152 columns, seven positions) two chunks took
+# 0.454 ms against 0.588 for the single-program kernel at 256 rows (engine_sps --draft-parts, three
+# sessions alike). Wider batches are unmeasured and keep one program per row.
+TWO_CHUNKS_MAX_ROWS = 256
 
 
 class SampleStep(NamedTuple):
@@ -346,8 +350,10 @@ def _chunk_layout(chunks: int, vocab: int, block: int) -> tuple[int, int]:
 
 def choose_chunks(rows: int, vocab: int, block: int = BLOCK) -> int:
     """Chunks per row of the split path for ``rows`` rows: enough programs for ~SM_TARGET in all,
-    each at least one block wide; 1 (the single-program kernel) from SM_TARGET rows up."""
-    want = max(1, min(vocab // block, SM_TARGET // max(1, rows)))
+    at least two up to TWO_CHUNKS_MAX_ROWS rows, each at least one block wide; 1 (the
+    single-program kernel) beyond."""
+    floor = 2 if rows <= TWO_CHUNKS_MAX_ROWS else 1
+    want = max(1, min(vocab // block, max(floor, SM_TARGET // max(1, rows))))
     return _chunk_layout(want, vocab, block)[0]
 
 

@@ -40,7 +40,7 @@ from dspark.kernels import (
 )
 from dspark.kernels.cache_attention import choose_splits
 from dspark.kernels.fused_loss import chunk_plan
-from dspark.kernels.sample_step import BLOCK, SM_TARGET, _chunk_layout, choose_chunks
+from dspark.kernels.sample_step import BLOCK, SM_TARGET, TWO_CHUNKS_MAX_ROWS, _chunk_layout, choose_chunks
 
 try:  # the colleague-owned references; tests fall back to the local ones if absent
     from dspark.core.sampling import probs_from_logits, sample_from
@@ -395,14 +395,17 @@ def test_sample_step_reference(temperature, with_bias):
 
 
 def test_choose_chunks():
-    """Few rows split the vocabulary over about SM_TARGET programs, SM_TARGET rows and more keep
-    one program per row; chunks are whole blocks and never empty."""
+    """Few rows split the vocabulary over about SM_TARGET programs; up to TWO_CHUNKS_MAX_ROWS
+    rows keep two chunks a row (measured faster at 256 rows), more rows one program per row;
+    chunks are whole blocks and never empty."""
     assert choose_chunks(1, 49152) == 49152 // BLOCK > 1
     assert choose_chunks(1, 262144) == 64 and choose_chunks(4, 262144) == 32
     assert choose_chunks(64, 49152) == 2
-    for rows in (SM_TARGET, SM_TARGET + 1, 512):
+    for rows in (SM_TARGET, SM_TARGET + 1, TWO_CHUNKS_MAX_ROWS):
+        assert choose_chunks(rows, 49152) == 2 and choose_chunks(rows, 262144) == 2
+    for rows in (TWO_CHUNKS_MAX_ROWS + 1, 2048):
         assert choose_chunks(rows, 49152) == 1 and choose_chunks(rows, 262144) == 1
-    assert choose_chunks(1, 3000) == 1  # under one block
+    assert choose_chunks(1, 3000) == 1 and choose_chunks(256, 3000) == 1  # under one block
     for v in (1000, 4097, 49152, 262144):
         for want in range(1, 80):
             c, chunk = _chunk_layout(want, v, 128)
