@@ -119,16 +119,17 @@ def _forward_twice(t, compile: bool, device: str):
     return first + second
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.slow),  # inductor's C++ build takes minutes on 2 cores
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-        ),
-    ],
-)
+# The compiled target's checks: on the CPU (inductor's C++ build takes minutes on 2 cores) and CUDA.
+COMPILE_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", COMPILE_DEVICES)
 def test_compiled_layers_match_eager(small_target, device):
     """The torch.compile'd layer functions (fused norms / RoPE / SiLU) against the eager ones."""
     t = small_target.to(device)
@@ -179,16 +180,7 @@ def _cache_after_steps(t, compile: bool, device: str):
     return static.k + static.v, stores
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.slow),  # inductor's C++ build takes minutes on 2 cores
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", COMPILE_DEVICES)
 def test_compiled_cache_stores_match_eager(small_target, device):
     """The K/V stores inside the compiled input function leave the caches as the eager path's
     advanced-index assignments do (the same slots written, equal to RoPE's rounding, every other
