@@ -3,8 +3,9 @@ autoregressive chain at inference, trained with training-time test (TTT).
 
 TTT step i at position t drafts for anchor a = t - i: its feature is the target's fused taps at
 t-1 when i = 0, else the drafter's own step-(i-1) output at t-1. It attends to step-0 keys at
-positions ≤ a (what the target has verified) and to the chain keys of steps 1..i at a+1..a+i,
-exactly the keys an inference chain from anchor a would have. Step i predicts x_{t+1}.
+positions 1..a (what the target has verified; position 0 has no feature_{-1}, hence no entry at
+inference) and to the chain keys of steps 1..i at a+1..a+i, exactly the keys an inference chain
+from anchor a would have. Step i predicts x_{t+1}.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ from .registry import register
 
 
 def ttt_mask(t: int, step: int, device) -> Tensor:
-    """[T, step·T + T] keys visible to step `step` queries: step-0 keys s ≤ t-step, then for chain
-    steps j = 1..step the single key at s = t-step+j (the last one being the query's own)."""
+    """[T, step·T + T] keys visible to step `step` queries: step-0 keys 1 ≤ s ≤ t-step, then for
+    chain steps j = 1..step the single key at s = t-step+j (the last one being the query's own).
+    The step-0 key at s = 0 is no entry inference ever has: its feature_{-1} does not exist (zeros
+    here), and ``extend_context`` writes the pairs (x_{p+1}, feature_p) from position 1 on. So only
+    position 0's own query sees it (anchor 0, never trained on: every inference anchor has a prefix)."""
     q = torch.arange(t, device=device)[:, None]
     s = torch.arange(t, device=device)[None, :]
     if step == 0:
-        return s <= q
-    blocks = [s <= q - step] + [s == q - step + j for j in range(1, step + 1)]
+        return (s <= q) & ((s > 0) | (q == 0))
+    blocks = [(s <= q - step) & (s > 0)] + [s == q - step + j for j in range(1, step + 1)]
     return torch.cat(blocks, dim=1)
 
 
@@ -88,7 +92,8 @@ class Eagle3Drafter(Drafter):
         f = self.fc(matmul_input(taps, self.fc.weight))
         feature = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)  # feature_{t-1}
         lm = loss_mask.bool()
-        all_anchors = torch.where(lm, pos, torch.full_like(pos, -1))
+        # Position 0 is no anchor: inference always has a prefix before its anchor (see ttt_mask).
+        all_anchors = torch.where(lm & (pos > 0), pos, torch.full_like(pos, -1))
         kv_steps: list[list[tuple[Tensor, Tensor]]] = []  # [step][layer] -> (k, v)
         outs = []
         for i in range(steps):
