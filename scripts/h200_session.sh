@@ -34,6 +34,11 @@
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
 #           learning-rate schedule follows whichever of steps and clock is further along), so rows
 #           trained in different sessions, alone or side by side, had the same budget.
+#   headlat issue 19, Fig. 4's latency panel (python -m dspark.bench.head_latency): freshly built DFlash,
+#           DSpark-Markov and DSpark-RNN drafters (5 layers, no training needed) at block sizes 4, 7, 10, 16,
+#           R = 1 and 128, context 512: the sequential head's cost, the draft step, whole rounds and the
+#           head's share of them, into outputs/h200/out/head_latency/ (JSON, fig4_latency.png, log.txt);
+#           12 drafters, each compiled and captured anew: about 3-4 minutes, HEADLAT_LIMIT (480 s) at most
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage. Settings travel as environment
 # variables of the `start` call, e.g.
@@ -44,6 +49,7 @@
 #     TRAIN_MINUTES=12 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 #   DATA_PACK=data/packs/smollm2_30000_bfloat16.tar.xz STAGES="data gputests batch" RUNS=… TRAIN_EXTRA=… \
 #     bash scripts/h200_session.sh start      # the committed data instead of six minutes regenerating it
+#   STAGES=headlat bash scripts/h200_session.sh start   # Fig. 4's latency panel alone (no data, no drafter)
 set -uo pipefail
 S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
@@ -148,6 +154,16 @@ pipeline)
     python3 -m dspark.report "runs=[$(IFS=,; echo "${folders[*]}")]" hydra.run.dir="$dest/dashboard" ||
       echo "dashboard of the batch failed (Table 1 and the figures stand)"
   }
+  headlat() {  # Fig. 4's latency panel; the JSON is rewritten after each drafter, so a cut-off run keeps its rows
+    local dest=outputs/h200/out/head_latency status=0
+    mkdir -p "$dest"
+    timeout "${HEADLAT_LIMIT:-480}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
+      target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families dflash,markov,rnn \
+      --blocks 4,7,10,16 --rows 1,128 --context 512 --out "$dest/head_latency.json" \
+      --plot "$dest/fig4_latency.png" > "$dest/log.txt" 2>&1 || status=$?
+    grep -a -e "^|" -e "^== " "$dest/log.txt" | tail -45  # the table (and where a cut-off run stopped)
+    return $status
+  }
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in
     data)
@@ -180,6 +196,7 @@ pipeline)
       gpu_tested=1
       ;;
     batch) run batch batch ;;
+    headlat) run headlat headlat ;;  # needs no drafter: any session can run it
     *) echo "unknown stage '$stage'"; break ;;
     esac
   done

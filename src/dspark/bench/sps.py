@@ -33,6 +33,7 @@ __all__ = [
     "round_overhead_ms",
     "round_times",
     "row_counts",
+    "served",
     "step_kernels",
     "verify_step_times",
 ]
@@ -108,9 +109,14 @@ def _draft_engine(
     return eng
 
 
+def served(drafter, target):
+    """``drafter`` as the engines serve it: on the target's device, in its precision, eval mode."""
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+
 def load_served_drafter(target, drafter_dir: str):
-    """The drafter as the engines serve it: in the target's precision."""
-    return load_drafter(drafter_dir, target, device=target.device)[0].to(target.dtype)
+    """A trained drafter as the engines serve it (``served``)."""
+    return served(load_drafter(drafter_dir, target, device=target.device)[0], target)
 
 
 def draft_step_times(
@@ -303,16 +309,19 @@ def round_overhead_ms(
 
 
 def round_times(
-    target, drafter, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32
-) -> dict[int, dict[int, float]]:
+    target, drafter, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32,
+    lengths: list[int] | None = None,
+) -> dict[int, dict[int, float]]:  # fmt: skip
     """Whole rounds as the engine runs them, ``{γ_d: {R: ms}}`` for ``γ_d = 0..γ`` (0: a plain
-    round) and each row count R: R requests of a random ``ctx``-token prompt decoded under
-    ``Fixed(γ_d)`` (every row verifies its whole draft), the median round on the device's timeline.
+    round; ``lengths``: only those) and each row count R: R requests of a random ``ctx``-token
+    prompt decoded under ``Fixed(γ_d)`` (every row verifies its whole draft), the median round on
+    the device's timeline.
     What the sum of separately timed steps misses is in it: the eager work between the graphs,
     the steps' overlap, how a round's cost really changes with γ_d; the draft-aware choices read
     it (``CostModel.round_len_ms``). Ascending R lifted to the running maximum like ``cost_curve``."""
     eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens)
-    out: dict[int, dict[int, float]] = {m: {} for m in range(drafter.gamma + 1)}
+    wanted = range(drafter.gamma + 1) if lengths is None else lengths
+    out: dict[int, dict[int, float]] = {m: {} for m in wanted}
     for r in rows_all:
         reqs = _round_requests(target, r, ctx)
         for m in out:

@@ -1,5 +1,6 @@
-"""Evaluation figures: position-wise conditional acceptance (paper Fig. 2) and the confidence
-threshold sweep (Fig. 5). Each writes a PNG and the JSON it plots beside it."""
+"""Evaluation figures: position-wise conditional acceptance (paper Fig. 2), the confidence
+threshold sweep (Fig. 5) and the sequential head's latency (Fig. 4's rightmost panel). Each writes
+a PNG and the JSON it plots beside it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
-__all__ = ["acceptance_by_position_plot", "threshold_sweep_plot", "write_json"]
+__all__ = ["acceptance_by_position_plot", "head_latency_plot", "threshold_sweep_plot", "write_json"]
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
@@ -125,4 +126,47 @@ def threshold_sweep_plot(
     atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     write_json(path.with_suffix(".json"), data if data is not None else {"sweep": sweep})
+    return path
+
+
+def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: dict | None = None) -> Path:
+    """``rows`` of ``python -m dspark.bench.head_latency`` (``label``, ``block_size``, ``rows``,
+    ``round_ms``, ``sequential_head_ms``, ``head_share``): a column per row count R, a line per
+    drafter against the block size; top the whole round's latency (Fig. 4's rightmost panel), then
+    the sequential head's latency, then its share of the round. Writes ``path`` and
+    ``<stem>.json`` (``data`` if given, else the rows)."""
+    path = Path(path)
+    counts = sorted({int(r["rows"]) for r in rows})
+    if not counts:
+        raise ValueError("no head-latency rows to plot")
+    blocks = sorted({int(r["block_size"]) for r in rows})
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    panels = (("round_ms", 1.0, "Round latency (ms)"), ("sequential_head_ms", 1.0, "Sequential head (ms)"),
+              ("head_share", 100.0, "Head share of round (%)"))  # fmt: skip
+    fig, axes = plt.subplots(
+        len(panels), len(counts), figsize=(3.6 * len(counts), 2.6 * len(panels)), squeeze=False
+    )
+    for j, r_count in enumerate(counts):
+        for label in labels:
+            pts = sorted(
+                (r for r in rows if r["rows"] == r_count and r["label"] == label),
+                key=lambda r: r["block_size"],
+            )
+            xs = [r["block_size"] for r in pts]
+            for i, (key, scale, _) in enumerate(panels):
+                ys = [scale * r[key] for r in pts]
+                axes[i][j].plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label)
+        axes[0][j].set_title(f"R = {r_count}")
+        axes[-1][j].set_xlabel("Block size")
+        for ax in axes[:, j]:
+            ax.set_xticks(blocks)
+            ax.grid(alpha=0.3)
+    for i, (_, _, name) in enumerate(panels):
+        axes[i][0].set_ylabel(name)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+    write_json(path.with_suffix(".json"), data if data is not None else {"rows": list(rows)})
     return path

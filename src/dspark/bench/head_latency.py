@@ -1,0 +1,268 @@
+"""Fig. 4's latency panel: what the sequential head costs a round, per drafter family and block size.
+
+    python -m dspark.bench.head_latency target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
+        [--families dflash,markov,rnn] [--blocks 4,7,10,16] [--rows 1,128] [--context 512] \\
+        [--layers 5] [--warmup 3] [--repeats 10] [--round-tokens 32] [--no-compile] \\
+        [--out head_latency.json] [--plot fig4_latency.png] [drafter.… head.… overrides for every family]
+
+Latency does not depend on trained weights, so each drafter is a fresh one, built exactly as
+training builds it (``conf/train.yaml`` composed with ``drafter=dflash`` or ``drafter=dspark
+head=<family>``, ``drafter.block_size=B``, ``drafter.num_layers=--layers``; DSpark keeps its
+confidence head, as trained) and served as the engines serve one (``sps.served``: the target's
+device and precision). Per family, block size B and row count R, with the context cache holding
+``--context`` random positions:
+
+  * ``sequential_head_ms``: what the sequential head adds to the draft step, the drafter's heads
+    and sampling over the γ positions (left to right, each position conditioned on the token drawn
+    before it; DSpark's confidence pass included) against DFlash's parallel sampling of the same
+    hidden states (``sps.draft_parts``, captured on CUDA). DFlash has no sequential head: its
+    ``sequential_head_ms`` is 0 by definition, and the difference measured for it (``parts``'
+    ``sequential_head_ms``: the same work timed twice) is the measurement's noise floor;
+  * ``draft_step_ms``: the whole draft step at γ (``sps.draft_step_times``: the fast engine's step);
+  * ``round_ms``: a whole round drafting and verifying the whole block, ``plain_round_ms`` one that
+    drafts nothing (target-only's round plus the drafter context's upkeep), both as the engine runs
+    them (``sps.round_times``, ``--round-tokens`` new tokens per request);
+  * ``head_share``: ``sequential_head_ms / round_ms`` (issue 19's check: at most 3 % at R = 128;
+    the paper's 4B target verifies slowly enough for that, a small target leaves the head more);
+  * ``round_vs_dflash``: ``round_ms`` over DFlash's at the same B and R, minus 1 (what the paper's
+    panel reports: 0.2 % to 1.3 % at R = 128, averaged over contexts of 512 to 4096).
+
+The JSON (with provenance) is rewritten after each configuration, so a run cut off keeps what it
+measured; the blocks are the outer loop, DFlash first. Prints a table; ``--plot`` draws round
+latency, head latency and the head's share against the block size, a column per R.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.errors import ConfigError
+
+__all__ = ["FAMILIES", "check_args", "main"]
+
+# family -> (label, the overrides that select it, as for python -m dspark.train)
+FAMILIES = {
+    "dflash": ("DFlash", ["drafter=dflash"]),
+    "markov": ("DSpark-Markov", ["drafter=dspark", "head=markov"]),
+    "gated": ("DSpark-Gated", ["drafter=dspark", "head=gated"]),
+    "rnn": ("DSpark-RNN", ["drafter=dspark", "head=rnn"]),
+}
+_PASSED = ("target", "drafter.", "head.")  # the overrides this command takes
+
+
+def _parse(argv):
+    doc = __doc__.split("\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m dspark.bench.head_latency", description=doc)
+    ap.add_argument("--families", default="dflash,markov,rnn", help=f"of {', '.join(FAMILIES)}")
+    ap.add_argument("--blocks", default="4,7,10,16", help="drafter.block_size values (>= 2)")
+    ap.add_argument("--rows", default="1,128", help="row counts R (the batch)")
+    ap.add_argument("--context", type=int, default=512, help="cached context positions per row")
+    ap.add_argument("--layers", type=int, default=5, help="drafter.num_layers (the paper's 5)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--round-tokens", type=int, default=32, help="new tokens per request of a timed run")
+    ap.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the fast path's layer functions (default: on CUDA)",
+    )  # fmt: skip
+    ap.add_argument("--out", default="head_latency.json")
+    ap.add_argument("--plot", default=None, help="a PNG of the table (and its JSON beside it)")
+    return ap.parse_known_args(argv)
+
+
+def _ints(text: str, flag: str, least: int, example: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        why = f"{flag} {text!r} is not a comma-separated list of integers: e.g. {flag} {example}"
+        raise ConfigError(why) from None
+    if not values:
+        raise ConfigError(f"{flag} is empty: give at least one value, e.g. {flag} {example}")
+    low = [v for v in values if v < least]
+    if low:
+        raise ConfigError(f"{flag} {text!r}: {low} below {least}; each must be >= {least}, e.g. {example}")
+    return list(dict.fromkeys(values))  # in order, once each
+
+
+def check_args(args, overrides: list[str]) -> dict:
+    """Every input checked before a model is built: ``ConfigError`` naming the problem and the fix."""
+    families = list(dict.fromkeys(f.strip() for f in args.families.split(",") if f.strip()))
+    if not families:
+        raise ConfigError(f"--families is empty: name at least one of {', '.join(FAMILIES)}")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ConfigError(f"--families: unknown {unknown}; choose from {', '.join(FAMILIES)}")
+    blocks = _ints(args.blocks, "--blocks", 2, "4,7,10,16")
+    rows = _ints(args.rows, "--rows", 1, "1,128")
+    for flag, value, least in (
+        ("--context", args.context, 1), ("--layers", args.layers, 1), ("--repeats", args.repeats, 1),
+        ("--warmup", args.warmup, 0), ("--round-tokens", args.round_tokens, 2),
+    ):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{flag} {value} is below {least}: pass {flag} {max(least, 1)} or more")
+    stray = [o for o in overrides if not o.startswith(_PASSED)]
+    if stray:
+        raise ConfigError(
+            f"unknown arguments {stray}: this command takes its --options and target=…, target.…, "
+            f"drafter.… and head.… overrides (see --help); --families picks the drafters and heads"
+        )
+    return {"families": families, "blocks": blocks, "rows": rows}
+
+
+def drafter_configs(families: list[str], blocks: list[int], layers: int, overrides: list[str]) -> dict:
+    """``{(family, B): (cfg.drafter, cfg.head, the overrides)}`` composed as ``python -m
+    dspark.train`` composes them (``drafter.…``/``head.…`` overrides applied to every family), each
+    checked against its class's schema and rules and the target's heads where known before loading."""
+    from hydra import compose, initialize_config_module
+
+    from ..config.train import check_drafter
+
+    passed = [o for o in overrides if o.startswith(("drafter.", "head."))]
+    target = [o for o in overrides if o.startswith("target")]
+    out = {}
+    with initialize_config_module(config_module="dspark.conf", version_base="1.3"):
+        for family in families:
+            for b in blocks:
+                chosen = [
+                    *FAMILIES[family][1],
+                    f"drafter.block_size={b}",
+                    f"drafter.num_layers={layers}",
+                    *passed,
+                ]
+                cfg = compose(config_name="train", overrides=[*target, *chosen])
+                check_drafter(cfg.drafter, cfg.head, cfg.target)
+                out[family, b] = (cfg.drafter, cfg.head, chosen)
+    return out
+
+
+def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> list[dict]:
+    """One drafter's rows of the table, one per R (see the module's docstring)."""
+    from .sps import capacity, draft_parts, draft_step_times, round_times
+
+    gamma = int(drafter.gamma)
+    timing = {"warmup": args.warmup, "repeats": args.repeats}
+    cap = capacity(ctx, [gamma + 1])
+    draft = draft_step_times(target, drafter, rows, ctx, cap, compile=args.compile, lengths=[gamma], **timing)
+    rounds = round_times(target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma])
+    parts = {p["rows"]: p for p in draft_parts(target, drafter, rows, ctx, **timing)}
+    out = []
+    for r in rows:
+        head = 0.0 if family == "dflash" else parts[r]["sequential_head_ms"]
+        round_ms = rounds[gamma][r]
+        out.append(
+            {
+                "family": family,
+                "label": FAMILIES[family][0],
+                "block_size": int(drafter.block_size),
+                "gamma": gamma,
+                "rows": r,
+                "sequential_head_ms": head,
+                "draft_step_ms": draft[gamma][r],
+                "round_ms": round_ms,
+                "plain_round_ms": rounds[0][r],
+                "head_share": head / round_ms,
+                "parts": parts[r],
+            }
+        )
+    return out
+
+
+def _relate(results: list[dict]) -> None:
+    """``round_vs_dflash`` on every row whose DFlash counterpart (same B and R) was measured."""
+    base = {(r["block_size"], r["rows"]): r["round_ms"] for r in results if r["family"] == "dflash"}
+    for r in results:
+        ref = base.get((r["block_size"], r["rows"]))
+        if ref:
+            r["round_vs_dflash"] = r["round_ms"] / ref - 1.0
+
+
+def main(argv=None) -> dict:
+    import gc
+    import sys
+
+    import torch
+
+    from ..core.io import atomic_write_json
+    from ..core.provenance import provenance
+    from ..core.types import TargetDims
+    from ..drafters import build_drafter
+    from ..target import load_target
+    from .common import compose_target, publish
+    from .sps import served
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, overrides = _parse(argv)
+    chosen = check_args(args, overrides)
+    configs = drafter_configs(chosen["families"], chosen["blocks"], args.layers, overrides)
+    target = load_target(compose_target(overrides))
+    ctx, rows = int(args.context), chosen["rows"]
+    results: list[dict] = []
+    report = {
+        **provenance("dspark.bench.head_latency", argv, target.device),
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "context": ctx,
+        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
+        "layers": args.layers,
+        "families": chosen["families"],
+        "blocks": chosen["blocks"],
+        "rows": rows,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "round_tokens": args.round_tokens,
+        "definitions": {
+            "sequential_head_ms": "heads + sampling over the γ positions (captured on CUDA) minus DFlash's "
+            "parallel sampling of the same hidden states; 0 for DFlash (no sequential head)",
+            "draft_step_ms": "the fast engine's draft step at γ",
+            "round_ms": "a whole round drafting and verifying γ, median on the device's timeline",
+            "plain_round_ms": "a round drafting nothing (γ_d = 0)",
+            "head_share": "sequential_head_ms / round_ms",
+            "round_vs_dflash": "round_ms / DFlash's round_ms at the same block size and R - 1",
+        },
+        "results": results,
+    }
+    # Each configuration's drafter is a new module with its own block size: its fused paths would
+    # pass dynamo's default recompile limit (8) after a few, and run eagerly from then on.
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    with dynamo.patch({limit: max(getattr(dynamo, limit), 8 * len(configs))}):
+        for b in chosen["blocks"]:
+            for family in chosen["families"]:
+                drafter_cfg, head_cfg, picked = configs[family, b]
+                print(f"== {FAMILIES[family][0]}, block {b}: {' '.join(picked)}", flush=True)
+                torch.manual_seed(0)
+                drafter = served(build_drafter(TargetDims.of(target), drafter_cfg, head_cfg), target)
+                built = {"overrides": picked, "parameters": sum(p.numel() for p in drafter.parameters())}
+                results += [{**row, **built} for row in measure(target, drafter, rows, ctx, args, family)]
+                _relate(results)
+                atomic_write_json(args.out, report)  # a run cut off keeps what it measured
+                del drafter
+                gc.collect()
+                if target.device.type == "cuda":
+                    torch.cuda.empty_cache()
+    nan = float("nan")
+    publish(
+        args.out,
+        report,
+        ["drafter", "B", "γ", "R", "head ms", "draft ms", "round ms", "plain ms", "head share", "vs DFlash"],
+        [
+            [r["label"], f"{r['block_size']}", f"{r['gamma']}", f"{r['rows']}",
+             f"{r['sequential_head_ms']:.3f}", f"{r['draft_step_ms']:.3f}", f"{r['round_ms']:.3f}",
+             f"{r['plain_round_ms']:.3f}", f"{100 * r['head_share']:.2f} %",
+             f"{100 * r.get('round_vs_dflash', nan):+.2f} %"]
+            for r in results
+        ],
+    )  # fmt: skip
+    if args.plot:
+        from ..reporting.plots import head_latency_plot
+
+        head_latency_plot(results, args.plot, data=report)
+        print(f"wrote {args.plot}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    from ..cli import user_errors
+
+    with user_errors():
+        main()

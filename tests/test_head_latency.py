@@ -1,0 +1,99 @@
+"""python -m dspark.bench.head_latency (Fig. 4's latency panel) end to end on the tiny target, on the
+CPU: the table's structure and what must hold whatever the timing noise; bad input refused before
+any model is built. Its numbers are measured on the GPU, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dspark.bench import head_latency
+from dspark.core.errors import ConfigError
+
+FAST = ["--rows", "1", "--context", "8", "--layers", "1", "--repeats", "1", "--warmup", "0"]
+FAST += ["--round-tokens", "3", "target=tiny"]
+PICKS = {
+    "dflash": ["drafter=dflash"],
+    "markov": ["drafter=dspark", "head=markov"],
+    "rnn": ["drafter=dspark", "head=rnn"],
+}
+
+
+def test_head_latency_table_per_family_block_and_rows(tmp_path):
+    out, plot = tmp_path / "head_latency.json", tmp_path / "fig4_latency.png"
+    argv = [*f"--families dflash,markov,rnn --blocks 4,7 --out {out} --plot {plot}".split(), *FAST]
+    report = head_latency.main(argv)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert {"command", "commit", "date", "machine"} <= set(saved)  # provenance
+    assert saved["target"] == "tiny" and saved["compiled"] is False and saved["layers"] == 1
+    assert (saved["families"], saved["blocks"], saved["rows"]) == (["dflash", "markov", "rnn"], [4, 7], [1])
+    # Blocks outer, DFlash first: a run cut off has every family at the blocks it finished.
+    order = [(r["block_size"], r["family"], r["rows"]) for r in saved["results"]]
+    assert order == [(b, f, 1) for b in (4, 7) for f in ("dflash", "markov", "rnn")]
+    labels = {"dflash": "DFlash", "markov": "DSpark-Markov", "rnn": "DSpark-RNN"}
+    for r in saved["results"]:
+        assert r["label"] == labels[r["family"]] and r["gamma"] == r["block_size"]  # slots=anchor
+        chosen = [f"drafter.block_size={r['block_size']}", "drafter.num_layers=1"]
+        assert r["overrides"] == [*PICKS[r["family"]], *chosen]  # as python -m dspark.train composes it
+        assert r["parameters"] > 0
+        for key in ("draft_step_ms", "round_ms", "plain_round_ms"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert math.isfinite(r["sequential_head_ms"]) and r["sequential_head_ms"] >= 0
+        assert r["head_share"] == pytest.approx(r["sequential_head_ms"] / r["round_ms"])
+        parts = r["parts"]  # draft_parts' row: what the head's cost is read from
+        assert parts["rows"] == 1 and all(math.isfinite(v) and v >= 0 for v in parts.values())
+        if r["family"] == "dflash":  # no sequential head: 0 by definition, the round its own reference
+            assert r["sequential_head_ms"] == 0 and r["head_share"] == 0 and r["round_vs_dflash"] == 0
+        else:
+            assert r["sequential_head_ms"] == parts["sequential_head_ms"]
+            dflash = next(
+                d for d in saved["results"] if d["family"] == "dflash" and d["block_size"] == r["block_size"]
+            )
+            assert r["round_vs_dflash"] == pytest.approx(r["round_ms"] / dflash["round_ms"] - 1)
+    assert plot.stat().st_size > 0 and json.loads(plot.with_suffix(".json").read_text()) == saved
+
+
+def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch):
+    out, measured = tmp_path / "h.json", []
+    real = head_latency.measure
+
+    def once(*args, **kw):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(head_latency, "measure", once)
+    with pytest.raises(KeyboardInterrupt):
+        head_latency.main(["--families", "markov,rnn", "--blocks", "4", *FAST, "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [(r["family"], r["block_size"]) for r in saved["results"]] == [("markov", 4)]
+    assert "round_vs_dflash" not in saved["results"][0]  # no DFlash row to compare with
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--families", "dflash,medusa"], r"unknown \['medusa'\]; choose from dflash, markov, gated, rnn"),
+        (["--families", ","], "--families is empty"),
+        (["--blocks", "1,4"], r"--blocks '1,4': \[1\] below 2; each must be >= 2"),
+        (["--blocks", ""], "--blocks is empty: give at least one value"),
+        (["--blocks", "4,x"], "not a comma-separated list of integers"),
+        (["--rows", "0"], "--rows '0': \\[0\\] below 1"),
+        (["--context", "0"], "--context 0 is below 1"),
+        (["--blokcs", "4"], r"unknown arguments \['--blokcs', '4'\]"),
+        (["drafter.num_heads=3"], "num_heads=3 is not a multiple of num_kv_heads"),
+    ],
+)
+def test_head_latency_refuses_bad_input_before_building_a_model(argv, problem, tmp_path, monkeypatch):
+    def no_models(*args, **kw):
+        raise AssertionError("a model was built before the input was checked")
+
+    monkeypatch.setattr("dspark.target.load_target", no_models)
+    monkeypatch.setattr("dspark.drafters.build_drafter", no_models)
+    with pytest.raises(ConfigError, match=problem):
+        head_latency.main([*argv, "target=tiny", "--out", str(tmp_path / "h.json")])
+    assert not (tmp_path / "h.json").exists()
