@@ -159,8 +159,10 @@ pipeline)
     mkdir -p "$dest"
     timeout "${HEADLAT_LIMIT:-480}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
       target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families dflash,markov,rnn \
-      --blocks 4,7,10,16 --rows 1,128 --context 512 --out "$dest/head_latency.json" \
-      --plot "$dest/fig4_latency.png" > "$dest/log.txt" 2>&1 || status=$?
+      --blocks 4,7,10,16 --rows 1,128 --context 512 --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 ||
+      status=$?
+    [ -f "$dest/head_latency.json" ] && python3 -m dspark.report mode=head_latency runs="$dest/head_latency.json" \
+      hydra.run.dir="$dest" >> "$dest/log.txt" 2>&1  # fig4_latency.png, also of a cut-off run's rows
     grep -a -e "^|" -e "^== " "$dest/log.txt" | tail -45  # the table (and where a cut-off run stopped)
     return $status
   }

@@ -22,8 +22,8 @@ PICKS = {
 
 
 def test_head_latency_table_per_family_block_and_rows(tmp_path):
-    out, plot = tmp_path / "head_latency.json", tmp_path / "fig4_latency.png"
-    argv = [*f"--families dflash,markov,rnn --blocks 4,7 --out {out} --plot {plot}".split(), *FAST]
+    out = tmp_path / "head_latency.json"
+    argv = [*f"--families dflash,markov,rnn --blocks 4,7 --out {out}".split(), *FAST]
     report = head_latency.main(argv)
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(report))
@@ -53,7 +53,26 @@ def test_head_latency_table_per_family_block_and_rows(tmp_path):
                 d for d in saved["results"] if d["family"] == "dflash" and d["block_size"] == r["block_size"]
             )
             assert r["round_vs_dflash"] == pytest.approx(r["round_ms"] / dflash["round_ms"] - 1)
-    assert plot.stat().st_size > 0 and json.loads(plot.with_suffix(".json").read_text()) == saved
+    # python -m dspark.report mode=head_latency draws it, the measurement beside the PNG.
+    plot = report_head_latency(str(out), tmp_path / "fig")
+    assert plot == tmp_path / "fig" / "fig4_latency.png" and plot.stat().st_size > 0
+    assert json.loads(plot.with_suffix(".json").read_text()) == saved
+
+
+def report_head_latency(runs: str, out_dir):
+    from hydra import compose, initialize_config_module
+
+    from dspark.report import run_report
+
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        cfg = compose("report", overrides=["mode=head_latency", f"runs={runs}", f"out_dir={out_dir}"])
+    return run_report(cfg)
+
+
+def test_report_head_latency_names_what_it_reads(tmp_path):
+    with pytest.raises(ConfigError, match="mode=head_latency reads one JSON .* runs=<head_latency.json>"):
+        report_head_latency(str(tmp_path), tmp_path / "fig")  # a folder, not the JSON
+    assert not (tmp_path / "fig").exists()
 
 
 def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch):

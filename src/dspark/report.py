@@ -1,6 +1,7 @@
 """python -m dspark.report runs=<folder or glob> [axis=<config key>] [logger=wandb|tensorboard]
 python -m dspark.report mode=table1 runs=[Label:<eval folder>,…] [table1=<json>] [split_gamma=true]
 python -m dspark.report mode=figures runs=[Label:<eval folder>,…]
+python -m dspark.report mode=head_latency runs=<head_latency.json>
 
 Static ablation dashboard from run folders (training runs, evaluation folders, multirun dirs):
 index.html with τ per benchmark, position-wise acceptance, ECE raw vs after STS, loss curves and
@@ -9,7 +10,9 @@ the sweep axis, plus PNG figures and markdown tables. See docs/sweeps.md.
 mode=table1: the paper's Table 1 from evaluation folders (dspark.reporting.table1): table1.json
 (τ ± standard error per benchmark, macro averages by domain, one table per temperature) and its
 markdown, printed. mode=figures: Figs. 2, 5 and 6 across those drafters into out_dir
-(dspark.reporting.paper_figures), each PNG with its JSON, and figures.md, printed."""
+(dspark.reporting.paper_figures), each PNG with its JSON, and figures.md, printed.
+mode=head_latency: Fig. 4's latency panel from ``python -m dspark.bench.head_latency``'s JSON into
+out_dir/fig4_latency.png (+ its JSON)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ def run_report(cfg: DictConfig) -> Path:
         return _table1(cfg, spec)
     if cfg.get("mode") == "figures":
         return _figures(cfg, spec)
+    if cfg.get("mode") == "head_latency":
+        return _head_latency(cfg, spec)
     runs = find_runs(spec)
     if not runs:
         raise FileNotFoundError(
@@ -78,6 +83,23 @@ def _figures(cfg: DictConfig, spec) -> Path:
     index = paper_figures(_sources(spec), Path(cfg.out_dir))
     print(index.read_text(encoding="utf-8"))
     return index
+
+
+def _head_latency(cfg: DictConfig, spec) -> Path:
+    from .core.errors import ConfigError
+    from .core.io import read_json
+    from .reporting.plots import head_latency_plot
+
+    sources = _sources(spec)
+    if len(sources) != 1 or not Path(sources[0]).is_file():
+        raise ConfigError(
+            f"mode=head_latency reads one JSON of python -m dspark.bench.head_latency, got runs={spec}: "
+            f"runs=<head_latency.json>"
+        )
+    report = read_json(sources[0])
+    path = head_latency_plot(report.get("results", []), Path(cfg.out_dir) / "fig4_latency.png", data=report)
+    print(path)
+    return path
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="report")

@@ -3,7 +3,8 @@
     python -m dspark.bench.head_latency target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--families dflash,markov,rnn] [--blocks 4,7,10,16] [--rows 1,128] [--context 512] \\
         [--layers 5] [--warmup 3] [--repeats 10] [--round-tokens 32] [--no-compile] \\
-        [--out head_latency.json] [--plot fig4_latency.png] [drafter.… head.… overrides for every family]
+        [--out head_latency.json] [drafter.… head.… overrides for every family]
+    python -m dspark.report mode=head_latency runs=head_latency.json   # fig4_latency.png (+ .json)
 
 Latency does not depend on trained weights, so each drafter is a fresh one, built exactly as
 training builds it (``conf/train.yaml`` composed with ``drafter=dflash`` or ``drafter=dspark
@@ -28,8 +29,9 @@ device and precision). Per family, block size B and row count R, with the contex
     panel reports: 0.2 % to 1.3 % at R = 128, averaged over contexts of 512 to 4096).
 
 The JSON (with provenance) is rewritten after each configuration, so a run cut off keeps what it
-measured; the blocks are the outer loop, DFlash first. Prints a table; ``--plot`` draws round
-latency, head latency and the head's share against the block size, a column per R.
+measured; the blocks are the outer loop, DFlash first. Prints a table; ``python -m dspark.report
+mode=head_latency`` draws it (round latency, head latency and the head's share against the block
+size, a column per R).
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ def _parse(argv):
         help="torch.compile the fast path's layer functions (default: on CUDA)",
     )  # fmt: skip
     ap.add_argument("--out", default="head_latency.json")
-    ap.add_argument("--plot", default=None, help="a PNG of the table (and its JSON beside it)")
     return ap.parse_known_args(argv)
 
 
@@ -115,7 +116,7 @@ def drafter_configs(families: list[str], blocks: list[int], layers: int, overrid
     checked against its class's schema and rules and the target's heads where known before loading."""
     from hydra import compose, initialize_config_module
 
-    from ..config.train import check_drafter
+    from ..drafters.registry import check_drafter_config
 
     passed = [o for o in overrides if o.startswith(("drafter.", "head."))]
     target = [o for o in overrides if o.startswith("target")]
@@ -130,7 +131,7 @@ def drafter_configs(families: list[str], blocks: list[int], layers: int, overrid
                     *passed,
                 ]
                 cfg = compose(config_name="train", overrides=[*target, *chosen])
-                check_drafter(cfg.drafter, cfg.head, cfg.target)
+                check_drafter_config(cfg.drafter, cfg.head, cfg.target)
                 out[family, b] = (cfg.drafter, cfg.head, chosen)
     return out
 
@@ -253,11 +254,6 @@ def main(argv=None) -> dict:
             for r in results
         ],
     )  # fmt: skip
-    if args.plot:
-        from ..reporting.plots import head_latency_plot
-
-        head_latency_plot(results, args.plot, data=report)
-        print(f"wrote {args.plot}", flush=True)
     return report
 
 

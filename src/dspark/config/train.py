@@ -13,7 +13,7 @@ from ..core.errors import ConfigError
 from ..core.schema import Count, Fraction, Natural, NonNegative, Pattern, Positive, Range, Unit, check
 from ..data.config import DataConfig
 from ..drafters.base import HeadConfig
-from ..drafters.registry import drafter_class
+from ..drafters.registry import check_drafter_config
 from ..objectives import LossWeights
 from ..target import TargetConfig, known_context_length
 
@@ -161,22 +161,7 @@ def check_target(target: DictConfig) -> TargetConfig:
     return check(target, TargetConfig, "target")
 
 
-def check_drafter(drafter: DictConfig, head: DictConfig | None, target: DictConfig | None = None) -> None:
-    """The drafter's keys (its class's schema), its own rules (heads, …), and its attention heads
-    against the target's where those are known before loading (the tiny target)."""
-    cls = drafter_class(str(drafter.get("name")))
-    d = check(drafter, cls.config_schema, "drafter")
-    if head is not None:
-        check(head, HeadConfig, "head")
-    cls.check_config(drafter, head)
-    tiny = target.get("tiny") if target is not None else None
-    if tiny:
-        heads, kv = d.num_heads or int(tiny.num_heads), d.num_kv_heads or int(tiny.num_kv_heads)
-        if heads % kv:
-            raise ConfigError(
-                f"drafter.num_heads={heads} is not a multiple of num_kv_heads={kv} (null keys are the "
-                f"target's): set drafter.num_kv_heads to a divisor of it"
-            )
+check_drafter = check_drafter_config  # the drafter's own keys and rules live with the drafters
 
 
 def check_context(target: DictConfig, keys: dict[str, int | None]) -> None:

@@ -9,10 +9,14 @@ import importlib.util
 import pkgutil
 
 from ..core.errors import ConfigError
+from ..core.schema import check
 from ..core.types import TargetDims
-from .base import Drafter
+from .base import Drafter, DrafterConfig, HeadConfig
 
-__all__ = ["build_drafter", "drafter_class", "drafter_names", "register", "static_cache_drafters"]
+__all__ = [
+    "build_drafter", "check_drafter_config", "drafter_class", "drafter_names", "register",
+    "static_cache_drafters",
+]
 
 _CLASSES: dict[str, type[Drafter]] = {}
 
@@ -55,6 +59,26 @@ def drafter_class(name: str) -> type[Drafter]:
     if name not in _CLASSES:
         raise ConfigError(f"drafter.name '{name}' is not one of {drafter_names()}")
     return _CLASSES[name]
+
+
+def check_drafter_config(drafter_cfg, head_cfg=None, target_cfg=None) -> DrafterConfig:
+    """The drafter's keys against its class's schema, the head's against ``HeadConfig``, the class's
+    own rules (``Drafter.check_config``), and its attention heads against the target's where those
+    are known before loading (the tiny target): a ConfigError naming the key, before anything is built."""
+    cls = drafter_class(str(drafter_cfg.get("name")))
+    d = check(drafter_cfg, cls.config_schema, "drafter")
+    if head_cfg is not None:
+        check(head_cfg, HeadConfig, "head")
+    cls.check_config(drafter_cfg, head_cfg)
+    tiny = target_cfg.get("tiny") if target_cfg is not None else None
+    if tiny:
+        heads, kv = d.num_heads or int(tiny.num_heads), d.num_kv_heads or int(tiny.num_kv_heads)
+        if heads % kv:
+            raise ConfigError(
+                f"drafter.num_heads={heads} is not a multiple of num_kv_heads={kv} (null keys are the "
+                f"target's): set drafter.num_kv_heads to a divisor of it"
+            )
+    return d
 
 
 def build_drafter(dims: TargetDims, drafter_cfg, head_cfg=None) -> Drafter:

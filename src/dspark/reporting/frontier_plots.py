@@ -8,8 +8,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..core.io import atomic_savefig
-from .plots import plt, write_json
+from .plots import plt, save_figure
 
 __all__ = ["budget_plot", "frontier_plot"]
 
@@ -68,12 +67,7 @@ def frontier_plot(
     ax.set_title(title or "Throughput vs interactivity", fontsize=9, wrap=True)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_savefig(fig, path, dpi=150)
-    plt.close(fig)
-    write_json(path.with_suffix(".json"), data if data is not None else {"policies": dict(policies)})
-    return path
+    return save_figure(fig, path, data if data is not None else {"policies": dict(policies)}, dpi=150)
 
 
 def budget_plot(
@@ -100,9 +94,4 @@ def budget_plot(
     for ax in (top, bottom):
         ax.grid(True, which="both", alpha=0.3)
     top.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_savefig(fig, path, dpi=150)
-    plt.close(fig)
-    write_json(path.with_suffix(".json"), data if data is not None else {"policies": dict(policies)})
-    return path
+    return save_figure(fig, path, data if data is not None else {"policies": dict(policies)}, dpi=150)

@@ -15,13 +15,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
-__all__ = ["acceptance_by_position_plot", "head_latency_plot", "threshold_sweep_plot", "write_json"]
+__all__ = [
+    "acceptance_by_position_plot", "head_latency_plot", "save_figure", "threshold_sweep_plot", "write_json",
+]
 
 
 def write_json(path: str | os.PathLike, obj) -> Path:
     """Atomic strict-JSON write (NaN/inf become null; a reader never sees half a file)."""
     atomic_write_json(path, finite(obj))
     return Path(path)
+
+
+def save_figure(fig, path: Path, data, dpi: int = 120, **savefig) -> Path:
+    """``fig`` laid out and saved atomically at ``path`` (its folder made), then closed; ``data``, the
+    numbers it draws, beside it as ``path.json``."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_savefig(fig, path, dpi=dpi, **savefig)
+    plt.close(fig)
+    write_json(path.with_suffix(".json"), data)
+    return path
 
 
 def _panels(n: int, width: float = 3.6, height: float = 3.0):
@@ -57,12 +70,7 @@ def acceptance_by_position_plot(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("Cond. acceptance")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-    write_json(path.with_suffix(".json"), data if data is not None else {"curves": curves})
-    return path
+    return save_figure(fig, path, data if data is not None else {"curves": curves})
 
 
 def threshold_sweep_plot(
@@ -121,12 +129,7 @@ def threshold_sweep_plot(
         fontsize=8,
         frameon=False,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    write_json(path.with_suffix(".json"), data if data is not None else {"sweep": sweep})
-    return path
+    return save_figure(fig, path, data if data is not None else {"sweep": sweep}, bbox_inches="tight")
 
 
 def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: dict | None = None) -> Path:
@@ -164,9 +167,4 @@ def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: di
     for i, (_, _, name) in enumerate(panels):
         axes[i][0].set_ylabel(name)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-    write_json(path.with_suffix(".json"), data if data is not None else {"rows": list(rows)})
-    return path
+    return save_figure(fig, path, data if data is not None else {"rows": list(rows)})
