@@ -23,7 +23,7 @@ from test_evaluate import _save
 from dspark.core.errors import DataError
 from dspark.decoding.uncertainty import ratio_stderr
 from dspark.reporting.labelled import read_labelled
-from dspark.reporting.table1 import build_tables, table_markdown
+from dspark.reporting.table1 import build_tables, findings, table_markdown
 
 # Near-uniform next-token distributions: a random drafter is accepted often at T = 1.
 FLAT = ["target=tiny", "target.tiny.initializer_range=0.02"]
@@ -144,6 +144,29 @@ def test_table1_cli_gathers_rows_per_temperature(evals, tmp_path):
     dspark = tables[1]["rows"]["DSpark-Markov"]
     assert f"{dspark['gsm8k']:.2f} ± {tables[1]['stderr']['DSpark-Markov']['gsm8k']:.2f}" in md
     assert "Macro math" in md and "Macro code" in md and "Macro chat" in md and "Macro all" in md
+    for table in tables:  # the paper's claim, DSpark ≥ 1.10 × DFlash, checked on these rows
+        (claim,) = table["findings"]
+        ds, df = (table["rows"][k]["macro"]["all"] for k in ("DSpark-Markov", "DFlash"))
+        assert (claim["row"], claim["baseline"], claim["goal"]) == ("DSpark-Markov", "DFlash", 1.10)
+        assert claim["ratio"] == pytest.approx(ds / df) and claim["met"] == (ds / df >= 1.10)
+        assert f"- DSpark-Markov / DFlash: {claim['ratio']:.3f} ± {claim['stderr']:.3f}" in md
+
+
+def test_findings_hold_each_dspark_row_against_each_baseline():
+    def row(tau, se):
+        return {"macro": {"all": tau}}, {"macro": {"all": se}}
+
+    table = {"rows": {}, "stderr": {}}
+    for label, tau, se in [("E", 4.0, 0.04), ("D", 2.0, 0.02), ("M", 2.4, 0.0), ("G", 3.0, None)]:
+        table["rows"][label], table["stderr"][label] = row(tau, se)
+    kinds = {"E": "eagle3", "D": "dflash", "M": "dspark-markov", "G": "dspark-gated"}
+    got = {(f["row"], f["baseline"]): f for f in findings(table, kinds)}
+    assert set(got) == {("M", "E"), ("M", "D"), ("G", "E"), ("G", "D")}  # no baseline against a baseline
+    md, me = got["M", "D"], got["M", "E"]
+    assert md["ratio"] == pytest.approx(1.2) and md["met"] and md["goal"] == 1.10
+    assert me["ratio"] == pytest.approx(0.6) and not me["met"] and me["goal"] == 1.25
+    assert got["M", "D"]["stderr"] == pytest.approx(1.2 * 0.01)  # delta method: (0/2.4, 0.02/2)
+    assert got["G", "D"]["stderr"] is None  # an error not recorded stays unknown
 
 
 def test_one_table_is_one_object_and_labels_default_to_the_drafter(evals, tmp_path):

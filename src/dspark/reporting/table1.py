@@ -6,7 +6,12 @@ One table per temperature (per temperature and γ with ``split_gamma``, for a bl
     {"target", "temperature", "gamma",
      "rows":   {drafter: {benchmark: τ, …, "macro": {"math", "code", "chat", "all"}}},
      "stderr": {drafter: {benchmark: SE, …, "macro": {…}}},
-     "prompts": {drafter: {benchmark: requests}}, "sources": {drafter: folder}}
+     "prompts": {drafter: {benchmark: requests}}, "sources": {drafter: folder},
+     "findings": [{"row", "baseline", "ratio", "stderr", "goal", "met"}]}
+
+``findings``: the paper's claims about these rows, each DSpark row's macro τ over each baseline row's
+(DFlash: ≥ 1.10×, Eagle3: ≥ 1.25×; ``PAPER_GOALS``), its standard error by the delta method (the two
+rows' errors taken as independent: different drafters on the same prompts, so this overstates it).
 
 The errors are the evaluation's own (``tau_stderr``, ``macro_stderr`` in results.json: the ratio
 estimator's standard error over prompts, ``decoding.uncertainty``); folders written before they
@@ -26,7 +31,10 @@ from ..data.benchmarks import DOMAINS
 from .labelled import Labelled, read_labelled
 from .tables import table1
 
-__all__ = ["build_tables", "gather_table1", "table_markdown", "write_table1"]
+__all__ = ["PAPER_GOALS", "build_tables", "findings", "gather_table1", "table_markdown", "write_table1"]
+
+# The paper's Table 1 claims: DSpark's macro τ at least this many times the baseline's (by drafter kind).
+PAPER_GOALS = {"dflash": 1.10, "eagle3": 1.25}
 
 
 def _check_comparable(rows: Sequence[Labelled]) -> None:
@@ -106,7 +114,32 @@ def _table(rows: Sequence[Labelled]) -> dict:
         table["stderr"][r.label]["macro"] = dict(r.results.get("macro_stderr") or {})
         table["prompts"][r.label] = {n: b.get("requests") for n, b in bench.items()}
         table["sources"][r.label] = str(r.path)
+    table["findings"] = findings(table, {r.label: str(r.results.get("drafter", "")) for r in rows})
     return table
+
+
+def findings(table: dict, kinds: dict[str, str]) -> list[dict]:
+    """Each DSpark row (``kinds``: label -> the results' drafter, ``dspark-markov``, …) against each
+    row of a ``PAPER_GOALS`` kind: the ratio of their macro τ over all benchmarks ± its standard error,
+    the paper's goal and whether the ratio reaches it."""
+    def macro(label: str, key: str) -> float | None:
+        return ((table[key].get(label) or {}).get("macro") or {}).get("all")
+
+    out = []
+    for row, kind in kinds.items():
+        if not kind.startswith("dspark"):
+            continue
+        for base, base_kind in kinds.items():
+            a, b = macro(row, "rows"), macro(base, "rows")
+            if base_kind not in PAPER_GOALS or a is None or not b:
+                continue
+            se_a, se_b = macro(row, "stderr"), macro(base, "stderr")
+            ratio = a / b
+            se = None if se_a is None or se_b is None else ratio * ((se_a / a) ** 2 + (se_b / b) ** 2) ** 0.5
+            goal = PAPER_GOALS[base_kind]
+            out.append({"row": row, "baseline": base, "ratio": ratio, "stderr": se, "goal": goal,
+                        "met": ratio >= goal})  # fmt: skip
+    return out
 
 
 def build_tables(rows: Sequence[Labelled], split_gamma: bool = False) -> list[dict]:
@@ -147,7 +180,15 @@ def table_markdown(table: dict) -> str:
     else:
         prompts = "prompts per benchmark differ between rows (see `prompts` in the JSON)"
     head = f"**T = {table['temperature']:g}, γ = {table['gamma']}**, target {table['target']}; {prompts}.\n\n"
-    return head + body
+    lines = [
+        f"- {f['row']} / {f['baseline']}: {f['ratio']:.3f}"
+        + (f" ± {f['stderr']:.3f}" if f["stderr"] is not None else "")
+        + f" (the paper: ≥ {f['goal']:.2f}×, {'met' if f['met'] else 'not met'})"
+        for f in table.get("findings") or []
+    ]
+    if not lines:
+        return head + body
+    return head + body + "\n\nThe paper's claims, macro τ over all benchmarks:\n\n" + "\n".join(lines) + "\n"
 
 
 def write_table1(tables: Sequence[dict], path: str | os.PathLike) -> Path:
