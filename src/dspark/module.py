@@ -41,6 +41,16 @@ COUNT_KEYS = ("rows", "acceptance_blocks")
 PROGRESS = {"loss", "tau_prob", "ce", "tv"}
 
 
+def host_scalar(value: float) -> Tensor:
+    """``value`` as ``LightningModule.log`` makes a tensor of a number (the default float dtype,
+    float32 at least), but in host memory: Lightning reads every logged tensor back with
+    ``.item()`` (the progress bar's on every later step), which on a device tensor waits for the
+    device to finish all the work queued before it."""
+    dtype = torch.get_default_dtype()
+    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.tensor(float(value), dtype=dtype)
+
+
 class MetricSums:
     """Running sums behind the logged metrics, reduced across ranks as one tensor.
 
@@ -254,7 +264,10 @@ class DraftingModule(L.LightningModule):
         for key, value in values.items():
             self.log(
                 f"{prefix}/{key}",
-                float(value),
+                # Training values go to Lightning in host memory (host_scalar): it would otherwise
+                # copy each number to the device and read it back on every later step. Validation's
+                # stay numbers: Lightning puts them on the device, where sync_dist reduces them.
+                host_scalar(value) if train else float(value),
                 prog_bar=train and key in PROGRESS,
                 on_step=train,
                 on_epoch=not train,
