@@ -1,5 +1,6 @@
 """Host work of the training step: no host↔device synchronisation between logged steps, one per
-logged step (bench.sync_watch counts them on the CPU)."""
+logged step (bench.sync_watch counts them on the CPU), and the cheaper bookkeeping (metric sums,
+gradient clipping) giving exactly the numbers it replaced."""
 
 import math
 
@@ -10,7 +11,8 @@ from conftest import smoke_run
 from hydra import compose, initialize_config_module
 
 from dspark.bench.sync_watch import SyncWatch, watching
-from dspark.module import host_scalar
+from dspark.module import COUNT_KEYS, MEAN_KEYS, MetricSums, clip_grad_norm, host_scalar
+from dspark.objectives import acceptance_metrics
 from dspark.training import run_training
 
 
@@ -119,6 +121,97 @@ def test_training_steps_read_the_device_only_to_log(tmp_path, smoke_data, monkey
     assert len(lengths) == steps
     assert summary["throughput"]["tokens"] == int(lengths.sum())
     assert summary["final"]["train/tokens_per_s"] > 0 and math.isfinite(summary["final"]["train/loss"])
+
+
+class _ReferenceSums:
+    """MetricSums as it was before it stacked its values (one small vector per metric, weights on
+    the device): the numbers the logged metrics must keep."""
+
+    def __init__(self, gamma):
+        self.gamma, self.total = gamma, None
+
+    def add(self, metrics, weight=1.0):
+        f64 = dict(dtype=torch.float64)
+
+        def vec(value):
+            return torch.as_tensor(value).detach().to(**f64).reshape(-1)
+
+        w, parts = float(weight), []
+        for key in MEAN_KEYS:
+            if key in metrics:
+                parts += [vec(metrics[key]) * w, torch.full((1,), w, **f64)]
+            else:
+                parts.append(torch.zeros(2, **f64))
+        parts += [vec(metrics[key]) if key in metrics else torch.zeros(1, **f64) for key in COUNT_KEYS]
+        for key, size in (("_tau_sums", 4), ("_pos_sums", 2 * self.gamma)):
+            parts.append(vec(metrics[key]) if key in metrics else torch.zeros(size, **f64))
+        v = torch.cat(parts)
+        self.total = v if self.total is None else self.total + v
+
+    def compute(self):
+        t, n = self.total.tolist(), len(MEAN_KEYS)
+        out = {key: t[2 * i] / t[2 * i + 1] for i, key in enumerate(MEAN_KEYS) if t[2 * i + 1] > 0}
+        out.update({key: t[2 * n + i] for i, key in enumerate(COUNT_KEYS)})
+        o = 2 * n + len(COUNT_KEYS)
+        full_num, full_den, part_num, part_den = t[o : o + 4]
+        if full_den > 0:
+            out["tau_prob"] = 1 + full_num / full_den
+        elif part_den > 0:
+            out["tau_prob"] = 1 + part_num / part_den
+        num, den = t[o + 4 : o + 4 + self.gamma], t[o + 4 + self.gamma :]
+        if any(d > 0 for d in den):
+            out.update({f"c_star_{k + 1}": num[k] / max(den[k], 1.0) for k in range(self.gamma)})
+        return out
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [4.0, 4.0, 3.0]])  # training, validation
+def test_metric_sums_give_exactly_the_numbers_they_replaced(weights):
+    gamma = 5
+    g = torch.Generator().manual_seed(0)
+    new, ref = MetricSums(gamma), _ReferenceSums(gamma)
+    for i, w in enumerate(weights):
+        valid = torch.rand(3, 4, gamma, generator=g) > 0.3
+        c = torch.rand(valid.shape, generator=g) * valid
+        metrics = {key: torch.rand((), generator=g) * 10 for key in ("loss", "ce", "tv", "conf_loss")}
+        metrics["conf_bias"] = torch.rand((), generator=g).to(torch.bfloat16)  # any float dtype
+        if i != 1:
+            metrics["conf_abs_err"] = torch.rand((), generator=g)  # present in some batches only
+        metrics.update(acceptance_metrics(c, valid), rows=valid.sum())  # rows: an integer count
+        new.add(metrics, w)
+        ref.add(metrics, w)
+    assert new.compute(new.take("cpu")) == ref.compute()  # equal floats, not close ones
+    assert new.compute(new.take("cpu")) == {"rows": 0.0, "acceptance_blocks": 0.0}  # taken: empty again
+
+
+def test_metric_sums_add_few_operators():
+    """add() is a handful of operators whatever the number of metrics (it was ~55 a step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    valid = torch.rand(2, 3, 4) > 0.3
+    metrics = {key: torch.rand(()) for key in MEAN_KEYS}
+    metrics.update(acceptance_metrics(torch.rand(valid.shape) * valid, valid), rows=valid.sum())
+    sums = MetricSums(4)
+    sums.add(metrics)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sums.add(metrics)
+    top = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    assert len(top) <= 10, [e.name for e in top]
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and left alone
+def test_clip_grad_norm_equals_torch_bit_for_bit(max_norm):
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    x = torch.randn(5, 8)
+    for net in nets:
+        net(x).pow(2).sum().backward()
+    nets[0][0].bias.grad = None  # a parameter without a gradient is skipped by both
+    nets[1][0].bias.grad = None
+    torch.nn.utils.clip_grad_norm_(nets[0].parameters(), max_norm)
+    clip_grad_norm(nets[1].parameters(), max_norm)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
 
 
 def test_host_scalar_is_what_lightning_would_log_but_on_the_host():
