@@ -415,3 +415,119 @@ def test_grouped_query_attention_folds_heads_instead_of_repeating_keys(with_mask
     if mask is not None:  # the mask matters: without it the output differs
         unmasked, _ = attn(x, pos, ctx, None)
         assert not torch.allclose(unmasked, out, atol=1e-3)
+
+
+@pytest.mark.parametrize("ctx_len,gamma", [(300, 7), (41, 4), (700, 16)])
+def test_flex_block_mask_is_the_block_mask_torch_builds_from_the_tiles(ctx_len, gamma):
+    """`flex_block_mask` sorts the key-major and query-major tiles itself; the BlockMask is the one
+    ``BlockMask.from_kv_blocks`` builds from the key-major ones (its query-major tiles through
+    torch's own transpose), tensor for tensor."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from dspark.drafters.dflash import FLEX_BLOCK, flex_block_mask
+
+    g = torch.Generator().manual_seed(ctx_len)
+    lm = torch.rand(3, ctx_len, generator=g) < 0.8
+    anchors = sample_anchors(lm, 40, g)
+    anchors[2, 25:] = -1  # padding anchors, as a short sequence has
+
+    def ordered(tiles):  # what the step did before: each direction its own argsort
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return tiles.sum(-1, dtype=torch.int32), order
+
+    partial, full = packed_block_sparsity(anchors, ctx_len, gamma)
+    q_len = anchors.shape[1] * gamma
+    ref = BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, seq_lengths=(q_len, ctx_len + q_len)
+    )
+    got = flex_block_mask(anchors, ctx_len, gamma)
+    assert got.seq_lengths == ref.seq_lengths and tuple(got.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+        a, b = getattr(got, name), getattr(ref, name)
+        assert a.dtype == b.dtype == torch.int32 and a.is_contiguous(), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name,head", [("dflash", "none"), ("dspark", "markov")])
+def test_training_context_is_every_layer_s_context_kv(tiny_target, batch, name, head):
+    """The context keys and values of every layer at once equal each layer's own `context_kv` of
+    `context(taps)` (to the rounding of one GEMM against the stacked weights instead of one per
+    layer), gradients included, and each is a contiguous tensor of its own."""
+    ids, lm, step = batch
+    drafter = make(tiny_target, name, head, layers=3)
+    for layer in drafter.layers:  # distinct k_norm weights, so a mixed-up layer would show
+        torch.nn.init.normal_(layer.attn.k_norm.weight, mean=1.0, std=0.3)
+    taps = step.taps.detach().requires_grad_()
+    got = drafter.training_context_kv(taps)
+    b, t = ids.shape
+    ctx = drafter.context(taps)
+    ref = [layer.context_kv(ctx, torch.arange(t).expand(b, -1)) for layer in drafter.layers]
+    assert len(got) == len(ref) == 3
+    for (k, v), (rk, rv) in zip(got, ref):
+        assert k.is_contiguous() and v.is_contiguous() and k._base is None and v._base is None
+        torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-6)
+    params = [taps, *drafter.parameters()]
+    weights = [torch.randn_like(k) for kv in ref for k in kv]
+
+    def grads(kvs):
+        loss = sum((w * x).sum() for w, x in zip(weights, [x for kv in kvs for x in kv]))
+        return torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+
+    for a, r in zip(grads(got), grads(ref)):
+        assert (a is None) == (r is None)
+        if a is not None:  # sums over every position: rounding relative to the gradient's scale
+            torch.testing.assert_close(a, r, rtol=1e-3, atol=1e-5 * float(r.abs().max()))
+    # The RoPE table is sliced from one grown per device: the same numbers as computing it anew.
+    from dspark.drafters.layers import rope
+
+    drafter.rope_table(3 * t, "cpu")
+    cos, sin = drafter.rope_table(t, "cpu")
+    s = drafter.layers[0].attn.s
+    ref_cos, ref_sin = rope(torch.arange(t), s.head_dim, s.rope_theta)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def test_cached_training_tables_survive_a_first_call_under_inference_mode(tiny_target, batch):
+    """The RoPE table and the block-mask tile layout are cached across steps: made by a first call
+    under inference mode (a stand-alone validation), they must still serve a training step."""
+    from dspark.drafters.dflash import flex_block_mask
+
+    ids, lm, step = batch
+    drafter = make(tiny_target, "dspark", "markov", layers=2)
+    anchors = torch.tensor([[3, 8, -1], [2, 9, 14]])
+    t = ids.shape[1] + 5  # a length no other test has cached
+    taps = torch.randn(2, t, step.taps.shape[-1])
+    with torch.inference_mode():
+        drafter.training_context_kv(taps)
+        flex_block_mask(anchors, t, drafter.block_size)
+    sum(k.sum() + v.sum() for k, v in drafter.training_context_kv(taps)).backward()
+    assert not flex_block_mask(anchors, t, drafter.block_size).kv_indices.is_inference()
+
+
+def _top_level_ops(fn) -> list[str]:
+    """The operators ``fn`` dispatches from Python (not those they run inside), on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+
+
+def test_training_masks_and_context_take_few_host_operators(tiny_target):
+    """Host work per step, which bounds a small drafter's GPU step: the flex block mask (from
+    ``BlockMask.from_kv_blocks``: ~90 operators) and every layer's context keys and values (layer
+    by layer: ~40 operators a layer) stay small, whatever the number of layers."""
+    from dspark.drafters.dflash import flex_block_mask
+
+    drafter = make(tiny_target, "dspark", "markov", layers=5)
+    g = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(torch.rand(4, 200, generator=g) < 0.9, 64, g)
+    flex_block_mask(anchors, 200, 7)  # the shape's tile layout, cached from then on
+    assert len(_top_level_ops(lambda: flex_block_mask(anchors, 200, 7))) <= 30
+    taps = torch.randn(4, 200, tiny_target.tap_dim)
+    drafter.training_context_kv(taps)
+    ops = _top_level_ops(lambda: drafter.training_context_kv(taps))
+    assert len(ops) <= 70, ops

@@ -12,6 +12,7 @@ from .artifacts import DrafterFolder
 from .calibration.metrics import position_metrics, summary
 from .calibration.sts import Calibration, fit_sts
 from .checkpoints import save_drafter
+from .module import host_scalar
 
 
 def gather_records(trainer, records: list[dict]) -> list[dict]:
@@ -109,6 +110,18 @@ class Throughput(L.Callback):
         self.world_size = 1
         self.totals = None
         self._pending = None  # device tensor: tokens of batches not yet counted on the host
+        self._host_base = None  # the datamodule's host count at the start (see _host_tokens)
+
+    @staticmethod
+    def _host_tokens(trainer) -> int | None:
+        """Training tokens the datamodule has sent to the device, counted on the host from the rows'
+        lengths before the transfer (``DraftDataModule.train_tokens``); None for a datamodule that
+        keeps no count."""
+        n = getattr(getattr(trainer, "datamodule", None), "train_tokens", None)
+        return None if n is None else int(n)
+
+    def on_train_start(self, trainer, module) -> None:
+        self._host_base = self._host_tokens(trainer)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.start is None:
@@ -137,9 +150,12 @@ class Throughput(L.Callback):
             self._pending = None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        # Tokens are summed on the device and read only when logged: no host sync per batch.
-        n = batch["attention_mask"].sum()
-        self._pending = n if self._pending is None else self._pending + n
+        host = self._host_tokens(trainer) if self._host_base is not None else None
+        if host is not None:  # counted on the host: nothing to read back from the device
+            self.tokens = host - self._host_base
+        else:  # summed on the device and read only when logged: no host sync per batch
+            n = batch["attention_mask"].sum()
+            self._pending = n if self._pending is None else self._pending + n
         self.samples += int(batch["input_ids"].shape[0])
         self.batches += 1
         now = time.perf_counter()
@@ -154,7 +170,8 @@ class Throughput(L.Callback):
             self._count_tokens()
             # This rank's count times the world size: ranks run the same number of batches.
             rate = self.tokens * self.world_size / self.elapsed
-            module.log("train/tokens_per_s", rate, on_step=True, prog_bar=False)
+            # In host memory, like the module's metrics (module.host_scalar): no device round trip.
+            module.log("train/tokens_per_s", host_scalar(rate), on_step=True, prog_bar=False)
 
     def on_train_end(self, trainer, module) -> None:
         """Sum the counts over ranks (a collective: every rank calls this hook)."""

@@ -41,67 +41,129 @@ COUNT_KEYS = ("rows", "acceptance_blocks")
 PROGRESS = {"loss", "tau_prob", "ce", "tv"}
 
 
+def host_scalar(value: float) -> Tensor:
+    """``value`` as ``LightningModule.log`` makes a tensor of a number (the default float dtype,
+    float32 at least), but in host memory: Lightning reads every logged tensor back with
+    ``.item()`` (the progress bar's on every later step), which on a device tensor waits for the
+    device to finish all the work queued before it."""
+    dtype = torch.get_default_dtype()
+    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.tensor(float(value), dtype=dtype)
+
+
 class MetricSums:
     """Running sums behind the logged metrics, reduced across ranks as one tensor.
 
     Means (loss, ce, tv, …) are Σ value·w / Σ w over micro-batches (w = 1 in training: the gradient
     is the mean of the micro-batch losses over accumulation steps and ranks; w = batch size in
     validation). τ_prob and the per-position acceptance c*_k are ratios of global sums (see
-    objectives.acceptance_metrics), never means of per-rank or per-batch means."""
+    objectives.acceptance_metrics), never means of per-rank or per-batch means.
+
+    ``add`` runs a handful of operators per micro-batch on the device (two stacks, one cat, one
+    add) and reads nothing back; the weights w are host numbers and are summed on the host, joining
+    the device sums only when ``take`` hands them to the reduction. Layout of the taken vector:
+    [Σ value·w per mean key, counts, the 4 τ sums, the 2·γ c*_k sums, Σ w per mean key]."""
 
     def __init__(self, gamma: int):
         self.gamma = int(gamma)
         self.size = 2 * len(MEAN_KEYS) + len(COUNT_KEYS) + 4 + 2 * self.gamma
-        self.total: Tensor | None = None
+        self.total: Tensor | None = None  # on the device: everything but the weights
+        self.weights = [0.0] * len(MEAN_KEYS)  # Σ w per mean key, on the host
+        self._zeros: dict = {}  # device -> zero placeholders for absent metrics
 
+    def _absent(self, device) -> tuple[Tensor, Tensor, Tensor]:
+        """Zeros standing in for an absent scalar, τ sums and c*_k sums (made once per device)."""
+        key = torch.device(device)
+        if key not in self._zeros:
+            z = dict(device=device, dtype=torch.float64)
+            self._zeros[key] = (torch.zeros((), **z), torch.zeros(4, **z), torch.zeros(2 * self.gamma, **z))
+        return self._zeros[key]
+
+    @staticmethod
+    def _scalar(value, device) -> Tensor:
+        """A metric as a 0-d tensor to stack: integers (row counts) in float64 first, since a stack with
+        floats would round them to float32; no operator at all for the usual 0-d float tensor."""
+        if not isinstance(value, Tensor):
+            value = torch.as_tensor(value, device=device)
+        if value.dim():
+            value = value.reshape(())
+        return value if value.is_floating_point() else value.double()
+
+    @torch.no_grad()  # the sums hold no graph (and a stack of detached views needs no detach per value)
     def add(self, metrics: dict, weight: float = 1.0) -> None:
         """Add one micro-batch's metrics (device tensors; nothing here waits for the device)."""
-        ref = metrics["loss"].detach()
-        f64 = dict(device=ref.device, dtype=torch.float64)
-
-        def vec(value) -> Tensor:
-            return torch.as_tensor(value).detach().to(**f64).reshape(-1)
-
+        device = metrics["loss"].device
+        zero, no_tau, no_pos = self._absent(device)
         w = float(weight)
-        parts = []
-        for key in MEAN_KEYS:
+        means = []
+        for i, key in enumerate(MEAN_KEYS):
             if key in metrics:
-                parts += [vec(metrics[key]) * w, torch.full((1,), w, **f64)]
+                means.append(self._scalar(metrics[key], device))
+                self.weights[i] += w
             else:
-                parts.append(torch.zeros(2, **f64))
-        parts += [vec(metrics[key]) if key in metrics else torch.zeros(1, **f64) for key in COUNT_KEYS]
-        parts.append(vec(metrics["_tau_sums"]) if "_tau_sums" in metrics else torch.zeros(4, **f64))
-        if "_pos_sums" in metrics:
-            pos = metrics["_pos_sums"]
-            if pos.shape[-1] != self.gamma:
-                raise ValueError(f"acceptance has {pos.shape[-1]} positions, the metric sums {self.gamma}")
-            parts.append(vec(pos))
-        else:
-            parts.append(torch.zeros(2 * self.gamma, **f64))
-        v = torch.cat(parts)
+                means.append(zero)
+        # Each value in float64 before it is weighted, as the sums are kept (the stack promotes
+        # float32 and bfloat16 exactly; the float64 copy is one operator for all of them).
+        mean_vec = torch.stack(means).double()
+        if w != 1.0:
+            mean_vec = mean_vec * w
+        counts = torch.stack([self._scalar(metrics[k], device) if k in metrics else zero for k in COUNT_KEYS])
+        tau = metrics.get("_tau_sums", no_tau)
+        pos = metrics.get("_pos_sums")
+        if pos is None:
+            pos = no_pos
+        elif pos.shape[-1] != self.gamma:
+            raise ValueError(f"acceptance has {pos.shape[-1]} positions, the metric sums {self.gamma}")
+        # cat promotes every part to float64 (mean_vec is), exactly.
+        v = torch.cat([mean_vec, counts, tau if tau.dim() == 1 else tau.reshape(-1), pos.reshape(-1)])
         self.total = v if self.total is None else self.total + v
 
     def take(self, device) -> Tensor:
         """The sums so far (zeros when nothing was added: every rank must join the reduction)."""
-        out = self.total if self.total is not None else torch.zeros(self.size, dtype=torch.float64)
-        self.total = None
-        return out.to(device)
+        n = len(MEAN_KEYS)
+        body = self.total if self.total is not None else torch.zeros(self.size - n, dtype=torch.float64)
+        weights = torch.tensor(self.weights, dtype=torch.float64)
+        self.total, self.weights = None, [0.0] * n
+        return torch.cat([body.to(device), weights.to(device)])
 
     def compute(self, total: Tensor) -> dict[str, float]:
         t = total.double().cpu().tolist()
-        n = len(MEAN_KEYS)
-        out = {key: t[2 * i] / t[2 * i + 1] for i, key in enumerate(MEAN_KEYS) if t[2 * i + 1] > 0}
-        out.update({key: t[2 * n + i] for i, key in enumerate(COUNT_KEYS)})
-        o = 2 * n + len(COUNT_KEYS)
+        n, c = len(MEAN_KEYS), len(COUNT_KEYS)
+        weights = t[-n:]
+        out = {key: t[i] / weights[i] for i, key in enumerate(MEAN_KEYS) if weights[i] > 0}
+        out.update({key: t[n + i] for i, key in enumerate(COUNT_KEYS)})
+        o = n + c
         full_num, full_den, part_num, part_den = t[o : o + 4]
         if full_den > 0:
             out["tau_prob"] = 1 + full_num / full_den
         elif part_den > 0:
             out["tau_prob"] = 1 + part_num / part_den
-        num, den = t[o + 4 : o + 4 + self.gamma], t[o + 4 + self.gamma :]
+        num, den = t[o + 4 : o + 4 + self.gamma], t[o + 4 + self.gamma : o + 4 + 2 * self.gamma]
         if any(d > 0 for d in den):
             out.update({f"c_star_{k + 1}": num[k] / max(den[k], 1.0) for k in range(self.gamma)})
         return out
+
+
+def clip_grad_norm(parameters, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` (2-norm), operator for operator where
+    it takes its foreach path, less the ``.to(first device)`` torch dispatches for every parameter's
+    norm before stacking them (~60 host operators a step for a 5-layer drafter, each a no-op here:
+    the gradients share one device). Anything else (several devices or dtypes, tensor subclasses)
+    goes to torch's own function."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    device, dtype = grads[0].device, grads[0].dtype
+    alike = all(g.device == device and g.dtype == dtype for g in grads)
+    if not (alike and _has_foreach_support(grads, device)):
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return
+    total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    clip_coef = max_norm / (total_norm + 1e-6)  # torch's expression: the same operators, the same bits
+    torch._foreach_mul_(grads, torch.clamp(clip_coef, max=1.0))
 
 
 def lr_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -254,7 +316,10 @@ class DraftingModule(L.LightningModule):
         for key, value in values.items():
             self.log(
                 f"{prefix}/{key}",
-                float(value),
+                # Training values go to Lightning in host memory (host_scalar): it would otherwise
+                # copy each number to the device and read it back on every later step. Validation's
+                # stay numbers: Lightning puts them on the device, where sync_dist reduces them.
+                host_scalar(value) if train else float(value),
                 prog_bar=train and key in PROGRESS,
                 on_step=train,
                 on_epoch=not train,
@@ -351,7 +416,7 @@ class DraftingModule(L.LightningModule):
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and not _grad_scaler(self.trainer):
             # Without a loss scaler the gradients are already true gradients: clip them directly.
             # (Lightning's own clipping refuses the fused AdamW, which could unscale internally.)
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), float(gradient_clip_val))
+            clip_grad_norm(self.drafter.parameters(), float(gradient_clip_val))
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

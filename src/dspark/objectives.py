@@ -124,15 +124,14 @@ def draft_target_distances(
 def _flat_rows(out: DraftOutput, target_hidden: Tensor):
     """Every (sequence, anchor, k) row, valid or not (no host sync): features [N, K], the target
     hidden states [B·T, D] and the one each row is compared with (an index into them, [N]; a
-    sequence's rows compare with its own positions only), labels (-1 where invalid), validity, k."""
+    sequence's rows compare with its own positions only), labels (-1 where invalid), validity."""
     b, a, g = out.valid.shape
     t = target_hidden.shape[1]
     start = torch.arange(b, device=out.target_positions.device)[:, None] * t
     index = (out.target_positions.reshape(b, a * g) + start).reshape(-1)
     valid = out.valid.reshape(-1)
     labels = torch.where(valid, out.labels.reshape(-1), torch.full_like(valid, -1, dtype=out.labels.dtype))
-    k = torch.arange(g, device=valid.device).repeat(b * a)
-    return out.features.reshape(b * a * g, -1), target_hidden.reshape(b * t, -1), index, labels, valid, k
+    return out.features.reshape(b * a * g, -1), target_hidden.reshape(b * t, -1), index, labels, valid
 
 
 def block_loss(
@@ -141,10 +140,10 @@ def block_loss(
     """DFlash / DSpark loss and its diagnostics (tensors on the device; nothing waits for the host).
     Returns a dict with 'loss' and the metrics. Invalid rows are computed with weight 0: they keep
     the shapes static, and every parameter still receives a (zero) gradient."""
-    x, th, index, labels, valid, k = _flat_rows(out, target_hidden)
+    x, th, index, labels, valid = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
     rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
-    pw = position_weights(gamma, w.gamma_decay, x.device)[k] * valid
+    pw = (position_weights(gamma, w.gamma_decay, x.device) * out.valid).reshape(-1)  # w_k, 0 if invalid
     norm = pw.sum().clamp_min(1e-12)
     unit = pw / norm
     weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=torch.zeros_like(unit))
@@ -175,16 +174,17 @@ def block_loss(
     return metrics
 
 
+@torch.no_grad()  # diagnostics, never differentiated: no graph, and no detach per output
 def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict:
     """Mean c*_k per position and τ_prob = 1 + Σ_k Π_{i≤k} c*_i, the expected accepted length
     (with the bonus token) if the target sampled from these distributions. τ_prob averages over
     blocks whose γ positions are all inside the data, so end-of-sequence truncation does not bias
     it (blocks with only some valid positions serve when no block is whole). ``c_star`` [B, A, γ]
     is 0 where ``valid`` is False. Tensors only: no host sync."""
-    gamma = valid.shape[-1]
     flat_c, flat_v = (c_star.float() * valid).flatten(0, 1), valid.flatten(0, 1)
     den = flat_v.sum(0).float()
-    per_pos = (flat_c * flat_v).sum(0) / den.clamp(min=1)
+    pos_num = (flat_c * flat_v).sum(0)
+    per_pos = pos_num / den.clamp(min=1)
     full = flat_v.all(-1).float()
     partial = flat_v[:, 0].float()
     prefix = flat_c.cumprod(-1).sum(-1)
@@ -194,10 +194,10 @@ def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict:
     use_full = tau_sums[1] > 0
     num = torch.where(use_full, tau_sums[0], tau_sums[2])
     cnt = torch.where(use_full, tau_sums[1], tau_sums[3])
-    out = {"tau_prob": (1 + num / cnt.clamp(min=1)).detach(), "acceptance_blocks": cnt.detach()}
-    out.update({f"c_star_{i + 1}": per_pos[i].detach() for i in range(gamma)})
-    out["_tau_sums"] = tau_sums.detach()
-    out["_pos_sums"] = torch.stack([(flat_c * flat_v).sum(0), den]).detach()  # [2, γ]
+    out = {"tau_prob": 1 + num / cnt.clamp(min=1), "acceptance_blocks": cnt}
+    out.update({f"c_star_{i + 1}": p for i, p in enumerate(per_pos.unbind(0))})  # one operator for all γ
+    out["_tau_sums"] = tau_sums
+    out["_pos_sums"] = torch.stack([pos_num, den])  # [2, γ]
     return out
 
 
@@ -206,11 +206,11 @@ def eagle3_loss(
 ) -> dict:
     """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i (CE and TV are
     reported, not trained on). Same fused loss as the block drafters, with weight on KL only."""
-    x, th, index, labels, valid, k = _flat_rows(out, target_hidden)
+    x, th, index, labels, valid = _flat_rows(out, target_hidden)
     gamma = out.valid.shape[-1]
     rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
     steps = w.step_weight ** torch.arange(gamma, device=x.device, dtype=torch.float32)
-    sw = steps[k] * valid
+    sw = (steps * out.valid).reshape(-1)
     unit = sw / sw.sum().clamp_min(1e-12)
     zero = torch.zeros_like(unit)
     with phase("fused_loss"):

@@ -261,6 +261,10 @@ class DraftDataModule(L.LightningDataModule):
         self.batch_size = int(cfg_data.batch_size)
         self.seed = int(cfg_data.get("seed", 0))
         self.datasets: dict[str, ConversationDataset] = {}
+        # Real tokens of the training batches sent to the device so far, summed on the host from
+        # the rows' lengths before each transfer: the throughput reads it (callbacks.Throughput)
+        # instead of reading a device sum back, which would wait for the device.
+        self.train_tokens = 0
 
     def _load(self, split: str) -> ConversationDataset:
         if split not in self.datasets:
@@ -278,6 +282,9 @@ class DraftDataModule(L.LightningDataModule):
         self._load("val")
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        trainer = self.trainer
+        if trainer is not None and trainer.training and "lengths" in batch:
+            self.train_tokens += int(batch["lengths"].sum())  # still in host memory here
         with phase("data_to_device"):  # a profiler range (core.phases); nothing without a profiler
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
 

@@ -15,6 +15,7 @@ conventions"); draft k (k = 1..γ) is x_{a+k} in both:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -40,7 +41,7 @@ from .base import (
 )
 from .context_write import ContextWriter
 from .draft_step import FusedDraft, inference_compiler
-from .layers import CacheSpan, DraftLayer, FusedProjections, RMSNorm, matmul_input
+from .layers import CacheSpan, DraftLayer, FusedProjections, RMSNorm, matmul_input, rms_norm, rope, rotate
 from .registry import register
 
 
@@ -74,56 +75,82 @@ def packed_block_mask_mod(anchors: Tensor, ctx_len: int, gamma: int):
 FLEX_BLOCK = 128  # flex attention's tile: the block mask records which 128 × 128 tiles to visit
 
 
-def packed_block_sparsity(anchors: Tensor, ctx_len: int, gamma: int, block: int = FLEX_BLOCK):
-    """Which [block × block] tiles of the packed layout any query sees (partial) and which every
-    query sees whole (full), [B, 1, ⌈Q/block⌉, ⌈(C+Q)/block⌉] each, from the anchors alone: no
-    [Q, C+Q] mask is ever built. Needs each sequence's valid anchors ascending (`sample_anchors`)."""
-    b, a = anchors.shape
+@functools.lru_cache(maxsize=1024)
+@torch.inference_mode(False)  # cached: never inference tensors, whoever asks first
+def _tile_layout(a: int, ctx_len: int, gamma: int, block: int, device: torch.device):
+    """What `packed_block_sparsity` reads besides the anchors' positions, built once per shape (a
+    run sees as many as it has batch lengths): the anchor blocks in each query tile [1, nQ, W], the
+    key tiles' first and end keys with the tiles past the context moved out of any anchor's reach
+    [nK], and which key tiles hold each query tile's own block keys [1, 1, nQ, nK]."""
     q_len, kv_len = a * gamma, ctx_len + a * gamma
-    device = anchors.device
-    start = anchors.clamp(min=0)
     q0 = torch.arange(0, q_len, block, device=device)  # first row of each query tile
     lo = q0 // gamma  # first and last anchor block whose rows fall in the tile
     hi = torch.clamp((q0 + block - 1) // gamma, max=a - 1)
     span = torch.arange(block // gamma + 2, device=device)
     members = torch.minimum(lo[:, None] + span, hi[:, None])  # [nQ, W] anchor blocks in each tile
-    seen = start[:, members]  # [B, nQ, W]
-    a_min, a_max = seen.min(-1).values, seen.max(-1).values
     k0 = torch.arange(0, kv_len, block, device=device)
     k1 = k0 + block
-    in_ctx = k0 < ctx_len
-    # Context keys: a tile is seen by some query if it starts before the largest anchor, by all
-    # queries (whole) if it ends inside the context before the smallest anchor.
-    ctx_part = in_ctx & (k0[None, None] < a_max[..., None])
-    ctx_full = (k1 <= ctx_len) & (k1[None, None] <= a_min[..., None])
+    never = torch.iinfo(k0.dtype).max  # compares as after every anchor
+    k0_ctx = torch.where(k0 < ctx_len, k0, never)  # tiles starting past the context see no anchor
+    k1_ctx = torch.where(k1 <= ctx_len, k1, never)  # tiles ending past it are never whole context
     own_lo, own_hi = ctx_len + gamma * lo, ctx_len + gamma * (hi + 1)  # the tile's own block keys
     own = (k0[None] < own_hi[:, None]) & (k1[None] > own_lo[:, None])  # [nQ, nK]
-    partial = (ctx_part | own[None]) & ~ctx_full
-    return partial[:, None], ctx_full[:, None]
+    return members[None], k0_ctx, k1_ctx, own[None, None]
+
+
+def packed_block_sparsity(anchors: Tensor, ctx_len: int, gamma: int, block: int = FLEX_BLOCK):
+    """Which [block × block] tiles of the packed layout any query sees (partial) and which every
+    query sees whole (full), [B, 1, ⌈Q/block⌉, ⌈(C+Q)/block⌉] each, from the anchors alone: no
+    [Q, C+Q] mask is ever built. Needs each sequence's valid anchors ascending (`sample_anchors`).
+    Seven operators per call: what depends on the shapes only is `_tile_layout`'s, cached."""
+    members, k0_ctx, k1_ctx, own = _tile_layout(anchors.shape[1], ctx_len, gamma, block, anchors.device)
+    seen = anchors.clamp(min=0)[:, members]  # [B, 1, nQ, W] anchors of the blocks in each query tile
+    a_min, a_max = torch.aminmax(seen, dim=-1, keepdim=True)
+    # Context keys: a tile is seen by some query if it starts before the largest anchor, by all
+    # queries (whole) if it ends inside the context before the smallest anchor.
+    ctx_part = k0_ctx < a_max  # [B, 1, nQ, nK]
+    full = k1_ctx <= a_min
+    # = (ctx_part | own) & ~full: the whole tiles are context tiles seen (full ⊆ ctx_part) and never
+    # a query tile's own block tiles, which lie past the context.
+    return (ctx_part ^ full) | own, full
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """Flex attention's ordered layout of boolean tiles [..., rows, cols]: each row's count of True
+    tiles (int32) and their column indices first, ascending (int32), as torch's own
+    ``_dense_to_ordered`` builds it."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+    return count, order.to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def flex_block_mask(anchors: Tensor, ctx_len: int, gamma: int):
     """The packed training mask as a flex-attention BlockMask, its tiles from
-    `packed_block_sparsity` and the element rule inside partial tiles from `packed_block_mask_mod`."""
+    `packed_block_sparsity` and the element rule inside partial tiles from `packed_block_mask_mod`.
+    The same BlockMask as ``BlockMask.from_kv_blocks`` of the key-major tiles, but the query-major
+    ones (the backward pass's) come straight from the dense tiles, partial and full sorted together:
+    ~20 host operators instead of ~90 (from_kv_blocks rebuilds the dense tiles from the ordered ones
+    under vmap first)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    def indices(tiles: Tensor):
-        count = tiles.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return count, order
-
-    partial, full = packed_block_sparsity(anchors, ctx_len, gamma)
-    kv_num, kv_idx = indices(partial)
-    full_num, full_idx = indices(full)
+    tiles = torch.stack(packed_block_sparsity(anchors, ctx_len, gamma))  # [2: partial, full; B, 1, nQ, nK]
+    kv_num, kv_idx = _ordered(tiles)
+    q_num, q_idx = _ordered(tiles.transpose(-2, -1))
+    (kv_num, full_kv_num), (kv_idx, full_kv_idx) = kv_num.unbind(0), kv_idx.unbind(0)
+    (q_num, full_q_num), (q_idx, full_q_idx) = q_num.unbind(0), q_idx.unbind(0)
     q_len = anchors.shape[1] * gamma
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=FLEX_BLOCK,
-        mask_mod=packed_block_mask_mod(anchors, ctx_len, gamma),
+    return BlockMask(
         seq_lengths=(q_len, ctx_len + q_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+        mask_mod=packed_block_mask_mod(anchors, ctx_len, gamma),
     )
 
 
@@ -151,9 +178,10 @@ def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, gamma: 
     pred_pos = anchors.clamp(min=0)[..., None] + k  # [B, A, γ]
     label_pos = pred_pos + 1
     inside = (label_pos < t) & (anchors[..., None] >= 0)
-    gathered = torch.gather(loss_mask.long(), 1, label_pos.clamp(max=t - 1).flatten(1)).view_as(label_pos)
+    at = label_pos.clamp(max=t - 1).flatten(1)
+    gathered = torch.gather(loss_mask.long(), 1, at).view_as(label_pos)
     valid = (gathered.bool() & inside).long().cumprod(-1).bool()
-    labels = torch.gather(input_ids, 1, label_pos.clamp(max=t - 1).flatten(1)).view_as(label_pos)
+    labels = torch.gather(input_ids, 1, at).view_as(label_pos)
     return pred_pos.clamp(max=t - 1), labels, valid
 
 
@@ -166,13 +194,13 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
     # Drawn where the generator lives (the GPU in training: no host round trip per step).
     scores = torch.rand(ok.shape, generator=generator, device=generator.device if generator else ok.device)
-    scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
+    scores = torch.where(ok, scores, -1.0)
     if ok.shape[1] < num_anchors:  # fewer positions than anchors: pad with never-valid ones
         scores = F.pad(scores, (0, num_anchors - ok.shape[1]), value=-1.0)
     top = scores.topk(num_anchors, dim=1)
-    anchors = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1))
+    anchors = torch.where(top.values >= 0, top.indices, -1)
     # Sort valid anchors ascending, invalid (-1) last.
-    key = torch.where(anchors >= 0, anchors, torch.full_like(anchors, ok.shape[1] + 1))
+    key = torch.where(anchors >= 0, anchors, ok.shape[1] + 1)
     return anchors.gather(1, key.argsort(dim=1))
 
 
@@ -227,6 +255,7 @@ class BlockDrafter(Drafter):
         # and CPU runs stay eager either way.
         self.compile_training = cfg.get("compile", "auto")
         self._compiled_layers = None
+        self._rope_tables: dict = {}  # device -> (cos, sin) of positions 0..n-1 (rope_table; not registered)
         # compile_inference: the fused write_context and propose (plain attributes: not registered)
         self._context_writer: ContextWriter | None = None
         self._fused: FusedDraft | None = None
@@ -335,9 +364,7 @@ class BlockDrafter(Drafter):
         b, t = input_ids.shape
         a = anchors.shape[1]
         with phase("context_kv"):  # the target's taps as every layer's context keys and values
-            ctx = self.context(taps)
-            ctx_pos = torch.arange(t, device=input_ids.device).expand(b, -1)
-            ctx_kv = [layer.context_kv(ctx, ctx_pos) for layer in self.layers]
+            ctx_kv = self.training_context_kv(taps)
         anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
         x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, A·block, d]
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.block_size, device=x.device)).flatten(1)
@@ -361,6 +388,45 @@ class BlockDrafter(Drafter):
             valid=valid,
             labels=labels,
         )
+
+    def training_context_kv(self, taps: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's context keys and values [B, Hkv, T, hd] of taps [B, T, m·d] at positions
+        0..T-1: ``DraftLayer.context_kv`` of ``context(taps)``, layer by layer's arithmetic, but for
+        all layers at once (as ``context_write.write_layers`` does for the inference cache): one GEMM
+        against the layers' k/v weights concatenated, k_norm and the rotation on every layer
+        together, the RoPE table from ``rope_table``. ~55 host operators (and fewer autograd nodes)
+        where the per-layer loop ran ~40 per layer; the same numbers but for the GEMM's rounding."""
+        ctx = self.context(taps)
+        b, t, _ = ctx.shape
+        attn = [layer.attn for layer in self.layers]
+        s, n = attn[0].s, len(attn)
+        weight = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn])
+        kv = F.linear(ctx, weight).view(b, t, 2, n, s.num_kv_heads, s.head_dim)
+        k, v = kv.unbind(2)  # [B, T, L, Hkv, hd]
+        k = rms_norm(k, torch.stack([a.k_norm.weight for a in attn])[:, None], attn[0].k_norm.eps)
+        cos, sin = self.rope_table(t, ctx.device)
+        k = rotate(k, cos[:, None, None].to(k.dtype), sin[:, None, None].to(k.dtype))
+        k, v = k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)  # [L, B, Hkv, T, hd]
+        # Each layer's own contiguous tensors, as the per-layer path made them: views into the stack
+        # would add their base's sizes, strides and offsets to the guards of the compiled layers
+        # (more host time per call, and recompiles when two of those sizes happen to coincide).
+        return [(kl.contiguous(), vl.contiguous()) for kl, vl in zip(k.unbind(0), v.unbind(0))]
+
+    def rope_table(self, length: int, device) -> tuple[Tensor, Tensor]:
+        """cos/sin [length, hd] (float32) of positions 0..length-1, sliced from a table kept per device
+        and grown by doubling: the reference ``rope``'s numbers, computed once rather than per step
+        and layer."""
+        key = torch.device(device)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < length:
+            size = max(length, 2 * table[0].shape[0] if table is not None else 0)
+            s = self.layers[0].attn.s
+            # Never inference tensors (a first call under inference mode would make them): autograd
+            # saves cos/sin for the rotation's backward in the training steps that reuse them.
+            with torch.inference_mode(False):
+                table = rope(torch.arange(size, device=device), s.head_dim, s.rope_theta)
+            self._rope_tables[key] = table
+        return table[0][:length], table[1][:length]
 
     def training_mask(self, anchors: Tensor, ctx_len: int, device):
         use_flex = self.attention == "flex" or (
