@@ -29,8 +29,10 @@
 #           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
 #           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
 #           CAL_FILE), then python -m dspark.report mode=table1 and
-#           mode=figures into outputs/h200/out/table1/, and the runs' dashboard into its dashboard/. Steps per drafter are in each run's summary:
-#           state the budget as minutes on a shared GPU, or compare at equal steps: put
+#           mode=figures into outputs/h200/out/table1/ (SPLIT_GAMMA=1: a table per temperature and γ, for
+#           runs of different block sizes), and the runs' dashboard into its dashboard/. Steps per
+#           drafter are in each run's summary: state the budget as minutes on a shared GPU, or compare
+#           at equal steps: put
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
 #           learning-rate schedule follows whichever of steps and clock is further along), so rows
 #           trained in different sessions, alone or side by side, had the same budget.
@@ -141,7 +143,9 @@ pipeline)
     [ ${#sources[@]} -gt 0 ] || return 1
     mkdir -p "$dest"
     local list="runs=[$(IFS=,; echo "${sources[*]}")]"
-    python3 -m dspark.report mode=table1 "$list" table1="$dest/table1.json" hydra.run.dir="$dest/table1_log"
+    # SPLIT_GAMMA=1: one table per temperature and γ (a block-size sweep's runs differ in γ)
+    python3 -m dspark.report mode=table1 "$list" ${SPLIT_GAMMA:+split_gamma=true} table1="$dest/table1.json" \
+      hydra.run.dir="$dest/table1_log"
     python3 -m dspark.report mode=figures "$list" hydra.run.dir="$dest"
     # The ablation dashboard of these runs (curves, configs, the key that differs across them) with
     # their evaluations.
