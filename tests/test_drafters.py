@@ -531,3 +531,40 @@ def test_training_masks_and_context_take_few_host_operators(tiny_target):
     drafter.training_context_kv(taps)
     ops = _top_level_ops(lambda: drafter.training_context_kv(taps))
     assert len(ops) <= 70, ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gpu_flex_training_mask_matches_dense_forward_and_backward(compiled):
+    """On CUDA, as the training step runs it: the flex block mask built from the tiles
+    (``flex_block_mask``: both the key-major indices of the forward and the query-major ones of the
+    backward) gives the dense mask's features and gradients, over several 128-tiles of context and
+    blocks, with the draft layers eager and compiled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dspark.target import load_target
+
+    cfg = load_group("target", "tiny")
+    cfg.device = "cuda"
+    target = load_target(cfg)
+    drafter = make(target, "dspark", "markov", layers=2, gamma=7).cuda().float()
+    drafter.compile_training = compiled
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(100, 5000, (2, 300), device="cuda", generator=g)
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[0, :40], lm[1, 250:] = False, False
+    step = target(ids)
+    anchors = sample_anchors(lm, 48, g)
+    shared = Shared.of(target)
+    got = {}
+    for backend in ("dense", "flex"):
+        drafter.attention = backend
+        drafter.zero_grad(set_to_none=True)
+        out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
+        (out.features.float().pow(2) * out.valid[..., None]).mean().backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        got[backend] = (out.features.detach(), grads)
+    torch.testing.assert_close(got["flex"][0], got["dense"][0], rtol=1e-4, atol=1e-4)
+    assert got["flex"][1].keys() == got["dense"][1].keys() and got["dense"][1]
+    for name, grad in got["dense"][1].items():
+        torch.testing.assert_close(got["flex"][1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
