@@ -492,7 +492,7 @@ def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp
 
 def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
     """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
-    (both test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
+    (the three test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
     study is told they ran. A failing GPU test is recorded and the pipeline goes on."""
     (tmp_path / "scripts").mkdir()
     for script in ("h200_session.sh", "h200_gpu_tests.sh"):
@@ -504,6 +504,9 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
     (tmp_path / "tests" / "test_kernels.py").write_text(
         "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_kernel():\n    assert True\n\n"
         "def test_cpu_only():\n    raise AssertionError('not a gpu test')\n"
+    )
+    (tmp_path / "tests" / "test_drafters.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_training_mask():\n    assert True\n"
     )
     outcome = {"pass": "assert True", "fail": "assert False"}
     env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "STAGES": "gputests spec"}
@@ -521,6 +524,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         log = (tmp_path / "outputs" / "h200" / "out" / "gpu_tests.log").read_text()
         told = (tmp_path / "spec.txt").read_text()
         assert "PASSED tests/test_kernels.py::test_gpu_kernel" in log and "test_cpu_only" not in log
+        assert "PASSED tests/test_drafters.py::test_gpu_training_mask" in log
         if case == "pass":
             assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
         else:
