@@ -18,6 +18,19 @@ def compose_target(overrides: list[str]):
     return cfg.target
 
 
+def report_header(command: str, argv: list[str], target, compile: bool | None) -> dict:
+    """What every benchmark's JSON opens with: provenance (command, commit, machine, date), the target,
+    its precision, and whether its layers were compiled (``--compile``; default: on CUDA)."""
+    from ..core.provenance import provenance
+
+    return {
+        **provenance(command, argv, target.device),
+        "target": target.name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "compiled": compile if compile is not None else target.device.type == "cuda",
+    }
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
     """Median wall time of ``fn`` in ms, synchronised around each call (CUDA events on GPU)."""
     for _ in range(warmup):

@@ -62,11 +62,10 @@ def main(argv=None) -> dict:
     from ..checkpoints import load_drafter
     from ..core.errors import ConfigError
     from ..core.io import atomic_write_json
-    from ..core.provenance import provenance
     from ..data.benchmarks import first_turns
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish
+    from .common import compose_target, publish, report_header
     from .measure import check_policies, compare, goal_checks
 
     argv = sys.argv[1:] if argv is None else argv
@@ -88,13 +87,10 @@ def main(argv=None) -> dict:
     gamma = int(drafter.gamma)
     conc = [int(r) for r in args.concurrency.split(",")]
     report = {
-        **provenance("dspark.bench.e2e", argv, target.device),
-        "target": target.name,
-        "dtype": str(target.dtype).replace("torch.", ""),
+        **report_header("dspark.bench.e2e", argv, target, args.compile),
         "drafter": str(args.drafter_dir),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "engine": args.engine,
-        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "benchmark": args.benchmark,
         "prompts": len(prompts),
         "temperature": temperatures[0] if len(temperatures) == 1 else temperatures,

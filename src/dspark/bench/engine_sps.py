@@ -63,10 +63,9 @@ def main(argv=None) -> dict:
     import sys
 
     from ..core.io import atomic_write_json
-    from ..core.provenance import provenance
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish
+    from .common import compose_target, publish, report_header
     from .sps import (
         capacity,
         cost_curve,
@@ -90,11 +89,8 @@ def main(argv=None) -> dict:
         target, widths, sizes, ctx, max_rows=args.max_rows, hf=not args.no_hf, compile=args.compile, **timing
     )
     report = {
-        **provenance("dspark.bench.engine_sps", argv, target.device),
-        "target": target.name,
-        "dtype": str(target.dtype).replace("torch.", ""),
+        **report_header("dspark.bench.engine_sps", argv, target, args.compile),
         "context": ctx,
-        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "drafter": args.drafter_dir,
         "rows": results,
     }

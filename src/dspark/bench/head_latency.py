@@ -184,11 +184,10 @@ def main(argv=None) -> dict:
     import torch
 
     from ..core.io import atomic_write_json
-    from ..core.provenance import provenance
     from ..core.types import TargetDims
     from ..drafters import build_drafter
     from ..target import load_target
-    from .common import compose_target, publish
+    from .common import compose_target, publish, report_header
     from .sps import served
 
     argv = sys.argv[1:] if argv is None else argv
@@ -199,11 +198,8 @@ def main(argv=None) -> dict:
     ctx, rows = int(args.context), chosen["rows"]
     results: list[dict] = []
     report = {
-        **provenance("dspark.bench.head_latency", argv, target.device),
-        "target": target.name,
-        "dtype": str(target.dtype).replace("torch.", ""),
+        **report_header("dspark.bench.head_latency", argv, target, args.compile),
         "context": ctx,
-        "compiled": args.compile if args.compile is not None else target.device.type == "cuda",
         "layers": args.layers,
         "families": chosen["families"],
         "blocks": chosen["blocks"],
