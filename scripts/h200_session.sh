@@ -20,7 +20,8 @@
 #   gputests  the GPU tests of the kernels and the fast engine (h200_gpu_tests.sh; the data stage
 #           runs them itself, so this is for sessions whose data comes from DATA_PACK)
 #   gputests_bg  the same in the background, beside the next stages (a training run's first minutes
-#           share the GPU with them: put its profile window later, PROFILE_START=4000)
+#           share the GPU with them: put its profile window later, PROFILE_START=4000); before a
+#           data stage that generates, the generation shares the GPU with them and skips its own
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
@@ -176,7 +177,8 @@ pipeline)
       if [ -n "${DATA_PACK:-}" ]; then  # the pieces an earlier session's PACK_DATA brought back
         run data_unpack unpack_data "$DATA_PACK" || break
       else
-        run data bash scripts/h200_drafter.sh data "${N:-30000}" || break
+        # after gputests_bg the tests run already, beside the generation: the data stage skips them
+        run data env SKIP_GPU_TESTS=${gpu_tested:-} bash scripts/h200_drafter.sh data "${N:-30000}" || break
         gpu_tested=1
         [ -z "${PACK_DATA:-}" ] || run data_pack bash scripts/h200_drafter.sh pack outputs/h200/pack
       fi

@@ -532,3 +532,24 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
             assert "FAILED tests/test_fast_engine.py::test_gpu_engine" in log
             assert "GPU_TESTS_DONE=\n" in told  # the study runs its own
         assert stages[1][0] == "spec"
+
+
+def test_session_gputests_bg_before_generated_data_spares_the_data_stage_its_own_run(tmp_path):
+    """``STAGES="gputests_bg data"``: the GPU tests run beside the generation, so the data stage is
+    told to skip its own (SKIP_GPU_TESTS=1); a data stage alone still runs them (empty)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
+    (tmp_path / "scripts" / "h200_gpu_tests.sh").write_text("echo ran > gpu_tests_ran.txt\n")
+    (tmp_path / "scripts" / "h200_drafter.sh").write_text(
+        'echo "$1 $2 SKIP_GPU_TESTS=${SKIP_GPU_TESTS:-}" > data_stage.txt\n'
+    )
+    env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "N": "90000"}
+    for stages, told in (("gputests_bg data", "SKIP_GPU_TESTS=1"), ("data", "SKIP_GPU_TESTS=\n")):
+        shutil.rmtree(tmp_path / "outputs", ignore_errors=True)
+        for step in (["start"], ["wait", "60"]):
+            done = subprocess.run(["bash", "scripts/h200_session.sh", *step], cwd=tmp_path, text=True,
+                                  capture_output=True, timeout=120, env=env | {"STAGES": stages})  # fmt: skip
+        assert "PIPELINE DONE" in done.stdout, done.stdout + done.stderr
+        data = (tmp_path / "data_stage.txt").read_text()
+        assert data.startswith("data 90000 ") and told in data + "\n"
+    assert (tmp_path / "gpu_tests_ran.txt").exists()
