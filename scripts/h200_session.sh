@@ -83,10 +83,12 @@ start)
 wait)
   limit=${2:?seconds}
   while [ ! -f $S/done ] && [ $SECONDS -lt "$limit" ] && kill -0 "$(cat $S/pid)" 2>/dev/null; do sleep 5; done
+  # The bundle first: a reader that closes the pipe early (`wait 60 | head`) must not cost it.
+  listing=$(bundle)
   echo "== stages"; cat $S/stages.txt
   echo "== log (last 30 lines)"; tr '\r' '\n' < $S/log.txt | grep -a -v -e Warning -e warn | tail -30
   [ -f $S/done ] && echo "PIPELINE DONE" || echo "pipeline still running"
-  bundle
+  echo "$listing"
   ;;
 pipeline)
   echo $$ > $S/pid

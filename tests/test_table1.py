@@ -553,3 +553,8 @@ def test_session_gputests_bg_before_generated_data_spares_the_data_stage_its_own
         data = (tmp_path / "data_stage.txt").read_text()
         assert data.startswith("data 90000 ") and told in data + "\n"
     assert (tmp_path / "gpu_tests_ran.txt").exists()
+    # A reader that closes the pipe after one byte still gets the bundle written (it is made first).
+    (tmp_path / "out" / "bundle.tgz").unlink()
+    subprocess.run("bash scripts/h200_session.sh wait 5 | head -c 1", shell=True, cwd=tmp_path, env=env,
+                   capture_output=True, timeout=60)  # fmt: skip
+    assert (tmp_path / "out" / "bundle.tgz").exists()
