@@ -140,6 +140,7 @@ CASES = [
     ("prepare", ["data.num_prompts=0"], "data.num_prompts=0: must be >= 1"),
     ("prepare", ["data.source=bogus"], "data.source='bogus': must be one of"),
     ("prepare", ["data.engine=turbo"], "data.engine='turbo': must be one of 'auto', 'plain', 'fast'"),
+    ("prepare", ["data.tokenize_workers=many"], "data.tokenize_workers='many': must be one of 'auto' or"),
     ("prepare", ["data.max_prompt_length=600"], "max_prompt_length=600 leaves no room"),
     ("prepare", ["data.min_prompt_chars=5000"], "no prompt could pass"),
     ("prepare", ["target.dtype=float64"], "target.dtype='float64': must be one of"),

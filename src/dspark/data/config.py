@@ -66,6 +66,7 @@ class DataConfig:
     engine_compile: bool = False
     gen_batch_size: Count = 64
     cpu_threads: Literal["auto"] | Count = "auto"
+    tokenize_workers: Literal["auto"] | Count = "auto"
     shard_size: Count = 32
     batch_size: Count = 4
     global_batch_size: Count | None = None

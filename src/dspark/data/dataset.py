@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 DONE = "DONE.json"
 BUILD = "build.json"
 # The data keys that define a dataset. Anything else in `data` (training batch size, workers,
-# bucketing, anchors, cache options, generation batch/engine/threads...) changes only how a folder
-# is built or read, so it may change between runs without a rebuild.
+# bucketing, anchors, cache options, generation batch/engine/threads, tokenising processes...) changes
+# only how a folder is built or read, so it may change between runs without a rebuild.
 CONTENT_KEYS = (
     "source", "num_prompts", "val_fraction", "seed", "max_length", "max_prompt_length", "min_prompt_chars",
     "max_prompt_chars", "max_new_tokens", "benchmark_dir", "strict", "shard_size", "self_generated",
@@ -230,6 +230,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
             chat_kwargs=chat_kwargs,
             markers=markers,
             desc=f"tokenising ({s})",
+            workers=cfg_data.get("tokenize_workers", "auto"),
         )
         if not samples and (s == "train" or convs):
             raise DataError(

@@ -12,13 +12,22 @@ tokens (right truncation; the prompt stage already dropped prompts longer than
 ``max_prompt_length``, so some of the answer always survives). A sample with no assistant token
 left is dropped and counted. An answer that hit ``max_new_tokens`` (``finish == "length"``) is cut
 right after its last content token: the closing marker the template would add was never generated.
+
+`tokenize_records` spreads a large set over forked worker processes (`data.tokenize_workers`): each
+tokenises a contiguous chunk and the chunks are joined in order, so the result equals the serial one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import logging
+import multiprocessing
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -26,6 +35,12 @@ from tqdm.auto import tqdm
 
 from ..core.errors import DataError
 from ..core.io import atomic_save_safetensors
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 16  # "auto" stops here: every fork copies the parent's page tables; it alone joins results
+MIN_PARALLEL = 2000  # fewer records stay serial: forking a pool costs more than it saves
+CHUNKS_PER_WORKER = 8  # finer chunks balance the load and move the progress bar more often
 
 
 class TemplateError(DataError):
@@ -157,6 +172,23 @@ class TokenStats:
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
 
+    def add(self, other: TokenStats) -> None:
+        for f in fields(self):
+            if f.name != "extra":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+Chunk = tuple[list[str], list[Tokenized], TokenStats]
+
+
+def tokenize_workers(setting: int | str | None = "auto") -> int:
+    """Processes for `tokenize_records`: "auto" (or None) is the cores this process may run on, at
+    most MAX_WORKERS; a number is taken as is (at least 1)."""
+    if setting in (None, "auto"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, min(cores or 1, MAX_WORKERS))
+    return max(1, int(setting))
+
 
 def tokenize_records(
     tokenizer,
@@ -166,17 +198,29 @@ def tokenize_records(
     chat_kwargs: dict | None = None,
     markers: Sequence[str] = (),
     desc: str = "tokenising",
+    workers: int | str | None = "auto",
+    min_parallel: int = MIN_PARALLEL,
 ) -> tuple[list[str], list[Tokenized], TokenStats]:
-    """Tokenise regenerated conversations ({"id", "messages", "finish"})."""
+    """Tokenise regenerated conversations ({"id", "messages", "finish"}): serially with one worker or
+    fewer than `min_parallel` records, else in `workers` forked processes (same result, same order)."""
+    options = {"max_length": max_length, "chat_kwargs": chat_kwargs, "markers": tuple(markers)}
+    workers = tokenize_workers(workers)
+    if workers > 1 and len(records) >= max(min_parallel, 1):
+        if "fork" not in multiprocessing.get_all_start_methods():  # spawning would pickle the tokenizer
+            log.warning("this platform cannot fork: tokenising %d records serially", len(records))
+        else:
+            try:
+                return _tokenize_parallel(tokenizer, records, options, workers, desc)
+            except (OSError, BrokenProcessPool) as err:  # the pool could not start, or a worker died
+                log.warning("parallel tokenisation failed (%r): tokenising serially", err)
+    return _tokenize_chunk(tokenizer, tqdm(records, desc=desc, unit="conv", leave=False), options)
+
+
+def _tokenize_chunk(tokenizer, records: Iterable[dict], options: dict) -> Chunk:
     ids, out, stats = [], [], TokenStats()
-    for rec in tqdm(records, desc=desc, unit="conv", leave=False):
+    for rec in records:
         tok = tokenize_conversation(
-            tokenizer,
-            rec["messages"],
-            max_length=max_length,
-            chat_kwargs=chat_kwargs,
-            markers=markers,
-            complete=rec.get("finish", "stop") == "stop",
+            tokenizer, rec["messages"], complete=rec.get("finish", "stop") == "stop", **options
         )
         if tok is None:
             stats.dropped_no_assistant_tokens += 1
@@ -188,6 +232,59 @@ def tokenize_records(
         stats.loss_tokens += sum(tok.loss_mask)
         stats.truncated += tok.truncated
     return ids, out, stats
+
+
+# What a worker process tokenises: set by the pool's initializer, which a forked child runs on the
+# parent's objects as they are (the tokenizer and the records are inherited, never pickled).
+_JOB: tuple | None = None
+
+
+def _init_worker(tokenizer, records: list[dict], options: dict) -> None:
+    global _JOB
+    _JOB = (tokenizer, records, options)
+
+
+def _run_span(span: tuple[int, int]) -> Chunk:
+    tokenizer, records, options = _JOB
+    return _tokenize_chunk(tokenizer, records[span[0] : span[1]], options)
+
+
+def _tokenize_parallel(tokenizer, records: list[dict], options: dict, workers: int, desc: str) -> Chunk:
+    n = len(records)
+    step = -(-n // (workers * CHUNKS_PER_WORKER))
+    spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+    ids, out, stats = [], [], TokenStats()
+    with (
+        _tokenizer_threads_off(),
+        ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_init_worker,
+            initargs=(tokenizer, records, options),
+        ) as pool,
+        tqdm(total=n, desc=f"{desc} ({workers} processes)", unit="conv", leave=False) as bar,
+    ):
+        for (a, b), (i, o, s) in zip(spans, pool.map(_run_span, spans)):  # map keeps the spans' order
+            ids += i
+            out += o
+            stats.add(s)
+            bar.update(b - a)
+    return ids, out, stats
+
+
+@contextmanager
+def _tokenizer_threads_off():
+    """TOKENIZERS_PARALLELISM=false while the pool forks: the Rust tokenizer's thread pool does not
+    survive a fork (it warns, or deadlocks), and each child is one worker anyway."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def save_tokens(path: str | Path, sample_ids: list[str], samples: list[Tokenized], meta: dict) -> None:
