@@ -9,6 +9,8 @@
 #   bash scripts/h200_data.sh                     # N=30000, bfloat16 target, fresh data dir
 #   N=3000 DTYPE=float32 bash scripts/h200_data.sh
 #   EXTRA="data.engine_compile=true data.gen_batch_size=512" bash scripts/h200_data.sh
+#   TARGET=gemma3_270m DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl" bash scripts/h200_data.sh
+#     (DATA_EXTRA: the recipe, which h200_drafter.sh train repeats; EXTRA: how it is built)
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
@@ -32,7 +34,7 @@ fi
 LOG=$R/prepare_$N.log
 if ! python3 -m dspark.prepare target=$TARGET target.path=/root/stage target.device=cuda \
   target.dtype=$DTYPE data=full data.num_prompts=$N data.dir=$DIR force=true ${BENCH[@]+"${BENCH[@]}"} \
-  hydra.run.dir=$R/prepare_$N ${EXTRA:-} > $LOG 2>&1; then
+  hydra.run.dir=$R/prepare_$N ${DATA_EXTRA:-} ${EXTRA:-} > $LOG 2>&1; then
   tr '\r' '\n' < $LOG | tail -30
   exit 1
 fi

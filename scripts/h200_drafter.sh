@@ -26,7 +26,9 @@ TARGET=${TARGET:-smollm2_135m}  # a conf/target name whose GGUF is staged in /ro
 T="target=$TARGET target.path=/root/stage target.device=cuda target.dtype=bfloat16"
 DATA_NAME=${TARGET%%_*}_${N}_bfloat16  # what scripts/h200_data.sh writes (smollm2_30000_bfloat16)
 DIR=outputs/h200/data/$DATA_NAME
-DATA="data=full data.num_prompts=$N data.dir=$DIR"
+# DATA_EXTRA: recipe overrides for both the data and the train step (they define the folder), e.g. another
+# target answering a staged prompt set: DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
+DATA="data=full data.num_prompts=$N data.dir=$DIR ${DATA_EXTRA:-}"
 OUTDIR=${OUT:-outputs/h200/out}
 step=${1:?data | train | eval}
 shift

@@ -43,7 +43,10 @@
 #           head's share of them, into outputs/h200/out/head_latency/ (JSON, fig4_latency.png, log.txt);
 #           12 drafters, each compiled and captured anew: about 3-4 minutes, HEADLAT_LIMIT (480 s) at most
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
-# names the conf/target whose GGUF is staged there, for every stage. Settings travel as environment
+# names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
+# overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
+# gemma3_270m answering the SmolLM2 pack's prompts (its own Magpie prompts rarely finish):
+#   TARGET=gemma3_270m N=30000 DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl" Settings travel as environment
 # variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 #   NAME=DSpark-Markov STAGES="data batch spec" RUNS="DSpark-Markov:drafter=dspark head=markov" TRAIN_MINUTES=11 \

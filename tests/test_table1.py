@@ -558,3 +558,28 @@ def test_session_gputests_bg_before_generated_data_spares_the_data_stage_its_own
     subprocess.run("bash scripts/h200_session.sh wait 5 | head -c 1", shell=True, cwd=tmp_path, env=env,
                    capture_output=True, timeout=60)  # fmt: skip
     assert (tmp_path / "out" / "bundle.tgz").exists()
+
+
+def test_drafter_script_data_extra_reaches_the_data_and_the_train_step(tmp_path):
+    """DATA_EXTRA (the recipe, e.g. another target answering a staged prompt set) goes to both
+    steps, so training asks for the very folder the data step built (its build key includes it)."""
+    (tmp_path / "scripts").mkdir()
+    for script in ("h200_drafter.sh", "h200_data.sh"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
+    (tmp_path / "bin").mkdir()
+    for tool in ("python3", "nvidia-smi"):  # record the command lines; nothing runs
+        (tmp_path / "bin" / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n')
+        (tmp_path / "bin" / tool).chmod(0o755)
+    extra = "data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
+    env = {**ENV, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls.txt"),
+           "DSPARK_INSTALLED": "1", "SKIP_GPU_TESTS": "1", "DATA_EXTRA": extra, "N": "500",
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+    for step in (["data", "500"], ["train", "run", "1", "drafter=dspark"]):
+        subprocess.run(["bash", "scripts/h200_drafter.sh", *step], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    prepare = [c for c in calls if "dspark.prepare" in c]
+    train = [c for c in calls if "dspark.train" in c]
+    assert len(prepare) == 1 and len(train) == 1, calls
+    for call in (prepare[0], train[0]):
+        assert extra in call and "data.num_prompts=500" in call and "smollm2_500_bfloat16" in call
