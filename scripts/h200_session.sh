@@ -46,8 +46,8 @@
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
 # gemma3_270m answering the SmolLM2 pack's prompts (its own Magpie prompts rarely finish):
-#   TARGET=gemma3_270m N=30000 DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl" Settings travel as environment
-# variables of the `start` call, e.g.
+#   TARGET=gemma3_270m N=30000 DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
+# Settings travel as environment variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 #   NAME=DSpark-Markov STAGES="data batch spec" RUNS="DSpark-Markov:drafter=dspark head=markov" TRAIN_MINUTES=11 \
 #     TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3 trainer.max_steps=4500" bash scripts/h200_session.sh start
