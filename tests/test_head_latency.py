@@ -43,6 +43,7 @@ def test_head_latency_table_per_family_block_and_rows(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert math.isfinite(r["sequential_head_ms"]) and r["sequential_head_ms"] >= 0
         assert r["head_share"] == pytest.approx(r["sequential_head_ms"] / r["round_ms"])
+        assert r["head_us_per_position"] == pytest.approx(1000 * r["sequential_head_ms"] / r["gamma"])
         parts = r["parts"]  # draft_parts' row: what the head's cost is read from
         assert parts["rows"] == 1 and all(math.isfinite(v) and v >= 0 for v in parts.values())
         if r["family"] == "dflash":  # no sequential head: 0 by definition, the round its own reference
