@@ -38,6 +38,10 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     # tolerance (re-timed, else an isotonic fit); exact order would assert the CPU's timing noise.
     times = [curve[b] for b in sorted(curve)]
     assert all(t <= 1.05 * later for i, t in enumerate(times) for later in times[i + 1 :]), times
+    # The same steps per width (R rows, W wide): what a padded step of those rows costs.
+    assert {w: sorted(t) for w, t in model.verify_width_ms.items()} == {1: [1, 4, 8], 4: [1, 2]}
+    for r in saved["rows"]:
+        assert model.verify_width_ms[r["width"]][r["rows"]] >= r["static_eager_ms"]  # running max
     assert sorted(int(r) for r in saved["draft_ms"]) == [1, 2, 4, 8]  # every row count measured
     assert sorted(model.draft_ms) == [1, 2, 4, 8] and all(v > 0 for v in model.draft_ms.values())
     # ... per drafted length too (γ = 4 in the saved drafter), the whole block being draft_ms.

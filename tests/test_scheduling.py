@@ -999,3 +999,79 @@ def test_profile_median_warmup_and_sync():
         profile(step, [0])
     real = profile(lambda b: sum(range(b)), [10, 1000], warmup=0, repeats=1, sync=None)
     assert set(real) == {10, 1000} and all(v > 0 for v in real.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# the verify step per width (a padded step priced at its own row count)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_verify_rows_ms_prices_r_rows_at_a_width():
+    """``verify_width_ms`` {w: {R: ms}}: exact at the measured points, interpolated over R per
+    width, linear in the width between measured widths, the last two widths' slope beyond; without
+    it, the token curve at R·w (the old price); kept through JSON; bad tables refused."""
+    tokens = {1: 1.0, 8: 1.2, 64: 2.0, 512: 4.0}
+    widths = {1: {1: 1.0, 64: 2.0}, 8: {1: 1.2, 64: 2.6}}
+    cost = CostModel(tokens, padded=True, verify_width_ms=widths)
+    assert cost.verify_rows_ms(64, 8) == pytest.approx(2.6)
+    assert cost.verify_rows_ms(64, 1) == pytest.approx(2.0)
+    assert cost.verify_rows_ms(32, 1) == pytest.approx(1.0 + 1.0 * 31 / 63)
+    assert cost.verify_rows_ms(64, 4) == pytest.approx(2.0 + 0.6 * 3 / 7)
+    assert cost.verify_rows_ms(64, 15) == pytest.approx(2.6 + 0.6)  # slope 0.6 per 7 widths
+    np.testing.assert_allclose(cost.verify_rows_ms(64, np.array([1, 8])), [2.0, 2.6])
+    # 64 rows 8 wide is what the engine runs; the token curve at 512 tokens was 4.0 ms, and 64 rows
+    # 4 wide read at 256 tokens would have been priced as 32 rows 8 wide
+    old = CostModel(tokens, padded=True)
+    assert old.verify_rows_ms(64, 4) == pytest.approx(old.verify_time_ms(256))
+    assert CostModel.from_json(cost.to_json()).verify_width_ms == {1: {1: 1.0, 64: 2.0}, 8: {1: 1.2, 64: 2.6}}
+    assert CostModel.from_json(cost.to_json()) == cost
+    assert "verify widths=[1, 8]" in repr(cost)
+    for bad in ({}, {"x": {1: 1.0}}, {1: {}}, {1: {1: -1.0}}):
+        with pytest.raises(CostTableError, match="verify_width_ms"):
+            CostModel(tokens, verify_width_ms=bad)
+
+
+def test_padded_round_time_and_walk_use_the_width_table():
+    """A whole-draft round without a measured round is priced at R rows γ_d + 1 wide; the padded
+    walk prices each depth the same way. Where the width table says narrower steps of these rows
+    save nothing (the attention and per-row work stay), the walk keeps the whole depth that the
+    token curve (each depth read as fewer, wider rows) would have cut short."""
+    R, G = 16, 4
+    tokens = {16: 1.0, 32: 1.6, 48: 2.2, 64: 2.8, 80: 3.4}  # steep: fewer rows are much cheaper
+    flat = {w: {16: 2.0 + 0.05 * (w - 1)} for w in range(1, G + 2)}  # R rows, any width: ~2 ms
+    draft = {G: {16: 0.5}}
+    cost = CostModel(tokens, draft_len_ms=draft, padded=True, verify_width_ms=flat)
+    assert cost.round_time(R, G) == pytest.approx((2.0 + 0.05 * G + 0.5) * 1e-3)
+    assert cost.round_time(R, G, B=R * (G + 1)) == pytest.approx((3.4 + 0.5) * 1e-3)  # B given: tokens
+    conf = torch.tensor([[0.9, 0.6, 0.5, 0.4]] * R)
+    ha = HardwareAware()
+    assert ha(conf, cost).tolist() == [G] * R
+    steep = CostModel(tokens, draft_len_ms=draft, padded=True)
+    assert ha(conf, steep).tolist() == depth_walk_reference(conf, steep)
+    assert ha(conf, steep).tolist()[0] < G
+    # The walk's price of every depth is the width table's, to the digit.
+    a = prefix_survival(conf.double())
+    expected = [(R + a[:, :w].sum().item()) / (flat[1 + w][16] + 0.5) for w in range(G + 1)]
+    from dspark.scheduling.policies import depth_path
+
+    np.testing.assert_allclose(depth_path(conf.double(), cost).tolist(), expected, rtol=1e-12)
+    # throughput_path over whole depths, with the drafted length known, reads the same prices
+    rows, j, a_sorted = admission_order(conf.double())
+    theta = throughput_path(a_sorted, R, cost, j, G)
+    width = np.maximum.accumulate(np.concatenate([[0], j.numpy()]))
+    tau = R + np.concatenate([[0.0], np.cumsum(a_sorted.numpy())])
+    priced = np.array([flat[1 + w][16] for w in width]) + 0.5
+    np.testing.assert_allclose(theta.numpy(), tau / (priced * 1e-3))
+
+
+def test_engine_sps_width_curves_lift_dips_per_width():
+    from dspark.bench.sps import width_curves
+
+    results = [  # graph replays where captured, the static eager step otherwise (as on the CPU)
+        {"rows": 1, "width": 1, "static_eager_ms": 9.0, "graph_ms": 1.0},
+        {"rows": 4, "width": 1, "static_eager_ms": 9.0, "graph_ms": 0.9},
+        {"rows": 16, "width": 1, "static_eager_ms": 9.0, "graph_ms": 1.5},
+        {"rows": 1, "width": 8, "static_eager_ms": 9.0, "graph_ms": 1.2},
+        {"rows": 4, "width": 8, "static_eager_ms": 1.4},
+    ]
+    assert width_curves(results, [1, 8, 16]) == {1: {1: 1.0, 4: 1.0, 16: 1.5}, 8: {1: 1.2, 4: 1.4}}

@@ -77,6 +77,7 @@ def main(argv=None) -> dict:
         row_counts,
         step_kernels,
         verify_step_times,
+        width_curves,
     )
 
     argv = sys.argv[1:] if argv is None else argv
@@ -94,7 +95,9 @@ def main(argv=None) -> dict:
         "drafter": args.drafter_dir,
         "rows": results,
     }
-    cost = CostModel(cost_curve(results, widths), context_len=ctx, padded=True)  # our engines pad rows
+    # Our engines pad rows: a step is priced at its own row count and width (verify_width_ms).
+    by_width = width_curves(results, widths)
+    cost = CostModel(cost_curve(results, widths), context_len=ctx, padded=True, verify_width_ms=by_width)
 
     def save() -> None:  # after each stage: a run cut off later keeps what it measured
         atomic_write_json(args.out, report)
@@ -111,7 +114,10 @@ def main(argv=None) -> dict:
         lengths = draft_step_times(target, drafter, rows_all, ctx, cap, compile=args.compile, **timing)
         report.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
         full = lengths[drafter.gamma]  # the whole block
-        cost = CostModel(cost.verify_ms, draft_ms=full, draft_len_ms=lengths, context_len=ctx, padded=True)
+        cost = CostModel(
+            cost.verify_ms, draft_ms=full, draft_len_ms=lengths, context_len=ctx, padded=True,
+            verify_width_ms=by_width,
+        )  # fmt: skip
         save()
         if args.overhead:
             report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)

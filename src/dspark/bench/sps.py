@@ -94,6 +94,21 @@ def cost_curve(results: list[dict], widths: list[int]) -> dict[int, float]:
     return curve
 
 
+def width_curves(results: list[dict], widths: list[int]) -> dict[int, dict[int, float]]:
+    """The verify step per width, ``{W: {R: ms}}`` (``CostModel.verify_width_ms``): what a padded
+    step of R rows at width W costs, each curve lifted to its running maximum like ``cost_curve``."""
+    out = {}
+    for w in widths:
+        times = {r["rows"]: r.get("graph_ms", r["static_eager_ms"]) for r in results if r["width"] == w}
+        top, curve = 0.0, {}
+        for rows in sorted(times):
+            top = max(top, times[rows])
+            curve[rows] = top
+        if curve:
+            out[w] = curve
+    return out
+
+
 def _draft_engine(
     target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None
 ) -> FastEngine:

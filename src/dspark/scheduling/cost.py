@@ -7,9 +7,12 @@ speculative round that the step timings do not see. A round that drafts nothing 
 and costs ``T_verify(R)`` alone. A policy whose verify width depends on the round's confidences
 makes the engine read that width back between the draft and the target step: the device idles
 while the host launches the rest of the round (``readback_ms``), which only a wide enough saving
-in verification pays for. The curves are measured once on the engine and stored as small
-tables; the scheduler reads ``SPS(B) = 1 / step_time`` from them by interpolation, an O(1) lookup
-per candidate on Algorithm 1's admission path (on the device: ``verify_table``).
+in verification pays for. A padded engine verifies ``R`` rows ``w`` wide; with ``verify_width_ms``
+measured per width, such a step is priced at its own row count (``verify_rows_ms``), not at the
+token count ``R·w`` of the curve, whose points were measured with fewer, wider rows. The curves
+are measured once on the engine and stored as small tables; the scheduler reads ``SPS(B) = 1 /
+step_time`` from them by interpolation, an O(1) lookup per candidate on Algorithm 1's admission
+path (on the device: ``verify_table``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,12 @@ class CostModel:
             plain round), every row verifying its whole draft: where a drafted length has one,
             ``round_time`` of such a round reads it instead of adding up the separately timed
             steps and the overhead (which miss the steps' overlap and the work between them).
+        verify_width_ms: the verify step by width, ``{w: {R: ms}}`` (R rows, each ``w`` tokens
+            wide): what a padded step of R rows at a width costs. ``verify_ms`` mixes shapes
+            (below γ + 1 tokens single-token rows, above it rows γ + 1 wide), so reading it at
+            ``R·w`` prices a narrower step of the same R rows as one of fewer rows: cheaper
+            attention and per-row work than the engine runs. Widths between the measured ones
+            are interpolated, wider ones extrapolated from the last two.
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class CostModel:
         padded: bool = False,
         readback_ms: float = 0.0,
         round_len_ms: Mapping[int, Mapping[int, float]] | None = None,
+        verify_width_ms: Mapping[int, Mapping[int, float]] | None = None,
     ) -> None:
         if not 0.0 <= monotone_tol < 1.0:
             raise CostTableError(f"monotone_tol must be in [0, 1), got {monotone_tol}")
@@ -166,12 +176,21 @@ class CostModel:
                 m: _as_table(f"round_len_ms[{m}]", table, monotone_tol)
                 for m, table in sorted(zip(lengths, round_len_ms.values()))
             }
+        self._vw = None
+        if verify_width_ms is not None:
+            if not verify_width_ms:
+                raise CostTableError("verify_width_ms: empty table; profile at least one width")
+            widths = _positive_ints("verify_width_ms", verify_width_ms)
+            self._vw = {
+                w: _as_table(f"verify_width_ms[{w}]", table, monotone_tol)
+                for w, table in sorted(zip(widths, verify_width_ms.values()))
+            }
         self.overhead_ms = float(overhead_ms)
         self.readback_ms = float(readback_ms)
         self.padded = bool(padded)
         self.context_len = None if context_len is None else int(context_len)
         self.meta = dict(meta or {})
-        self._tables: dict = {}  # device copies of the verify curve (``verify_table``)
+        self._tables: dict = {}  # device copies of the verify curve (``verify_table``, ``depth_table``)
         self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
 
     # ---- tables -------------------------------------------------------------------------
@@ -196,6 +215,12 @@ class CostModel:
         if self._rl is None:
             return None
         return {m: {int(r): float(t) for r, t in zip(*xy)} for m, xy in self._rl.items()}
+
+    @property
+    def verify_width_ms(self) -> dict[int, dict[int, float]] | None:
+        if self._vw is None:
+            return None
+        return {w: {int(r): float(t) for r, t in zip(*xy)} for w, xy in self._vw.items()}
 
     # ---- lookups ------------------------------------------------------------------------
     def step_time(self, B, R=None):
@@ -225,6 +250,34 @@ class CostModel:
     def verify_time_ms(self, B) -> float:
         """``T_verify(B)`` in ms (no draft step, no overhead)."""
         return float(_interp(self._vx, self._vy, np.float64(B)))
+
+    def verify_rows_ms(self, R: int, widths) -> np.ndarray | float:
+        """``T_verify`` in ms of ``R`` rows each ``widths`` tokens wide (a scalar or an array of
+        widths >= 1): the padded step the engine runs. From ``verify_width_ms`` when measured (each
+        measured width's curve read at R, linear in the width between them, the last two widths'
+        slope beyond, floored at 0 like ``_interp``), else the token curve at ``R·w``."""
+        w = np.asarray(widths, dtype=np.float64)
+        if self._vw is None:
+            out = _interp(self._vx, self._vy, R * w)
+        else:
+            xs = np.array(sorted(self._vw), dtype=np.float64)
+            ys = np.array([float(_interp(*self._vw[int(x)], np.float64(R))) for x in xs])
+            out = _interp(xs, ys, w)
+        return float(out) if np.ndim(widths) == 0 else out
+
+    def depth_table(self, R: int, depth: int, device) -> torch.Tensor:
+        """``verify_rows_ms(R, 1 + d)`` for ``d = 0..depth`` as a float64 tensor on ``device``: a
+        padded walk's price of each depth, built once per ``(R, depth, device)``."""
+        import torch
+
+        key = (str(device), int(R), int(depth))
+        table = self._tables.get(key)
+        if table is None:
+            host = torch.from_numpy(np.asarray(self.verify_rows_ms(R, 1 + np.arange(depth + 1)), np.float64))
+            if torch.device(device).type == "cuda":
+                host = host.pin_memory()
+            table = self._tables[key] = host.to(device, non_blocking=True)
+        return table
 
     def fixed_ms(self, R, drafted: int | None = None):
         """What a drafting round costs whatever it verifies: the draft step at ``R`` (of
@@ -258,8 +311,10 @@ class CostModel:
             raise ValueError(f"need R > 0 and drafted >= 0, got R={R}, drafted={drafted}")
         if B is None and self._rl is not None and drafted in self._rl:
             return float(_interp(*self._rl[drafted], np.float64(R))) * 1e-3
-        b = R * (drafted + 1) if B is None else B
-        ms = float(_interp(self._vx, self._vy, np.float64(b)))
+        if B is None:  # every row verifies its whole draft: R rows, drafted + 1 wide
+            ms = float(self.verify_rows_ms(R, drafted + 1))
+        else:
+            ms = float(_interp(self._vx, self._vy, np.float64(B)))
         if drafted:
             ms += float(self._draft_ms(R, drafted)) + self.overhead_ms
         return ms * 1e-3
@@ -342,6 +397,9 @@ class CostModel:
             "round_len_ms": None
             if self._rl is None
             else {str(m): {str(r): t for r, t in tab.items()} for m, tab in self.round_len_ms.items()},
+            "verify_width_ms": None
+            if self._vw is None
+            else {str(w): {str(r): t for r, t in tab.items()} for w, tab in self.verify_width_ms.items()},
             "padded": self.padded,
             "context_len": self.context_len,
             "monotone_tol": self.monotone_tol,
@@ -366,6 +424,7 @@ class CostModel:
             padded=bool(d.get("padded", False)),
             readback_ms=d.get("readback_ms") or 0.0,
             round_len_ms=d.get("round_len_ms"),
+            verify_width_ms=d.get("verify_width_ms"),
         )
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -406,6 +465,7 @@ class CostModel:
             f"draft lengths={sorted(self._dl) if self._dl else 'no'}, overhead={self.overhead_ms} ms, "
             f"read-back={self.readback_ms} ms, "
             f"measured rounds={sorted(self._rl) if self._rl else 'no'}, "
+            f"verify widths={sorted(self._vw) if self._vw else 'no'}, "
             f"{'padded' if self.padded else 'ragged'}, "
             f"context_len={self.context_len})"
         )

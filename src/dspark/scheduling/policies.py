@@ -16,7 +16,7 @@ from ``x_{r,k}`` (Markov feature), a policy must not let ``a[r, j > k]`` influen
   round's confidences. The walk visits ``(r, k)`` before any ``(r, j > k)`` and stops on ``(r, k)``
   from the path so far only, so ``a[r, j > k]`` never matters. On a padded engine (every row
   verified as wide as the widest) one step of the path is one whole depth: all rows' position
-  ``k`` together, priced ``T_verify(R·(1 + k))``.
+  ``k`` together, priced as ``R`` rows ``1 + k`` wide (``CostModel.verify_rows_ms``).
 - ``AsyncTopK`` (§5.2): the budget ``K`` is fixed from stale confidences; the current top-K by
   rank admits ``(r, k)`` iff fewer than ``K`` candidates outrank it, and ``(r, j > k)`` never do.
 - ``DraftAware``: decides *before drafting* how many positions to draft this round, none at all
@@ -125,7 +125,12 @@ def throughput_path(
     n = a_sorted.numel()
     if cost.padded and j is not None and n:
         width = torch.cat([j.new_zeros(1), torch.cummax(j, 0).values])  # j <= n: a bound without a read-back
-        ms = cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
+        # R rows at every depth: the depth's own price (``depth_table``) where j's bound is known
+        ms = (
+            cost.depth_table(R, drafted, a_sorted.device)[width]
+            if drafted is not None
+            else cost.verify_table(R * (1 + n), a_sorted.device)[R * (1 + width)]
+        )
     else:
         ms = cost.verify_table(R + n, a_sorted.device)[R : R + n + 1]
     ms = ms + float(cost.fixed_ms(R, drafted))
@@ -184,13 +189,13 @@ def _live_path(a_sorted: Tensor, j: Tensor, R: int, cost: CostModel, drafted: in
 
 def depth_path(confidences: Tensor, cost: CostModel, extra_ms: float = 0.0) -> Tensor:
     """Θ per verify width ``w = 0..γ_d`` on a padded engine, every row verifying ``w`` drafts:
-    ``(R + Σ_r Σ_{j<=w} a[r, j]) / (T_verify(R·(1 + w)) + fixed)``, ``fixed`` being the draft step
-    of the γ_d drafted positions, the overhead and ``extra_ms``. On the confidences' device."""
+    ``(R + Σ_r Σ_{j<=w} a[r, j]) / (T_verify(R rows, 1 + w wide) + fixed)``, ``fixed`` being the
+    draft step of the γ_d drafted positions, the overhead and ``extra_ms``. On the confidences'
+    device."""
     a = prefix_survival(confidences)
     R, G = a.shape
     tau = R + torch.cat([a.new_zeros(1), torch.cumsum(a.sum(0), 0)])
-    widths = R * (1 + torch.arange(G + 1, device=a.device))
-    ms = cost.verify_table(R * (1 + G), a.device)[widths] + float(cost.fixed_ms(R, G)) + extra_ms
+    ms = cost.depth_table(R, G, a.device) + float(cost.fixed_ms(R, G)) + extra_ms
     return tau / ms
 
 
@@ -400,11 +405,11 @@ class HardwareAware(Policy):
     verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``.
     Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks the
     round's confidences (the engine reads the width back); otherwise every row verifies its whole
-    draft (width known, nothing read back). The expected saving is the largest one
-    (``T_verify(R·(1+γ_d)) - T_verify(R)``) times the share of it that completed walked rounds
-    realised (an average that halves the weight of older walks, each a whole batch's evidence; all
-    of it before any walk): at a high τ the walk keeps nearly every block whole and stops paying
-    for its read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
+    draft (width known, nothing read back). The expected saving is the largest one (``T_verify`` of R
+    rows 1 + γ_d wide minus 1 wide, ``CostModel.verify_rows_ms``) times the share of it that completed
+    walked rounds realised (an average that halves the weight of older walks, each a whole batch's
+    evidence; all of it before any walk): at a high τ the walk keeps nearly every block whole and stops
+    paying for its read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
     the round verifies its whole draft like the others (nothing read back, the same cost as fixed
     γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
     with the round's outcome to update the estimate, so it follows the workload for free.
@@ -472,7 +477,7 @@ class HardwareAware(Policy):
         if rows <= 0 or gamma <= 0:
             return 0
         drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
-        largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
+        largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
         could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
         walk, shadow, clocked = False, False, self._clocked_walk(rows)
         if could:
@@ -547,8 +552,8 @@ class HardwareAware(Policy):
         """Fold the share of the largest saving that a walk's lengths realised into the estimate."""
         rows, drafted, _, cost = self._observed
         width = int(np.max(walked, initial=0))
-        largest = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows)
-        saved = cost.verify_time_ms(rows * (1 + drafted)) - cost.verify_time_ms(rows * (1 + width))
+        largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
+        saved = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1 + width)
         share = float(np.clip(saved / largest, 0.0, 1.0)) if largest > 0 else 0.0
         prev = share if self._realised is None else self._realised
         self._realised = 0.5 * (prev + share)
