@@ -46,7 +46,9 @@ fi
 
 stage "cost table"
 # Every piece of the table at the workload's context: the policies price these rounds, not longer ones.
+# Widths 1, 2, 4, 8: the verify step per width at each R (verify_width_ms), which prices a padded walk's depths.
 timeout 270 python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" --no-hf --warmup 3 --repeats 15 \
+  --widths 1,2,4,8 \
   --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
   --draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256 \
   --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60

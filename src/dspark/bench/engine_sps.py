@@ -138,8 +138,9 @@ def main(argv=None) -> dict:
         from .attention_splits import attention_splits
 
         attention_rows = [int(r) for r in args.attention_splits.split(",")]
+        ends = sorted({min(widths), max(widths)})  # decode and the whole block (the widths between: time)
         cap = capacity(ctx, widths)
-        report["attention_splits"] = attention_splits(target, attention_rows, widths, ctx, cap, **timing)
+        report["attention_splits"] = attention_splits(target, attention_rows, ends, ctx, cap, **timing)
         save()
     if args.kernels:  # last: the profiler's own cost stays out of every timing above
         kernel_rows = [int(r) for r in args.kernels.split(",")]
