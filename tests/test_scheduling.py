@@ -1062,6 +1062,13 @@ def test_padded_round_time_and_walk_use_the_width_table():
     tau = R + np.concatenate([[0.0], np.cumsum(a_sorted.numpy())])
     priced = np.array([flat[1 + w][16] for w in width]) + 0.5
     np.testing.assert_allclose(theta.numpy(), tau / (priced * 1e-3))
+    # Still Algorithm 1's early stop on whole depths: the exact output law is the target's.
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        inst = random_instance(rng, R=2)
+        laws = exact_output_law(lambda c: ha(c, cost), inst)
+        for r in range(2):
+            np.testing.assert_allclose(laws[r], target_law(inst, r), atol=1e-12)
 
 
 def test_engine_sps_width_curves_lift_dips_per_width():
