@@ -92,6 +92,17 @@ def _as_table(name: str, table: Mapping[Any, Any], monotone_tol: float) -> tuple
     return xs, ys
 
 
+def _curves(name: str, tables: Mapping[Any, Mapping[Any, float]] | None, monotone_tol: float, key: str,
+            zero: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:  # fmt: skip
+    """``{key: {R: ms}}`` (per drafted length, per width) as one checked curve per key, or None."""
+    if tables is None:
+        return None
+    if not tables:
+        raise CostTableError(f"{name}: empty table; profile at least one {key}")
+    keys = _positive_ints(name, tables, zero=zero)
+    return {k: _as_table(f"{name}[{k}]", t, monotone_tol) for k, t in sorted(zip(keys, tables.values()))}
+
+
 def _interp(xs: np.ndarray, ys: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Piecewise-linear through the points; below the first point: its value (a step cannot get
     cheaper than the smallest measured one); beyond the last: the slope of the last two points,
@@ -160,31 +171,10 @@ class CostModel:
         self.monotone_tol = float(monotone_tol)
         self._vx, self._vy = _as_table("verify_ms", verify_ms, monotone_tol)
         self._d = None if draft_ms is None else _as_table("draft_ms", draft_ms, monotone_tol)
-        self._dl = None
-        if draft_len_ms is not None:
-            if not draft_len_ms:
-                raise CostTableError("draft_len_ms: empty table; profile at least one drafted length")
-            lengths = _positive_ints("draft_len_ms", draft_len_ms)
-            self._dl = {
-                m: _as_table(f"draft_len_ms[{m}]", table, monotone_tol)
-                for m, table in sorted(zip(lengths, draft_len_ms.values()))
-            }
-        self._rl = None
-        if round_len_ms is not None:
-            lengths = _positive_ints("round_len_ms", round_len_ms, zero=True)  # 0: a plain round
-            self._rl = {
-                m: _as_table(f"round_len_ms[{m}]", table, monotone_tol)
-                for m, table in sorted(zip(lengths, round_len_ms.values()))
-            }
-        self._vw = None
-        if verify_width_ms is not None:
-            if not verify_width_ms:
-                raise CostTableError("verify_width_ms: empty table; profile at least one width")
-            widths = _positive_ints("verify_width_ms", verify_width_ms)
-            self._vw = {
-                w: _as_table(f"verify_width_ms[{w}]", table, monotone_tol)
-                for w, table in sorted(zip(widths, verify_width_ms.values()))
-            }
+        self._dl = _curves("draft_len_ms", draft_len_ms, monotone_tol, "drafted length")
+        # round_len_ms has a length 0: a plain round
+        self._rl = _curves("round_len_ms", round_len_ms, monotone_tol, "drafted length", zero=True)
+        self._vw = _curves("verify_width_ms", verify_width_ms, monotone_tol, "width")
         self.overhead_ms = float(overhead_ms)
         self.readback_ms = float(readback_ms)
         self.padded = bool(padded)
