@@ -87,11 +87,7 @@ def cost_curve(results: list[dict], widths: list[int]) -> dict[int, float]:
     w = max(widths)
     best = {r["tokens"]: r.get("graph_ms", r["static_eager_ms"]) for r in results if r["width"] == 1}
     best.update({r["tokens"]: r.get("graph_ms", r["static_eager_ms"]) for r in results if r["width"] == w})
-    curve, top = {}, 0.0
-    for b in sorted(best):
-        top = max(top, best[b])
-        curve[b] = top
-    return curve
+    return _running_max(best)
 
 
 def width_curves(results: list[dict], widths: list[int]) -> dict[int, dict[int, float]]:
@@ -100,12 +96,17 @@ def width_curves(results: list[dict], widths: list[int]) -> dict[int, dict[int, 
     out = {}
     for w in widths:
         times = {r["rows"]: r.get("graph_ms", r["static_eager_ms"]) for r in results if r["width"] == w}
-        top, curve = 0.0, {}
-        for rows in sorted(times):
-            top = max(top, times[rows])
-            curve[rows] = top
-        if curve:
-            out[w] = curve
+        if times:
+            out[w] = _running_max(times)
+    return out
+
+
+def _running_max(times: dict[int, float]) -> dict[int, float]:
+    """Each time lifted to the largest at or below its key: the scheduler needs non-decreasing curves."""
+    out, top = {}, 0.0
+    for k in sorted(times):
+        top = max(top, times[k])
+        out[k] = top
     return out
 
 

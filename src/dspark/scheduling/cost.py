@@ -103,6 +103,16 @@ def _curves(name: str, tables: Mapping[Any, Mapping[Any, float]] | None, monoton
     return {k: _as_table(f"{name}[{k}]", t, monotone_tol) for k, t in sorted(zip(keys, tables.values()))}
 
 
+def _to_device(values: np.ndarray, device) -> torch.Tensor:
+    """A float64 host table on ``device``; pinned first on CUDA, so the copy does not wait for it."""
+    import torch
+
+    host = torch.from_numpy(np.asarray(values, dtype=np.float64))
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _interp(xs: np.ndarray, ys: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Piecewise-linear through the points; below the first point: its value (a step cannot get
     cheaper than the smallest measured one); beyond the last: the slope of the last two points,
@@ -182,6 +192,7 @@ class CostModel:
         self.meta = dict(meta or {})
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``, ``depth_table``)
         self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
+        self._widths_at: dict = {}  # verify_width_ms read at R, per R
 
     # ---- tables -------------------------------------------------------------------------
     @property
@@ -250,23 +261,21 @@ class CostModel:
         if self._vw is None:
             out = _interp(self._vx, self._vy, R * w)
         else:
-            xs = np.array(sorted(self._vw), dtype=np.float64)
-            ys = np.array([float(_interp(*self._vw[int(x)], np.float64(R))) for x in xs])
-            out = _interp(xs, ys, w)
+            at = self._widths_at.get(R)
+            if at is None:  # the measured widths and their times at R, kept: asked every round
+                xs = np.array(sorted(self._vw), dtype=np.float64)
+                ys = np.array([_interp(*self._vw[int(x)], np.float64(R)) for x in xs])
+                at = self._widths_at[R] = (xs, ys)
+            out = _interp(*at, w)
         return float(out) if np.ndim(widths) == 0 else out
 
     def depth_table(self, R: int, depth: int, device) -> torch.Tensor:
         """``verify_rows_ms(R, 1 + d)`` for ``d = 0..depth`` as a float64 tensor on ``device``: a
         padded walk's price of each depth, built once per ``(R, depth, device)``."""
-        import torch
-
         key = (str(device), int(R), int(depth))
         table = self._tables.get(key)
         if table is None:
-            host = torch.from_numpy(np.asarray(self.verify_rows_ms(R, 1 + np.arange(depth + 1)), np.float64))
-            if torch.device(device).type == "cuda":
-                host = host.pin_memory()
-            table = self._tables[key] = host.to(device, non_blocking=True)
+            table = self._tables[key] = _to_device(self.verify_rows_ms(R, 1 + np.arange(depth + 1)), device)
         return table
 
     def fixed_ms(self, R, drafted: int | None = None):
@@ -323,18 +332,12 @@ class CostModel:
         """``T_verify(B)`` in ms for ``B = 0..max_B`` as a float64 tensor on ``device`` (entry 0
         repeats entry 1), so a policy prices its admission path without leaving the device. Built
         once per device and grown when a larger batch is asked for."""
-        import torch
-
         key = str(device)
         table = self._tables.get(key)
         if table is None or table.numel() <= max_B:
             size = max(int(max_B) + 1, 2 * (table.numel() if table is not None else 0), 64)
             b = np.maximum(np.arange(size, dtype=np.float64), 1.0)
-            host = torch.from_numpy(_interp(self._vx, self._vy, b))
-            if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
-                host = host.pin_memory()
-            table = host.to(device, non_blocking=True)
-            self._tables[key] = table
+            table = self._tables[key] = _to_device(_interp(self._vx, self._vy, b), device)
         return table
 
     # ---- synthetic tables -----------------------------------------------------------------
