@@ -22,6 +22,9 @@
 #   gputests_bg  the same in the background, beside the next stages (a training run's first minutes
 #           share the GPU with them: put its profile window later, PROFILE_START=4000); before a
 #           data stage that generates, the generation shares the GPU with them and skips its own
+#   keep    the trained drafter folder (NAME) as <= 15 MiB pieces that `wait` brings back as files of
+#           their own (drafter_NAME.tar.xz.aa, .ab ...), so a later session evaluates it without training
+#   restore with DRAFTER_PACK=<path prefix of such pieces>: unpacked as NAME's drafter instead of training
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
@@ -194,6 +197,16 @@ pipeline)
         name=${name}_fallback TRAIN_EXTRA="${TRAIN_EXTRA:-} ${FALLBACK_EXTRA:-drafter.attention=dense drafter.compile=false compile_target=false}"
         run train_fallback train || break
       fi
+      ;;
+    keep)
+      mkdir -p outputs/h200/pack
+      run keep bash -c "tar -C outputs/h200/$name -cf - drafter | xz -T0 -3 |
+        split -b 15M - outputs/h200/pack/drafter_$name.tar.xz."
+      ;;
+    restore)
+      mkdir -p "outputs/h200/$name"
+      run restore bash -c "cat '${DRAFTER_PACK:?DRAFTER_PACK: the drafter pieces to restore}'.* |
+        xz -d | tar -x -C outputs/h200/$name && test -f outputs/h200/$name/drafter/config.json" || break
       ;;
     eval0) run eval0 env EVAL_T=0 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;
     eval1) run eval1 env EVAL_T=1 EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$name" ;;

@@ -490,6 +490,41 @@ def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp
     assert stages[0] == "data_unpack" and stages[1] != "0" and "train" not in stages
 
 
+def test_session_keeps_the_trained_drafter_and_a_later_session_restores_it(tmp_path):
+    """The ``keep`` stage packs NAME's drafter folder into pieces that `wait` brings back; a later
+    session's ``restore`` (DRAFTER_PACK) unpacks them byte for byte as NAME's drafter, and a prefix
+    with no pieces ends the pipeline before anything would evaluate a missing drafter."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
+    drafter = tmp_path / "outputs" / "h200" / "D" / "drafter"
+    drafter.mkdir(parents=True)
+    weights = bytes(range(256)) * 4000
+    (drafter / "model.safetensors").write_bytes(weights)
+    (drafter / "config.json").write_text('{"drafter": {}}')
+    env = {**ENV, "DSPARK_INSTALLED": "1", "NAME": "D"}
+
+    def session(out, *args, **more):
+        return subprocess.run(["bash", "scripts/h200_session.sh", *args], cwd=tmp_path, timeout=120,
+                              env={**env, "OUT": str(out), **more}, capture_output=True, text=True)
+
+    assert session(tmp_path / "out", "start", STAGES="keep").returncode == 0
+    assert "PIPELINE DONE" in session(tmp_path / "out", "wait", "60").stdout
+    assert [p.name for p in (tmp_path / "out").glob("drafter_D.tar.xz.*")] == ["drafter_D.tar.xz.aa"]
+    shutil.rmtree(tmp_path / "outputs")
+    prefix = str(tmp_path / "out" / "drafter_D.tar.xz")
+    assert session(tmp_path / "out2", "start", STAGES="restore", DRAFTER_PACK=prefix).returncode == 0
+    session(tmp_path / "out2", "wait", "60")
+    assert (drafter / "model.safetensors").read_bytes() == weights
+    stages = tmp_path / "outputs" / "h200" / "session" / "stages.txt"
+    assert stages.read_text().split()[:2] == ["restore", "0"]
+    shutil.rmtree(tmp_path / "outputs")
+    missing = f"{prefix}-missing"
+    assert session(tmp_path / "out3", "start", STAGES="restore eval0", DRAFTER_PACK=missing).returncode == 0
+    session(tmp_path / "out3", "wait", "60")
+    recorded = stages.read_text().split()
+    assert recorded[0] == "restore" and recorded[1] != "0" and "eval0" not in recorded
+
+
 def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
     """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
     (the three test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
