@@ -23,8 +23,8 @@ def build(tmp_path: Path, hook: str) -> tuple[Path, str]:
     return the wheel and everything the backend printed."""
     project = tmp_path / "project"
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    # src/dspark/{conf,kernels} are symbolic links to the top-level folders: copied as links, as a
-    # checkout has them, so the build has to follow them.
+    # src/dspark/conf and the modules of src/dspark/kernels are symbolic links into the top-level
+    # folders: copied as links, as a checkout has them, so the build has to follow them.
     for name in ("src", "conf", "kernels"):
         shutil.copytree(ROOT / name, project / name, symlinks=True, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
@@ -73,3 +73,17 @@ def test_editable_build_is_a_plain_path_entry_and_quiet(tmp_path):
     pth = [text.strip() for name, text in files.items() if name.endswith(".pth")]
     assert pth == [str(tmp_path / "project" / "src")]
     assert not any("finder" in name for name in files)
+
+
+def test_top_level_kernels_folder_does_not_shadow_the_kernels_distribution():
+    """transformers imports the `kernels` distribution (its hub kernels); `python -m ...` from the
+    checkout's root puts the root first on sys.path, where a kernels/__init__.py would be found
+    first and break that import. kernels/ holds the modules only (dspark.kernels has the package)."""
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    modules = {p.name for p in (ROOT / "kernels").glob("*.py")}
+    assert modules and modules <= {p.name for p in (PACKAGE / "kernels").glob("*.py")}
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    origin = run.stdout.strip()
+    assert origin == "None" or not Path(origin).resolve().is_relative_to(ROOT / "kernels"), origin

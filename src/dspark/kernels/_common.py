@@ -1,0 +1,1 @@
+../../../kernels/_common.py

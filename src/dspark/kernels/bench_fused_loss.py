@@ -1,0 +1,1 @@
+../../../kernels/bench_fused_loss.py

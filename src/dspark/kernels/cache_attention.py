@@ -1,0 +1,1 @@
+../../../kernels/cache_attention.py

@@ -1,0 +1,1 @@
+../../../kernels/fused_loss.py

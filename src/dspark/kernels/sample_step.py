@@ -1,0 +1,1 @@
+../../../kernels/sample_step.py
