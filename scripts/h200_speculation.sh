@@ -2,23 +2,25 @@
 # H200, issue 18 (speculation that pays at every load), in about 8 minutes (15 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
-#   2. the cost table, all of it at the e2e prompts' mean context (ROUND_CONTEXT, default 172:
-#      gsm8k's 108 prompt tokens plus half the 128 new ones): the verify curve, the draft step per
-#      R and drafted length, a round's overhead beyond its steps and the cost of reading its width
-#      back, whole rounds per R and drafted length, the draft step's parts, the cache-attention
+#   2. per temperature (E2E_TEMPERATURES, default "0 1"; greedy rounds at T = 0 build no
+#      distributions, so their steps cost less) the cost table, all of it at the e2e prompts' mean
+#      context (ROUND_CONTEXT, default 172: gsm8k's 108 prompt tokens plus half the 128 new ones):
+#      the verify curve, the draft step per R and drafted length, a round's overhead beyond its
+#      steps and the cost of reading its width back, whole rounds per R and drafted length; with
+#      the first temperature's (unless SPEC_DIAGNOSE=0) the draft step's parts, the cache-attention
 #      kernel split against unsplit, each step's kernels at R = 1 and 256
-#      (python -m dspark.bench.engine_sps);
-#   3. python -m dspark.bench.e2e at R = 1, 16, 64, 256: target-only, fixed γ, mtp1 (γ = 1),
-#      threshold, hardware_aware and draft_aware (E2E_POLICIES: fewer, when minutes are short), at
-#      T = 0 and T = 1 (E2E_TEMPERATURES, default "0 1"; gsm8k, 32 prompts, 128 new tokens, bf16,
+#      (python -m dspark.bench.engine_sps); then
+#   3. python -m dspark.bench.e2e at that temperature with its table, R = 1, 16, 64, 256:
+#      target-only, fixed γ, mtp1 (γ = 1), threshold, hardware_aware and draft_aware
+#      (E2E_POLICIES: fewer, when minutes are short; gsm8k, 32 prompts, 128 new tokens, bf16,
 #      fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
-# Writes 13 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps.json,
-# cost_table.json, e2e_T0.json, e2e_T1.json, fig7_T{0,1}.png/.json, fig8_T{0,1}.png/.json. Each stage has
-# its own time limit (60 + 270 + 260 + 320 + 2 x 60 s at most: each e2e point is the median of
+# Writes 15 files into $OUT (default outputs/h200/speculation): log.txt, engine_sps_T{0,1}.json,
+# cost_table_T{0,1}.json, e2e_T{0,1}.json, fig7_T{0,1}.png/.json, fig8_T{0,1}.png/.json. Each stage has
+# its own time limit (60 + 270 + 260 + 180 + 320 + 2 x 60 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
@@ -44,22 +46,26 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
     -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
 fi
 
-stage "cost table"
-# Every piece of the table at the workload's context: the policies price these rounds, not longer ones.
-# Widths 1, 2, 4, 8: the verify step per width at each R (verify_width_ms), which prices a padded walk's depths.
-timeout 270 python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" --no-hf --warmup 3 --repeats 15 \
-  --widths 1,2,4,8 \
-  --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
-  --draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256 \
-  --out "$OUT/engine_sps.json" --cost-table "$OUT/cost_table.json" 2>&1 | quiet | tail -60
-
-# One e2e run per temperature, each with its own limit: T = 1 once got none left after T = 0.
 for t in ${E2E_TEMPERATURES:-0 1}; do
+  # A cost table per temperature (greedy rounds build no distributions: their steps cost less);
+  # the diagnostics (draft parts, attention splits, kernels) once, with the first temperature's.
+  diagnose=()
+  if [ "${SPEC_DIAGNOSE:-1}" = 1 ] && [ -z "${diagnosed:-}" ]; then
+    diagnose=(--draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256)
+    diagnosed=1
+  fi
+  stage "cost table, T = $t"
+  timeout $((${#diagnose[@]} ? 270 : 180)) python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" \
+    --no-hf --warmup 3 --repeats 15 --widths 1,2,4,8 --temperature $t \
+    --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
+    ${diagnose[@]+"${diagnose[@]}"} --out "$OUT/engine_sps_T$t.json" --cost-table "$OUT/cost_table_T$t.json" 2>&1 |
+    quiet | tail -60
+
   stage "end to end, T = $t"
   timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency 1,16,64,256 --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" \
-    --policies "${E2E_POLICIES:-fixed,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table.json" \
+    --policies "${E2E_POLICIES:-fixed,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -36
 done
 

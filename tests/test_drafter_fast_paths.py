@@ -279,9 +279,14 @@ def reference_proposal(drafter, *args, **kw):
         drafter._fused = fused
 
 
-def assert_same_proposal(got, want, tol=1e-5):
+def assert_same_proposal(got, want, tol=1e-5, greedy=False):
+    """``greedy``: a fused T = 0 proposal, tokens without probabilities (greedy verification
+    reads none), where the reference's are one-hot at the same tokens."""
     assert torch.equal(got.tokens, want.tokens)
-    torch.testing.assert_close(got.probs, want.probs, rtol=tol, atol=tol * 1e-2)
+    if greedy:
+        assert got.probs is None
+    else:
+        torch.testing.assert_close(got.probs, want.probs, rtol=tol, atol=tol * 1e-2)
     if want.confidence_logits is None:
         assert got.confidence_logits is None
     else:
@@ -295,7 +300,7 @@ def test_fused_draft_step_equals_the_reference(small_target, name, head, slots, 
     position-major for DSpark, the head's step and the confidences as functions of their own, each
     position's probabilities written into the proposal's buffer, the confidences over the padded
     block) proposes the reference's tokens, probabilities and confidences for every row count,
-    drafted length and temperature; the soft-capped head included."""
+    drafted length and temperature (at T = 0 the tokens alone); the soft-capped head included."""
     from dspark.core.types import Shared
 
     drafter, cache, anchors, u = drafting_setup(small_target, name, head, slots, confidence)
@@ -312,7 +317,8 @@ def test_fused_draft_step_equals_the_reference(small_target, name, head, slots, 
                     args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, temperature)
                     kw = dict(uniforms=u[:r], draft_len=n)
                     got = drafter.propose(*args, **kw)
-                    assert_same_proposal(got, reference_proposal(drafter, *args, **kw))
+                    want = reference_proposal(drafter, *args, **kw)
+                    assert_same_proposal(got, want, greedy=temperature == 0)
                     seen_tokens.update(got.tokens.flatten().tolist())
     assert len(calls) == 3 * 3 * len({1, 2, drafter.gamma})  # every proposal went the fused way
     assert len(seen_tokens) > 2  # not one degenerate token: the comparison had something to see
@@ -322,9 +328,10 @@ def test_fused_draft_step_equals_the_reference(small_target, name, head, slots, 
 def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_target, name, head, slots):
     """Inductor on the CPU, as the fast engine asks for it (``fullgraph``: no graph break): the
     compiled draft step proposes the reference's tokens, and its probabilities and confidences to
-    rounding, for every rows count and drafted length; each compiled function (the hidden states,
-    DSpark's per-position head step and its confidences) is one graph for a single row and one for
-    every larger count, whatever the drafted length."""
+    rounding, for every rows count and drafted length, at T = 1 and T = 0 (tokens alone); each
+    compiled function (the hidden states, DSpark's per-position head step, its greedy step and its
+    confidences) is one graph for a single row and one for every larger count, whatever the
+    drafted length."""
     compiled_draft_step_matches(small_target, name, head, slots)
 
 
@@ -345,13 +352,15 @@ def compiled_draft_step_matches(target, name, head, slots, device="cpu", tol=1e-
     drafter.compile_inference(compiler=lambda fn: torch.compile(fn, backend=counter, fullgraph=True))
     drafter._fused.attention = attention
     with torch.inference_mode():
-        for r in (4, 2, 1, 3):
-            for n in sorted({1, 2, drafter.gamma}):
-                args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 1.0)
-                kw = dict(uniforms=u[:r], draft_len=n)
-                want = reference_proposal(drafter, *args, **kw)
-                assert_same_proposal(drafter.propose(*args, **kw), want, tol=tol)
-    assert counter.frame_count == (6 if name == "dspark" else 2)
+        for temperature in (1.0, 0.0):
+            for r in (4, 2, 1, 3):
+                for n in sorted({1, 2, drafter.gamma}):
+                    args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, temperature)
+                    kw = dict(uniforms=u[:r], draft_len=n)
+                    want = reference_proposal(drafter, *args, **kw)
+                    got = drafter.propose(*args, **kw)
+                    assert_same_proposal(got, want, tol=tol, greedy=temperature == 0)
+    assert counter.frame_count == (8 if name == "dspark" else 2)
     return drafter, cache, anchors, u, shared, counter
 
 

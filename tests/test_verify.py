@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dspark.core.sampling import probs_from_logits, sample_from
-from dspark.decoding.verify import VerifyResult, verify
+from dspark.decoding.verify import VerifyResult, greedy_verify, one_hot_drafts, verify
 
 try:  # scipy is a dev extra; fall back to the same statistic via the incomplete gamma function
     from scipy.stats import chisquare as _scipy_chisquare
@@ -277,6 +277,37 @@ def test_greedy_reproduces_target_argmax_chain():
         assert res.next_token[i] == t_arg[i, n]
         assert res.accept_flags[i].tolist() == [k < n for k in range(g)]
     assert len(set(res.accepted.tolist())) >= 4
+
+
+@pytest.mark.parametrize("g", [0, 1, 5])
+def test_greedy_verify_is_verify_on_one_hot_distributions(g):
+    """The fast engine's T = 0 verification from tokens alone (target argmax [R, G+1], drafts,
+    lengths) returns exactly what ``verify`` returns on the one-hot distributions of the same
+    tokens, for every accepted count and length 0..G, with any uniforms."""
+    gen = torch.Generator().manual_seed(11 + g)
+    r, v = 256, 7  # a small vocabulary: chance agreements, ties in the logits
+    t_logits = torch.randint(0, 3, (r, g + 1, v), generator=gen).float()
+    t_arg = t_logits.argmax(-1)
+    agree = torch.arange(g) < torch.randint(0, g + 1, (r, 1), generator=gen)
+    drafts = torch.where(agree, t_arg[:, :g], torch.randint(0, v, (r, g), generator=gen))
+    lengths = torch.randint(0, g + 1, (r,), generator=gen)
+    ref = verify(probs_from_logits(t_logits, 0.0), one_hot_drafts(drafts, v), drafts, lengths, generator=gen)
+    got = greedy_verify(t_arg, drafts, lengths)
+    assert torch.equal(got.accepted, ref.accepted)
+    assert torch.equal(got.next_token, ref.next_token)
+    assert torch.equal(got.accept_flags, ref.accept_flags)
+    if g:
+        assert len(set(got.accepted.tolist())) == g + 1  # every accepted count occurred
+    with pytest.raises(ValueError, match=r"target_tokens \[R, G\+1\]"):
+        greedy_verify(t_arg[:, :g], drafts, lengths)
+
+
+def test_one_hot_drafts_marks_each_draft():
+    drafts = torch.tensor([[2, 0], [1, 1]])
+    out = one_hot_drafts(drafts, 3)
+    assert out.dtype == torch.float32 and out.shape == (2, 2, 3)
+    assert torch.equal(out.argmax(-1), drafts) and torch.equal(out.sum(-1), torch.ones(2, 2))
+    assert one_hot_drafts(torch.zeros(4, 0, dtype=torch.long), 3).shape == (4, 0, 3)
 
 
 # ------------------------------------------------------------------------------ edges / contract

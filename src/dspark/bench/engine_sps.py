@@ -4,7 +4,7 @@
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
         [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
         [--rounds 1,16,64,256 [--round-context 256]] [--draft-parts 1,16,64,256] [--kernels 1,256]] \\
-        [--attention-splits 1,16,256] [--no-compile]
+        [--attention-splits 1,16,256] [--temperature 1] [--no-compile]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
@@ -15,7 +15,9 @@ context, since a round's attention reads it), which the draft-aware policies the
 ``--draft-parts`` the draft step's parts, with ``--kernels`` each step's kernels (count, device
 time, the costliest) from an eager, profiled run, with ``--attention-splits`` the cache-attention
 kernel alone per row count and width, unsplit against split (``dspark.bench.attention_splits``).
-The fast path is compiled on CUDA unless ``--no-compile``. Prints tables; writes JSON (and, with
+Every step and round runs at ``--temperature`` (default 1; at 0 the engine's greedy rounds, which
+build no distributions: a cost table per temperature). The fast path is compiled on CUDA unless
+``--no-compile``. Prints tables; writes JSON (and, with
 --cost-table, the verify curve, plus the draft curves and the round overhead when timed, as a
 scheduler cost table for ``python -m dspark.schedule cost_table=...``,
 ``python -m dspark.bench.e2e --cost-table ...``).
@@ -54,6 +56,10 @@ def _parse(argv):
         "--attention-splits", default="",
         help="row counts to time the cache-attention kernel alone at, split (S > 1) against unsplit",
     )  # fmt: skip
+    ap.add_argument(
+        "--temperature", type=float, default=1.0,
+        help="every step and round at this temperature (0: greedy rounds, which build no distributions)",
+    )  # fmt: skip
     ap.add_argument("--out", default="engine_sps.json")
     ap.add_argument("--cost-table", default=None)
     return ap.parse_known_args(argv)
@@ -86,11 +92,14 @@ def main(argv=None) -> dict:
     widths = [int(w) for w in args.widths.split(",")]
     sizes = [int(b) for b in args.tokens.split(",")]
     ctx, timing = int(args.context), {"warmup": args.warmup, "repeats": args.repeats}
+    temp = {"temperature": args.temperature}
     results = verify_step_times(
-        target, widths, sizes, ctx, max_rows=args.max_rows, hf=not args.no_hf, compile=args.compile, **timing
-    )
+        target, widths, sizes, ctx, max_rows=args.max_rows, hf=not args.no_hf, compile=args.compile, **timing,
+        **temp,
+    )  # fmt: skip
     report = {
         **report_header("dspark.bench.engine_sps", argv, target, args.compile),
+        **temp,
         "context": ctx,
         "drafter": args.drafter_dir,
         "rows": results,
@@ -111,7 +120,9 @@ def main(argv=None) -> dict:
     if args.drafter_dir:
         drafter = load_served_drafter(target, args.drafter_dir)
         rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths + [drafter.gamma + 1])
-        lengths = draft_step_times(target, drafter, rows_all, ctx, cap, compile=args.compile, **timing)
+        lengths = draft_step_times(
+            target, drafter, rows_all, ctx, cap, compile=args.compile, **timing, **temp
+        )
         report.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
         full = lengths[drafter.gamma]  # the whole block
         cost = CostModel(
@@ -120,19 +131,23 @@ def main(argv=None) -> dict:
         )  # fmt: skip
         save()
         if args.overhead:
-            report["round_overhead"] = round_overhead_ms(target, drafter, cost, ctx, compile=args.compile)
+            report["round_overhead"] = round_overhead_ms(
+                target, drafter, cost, ctx, compile=args.compile, **temp
+            )
             cost.overhead_ms = report["round_overhead"]["overhead_ms"]
             cost.readback_ms = report["round_overhead"]["readback_ms"]
             save()
         if args.rounds:
             rows = [int(r) for r in args.rounds.split(",")]
             report["round_context"] = args.round_context or ctx
-            report["round_len_ms"] = round_times(target, drafter, rows, report["round_context"], args.compile)
+            report["round_len_ms"] = round_times(
+                target, drafter, rows, report["round_context"], args.compile, **temp
+            )
             cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
             save()
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]
-            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing)
+            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing, **temp)
             save()
     if args.attention_splits:
         from .attention_splits import attention_splits
@@ -145,7 +160,7 @@ def main(argv=None) -> dict:
     if args.kernels:  # last: the profiler's own cost stays out of every timing above
         kernel_rows = [int(r) for r in args.kernels.split(",")]
         served = drafter if args.drafter_dir else None
-        report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile)
+        report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile, **temp)
         save()
     nan = float("nan")
     publish(

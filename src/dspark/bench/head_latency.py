@@ -64,6 +64,10 @@ def _parse(argv):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--round-tokens", type=int, default=32, help="new tokens per request of a timed run")
     ap.add_argument(
+        "--temperature", type=float, default=1.0,
+        help="the engine's: at 0 rounds are greedy (no sampler, the target's argmax tokens)",
+    )  # fmt: skip
+    ap.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the fast path's layer functions (default: on CUDA)",
     )  # fmt: skip
@@ -143,9 +147,14 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
     gamma = int(drafter.gamma)
     timing = {"warmup": args.warmup, "repeats": args.repeats}
     cap = capacity(ctx, [gamma + 1])
-    draft = draft_step_times(target, drafter, rows, ctx, cap, compile=args.compile, lengths=[gamma], **timing)
-    rounds = round_times(target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma])
-    parts = {p["rows"]: p for p in draft_parts(target, drafter, rows, ctx, **timing)}
+    t = {"temperature": args.temperature}
+    draft = draft_step_times(
+        target, drafter, rows, ctx, cap, compile=args.compile, lengths=[gamma], **timing, **t
+    )
+    rounds = round_times(
+        target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma], **t
+    )
+    parts = {p["rows"]: p for p in draft_parts(target, drafter, rows, ctx, **timing, **t)}
     out = []
     for r in rows:
         head = 0.0 if family == "dflash" else parts[r]["sequential_head_ms"]

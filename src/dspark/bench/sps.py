@@ -50,14 +50,16 @@ def capacity(ctx: int, widths: list[int]) -> int:
 
 def verify_step_times(
     target, widths: list[int], sizes: list[int], ctx: int, *, max_rows: int, warmup: int, repeats: int,
-    hf: bool = True, compile: bool | None = None,
+    hf: bool = True, compile: bool | None = None, temperature: float = 1.0,
 ) -> list[dict]:  # fmt: skip
-    """One row per shape (B tokens as R x W): its step times in ms, SPS and the gain over HF eager."""
+    """One row per shape (B tokens as R x W): its step times in ms, SPS and the gain over HF eager.
+    At ``temperature`` 0 the fast step ends in the target's argmax tokens (greedy rounds), else in
+    its probabilities."""
     rows_all = row_counts(widths, sizes, max_rows)
     cap = capacity(ctx, widths)
     fast = FastEngine(
         target, None, concurrency=max(rows_all), buckets=rows_all, capacity=cap, max_width=max(widths),
-        compile=compile,
+        compile=compile, temperature=temperature,
     )  # fmt: skip
     fast._allocate(cap)  # the static caches
     plain = Engine(target, None)
@@ -111,12 +113,13 @@ def _running_max(times: dict[int, float]) -> dict[int, float]:
 
 
 def _draft_engine(
-    target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None
+    target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None, temperature: float
 ) -> FastEngine:
     """A fast engine whose static drafter cache holds ``ctx`` random context positions per row."""
     eng = FastEngine(
-        target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap, compile=compile
-    )
+        target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap, compile=compile,
+        temperature=temperature,
+    )  # fmt: skip
     eng._allocate(cap)
     with torch.inference_mode():
         for buf in eng.dcache.k + eng.dcache.v:
@@ -137,13 +140,13 @@ def load_served_drafter(target, drafter_dir: str):
 
 def draft_step_times(
     target, drafter, rows_all: list[int], ctx: int, cap: int, warmup: int, repeats: int,
-    compile: bool | None = None, lengths: list[int] | None = None,
+    compile: bool | None = None, lengths: list[int] | None = None, temperature: float = 1.0,
 ) -> dict[int, dict[int, float]]:  # fmt: skip
     """Draft-step time (ms) per drafted length and row count R, ``{γ_d: {R: ms}}``: the fast
     engine's captured step where CUDA is used (its layers compiled when ``compile``), ascending R
     lifted to the running maximum like ``cost_curve``."""
     device = target.device
-    eng = _draft_engine(target, drafter, rows_all, ctx, cap, compile)
+    eng = _draft_engine(target, drafter, rows_all, ctx, cap, compile, temperature)
     out: dict[int, dict[int, float]] = {}
     with torch.inference_mode():
         for m in lengths or range(1, drafter.gamma + 1):
@@ -160,7 +163,9 @@ def draft_step_times(
     return out
 
 
-def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | None = None) -> list[dict]:
+def step_kernels(
+    target, drafter, rows: list[int], ctx: int, compile: bool | None = None, temperature: float = 1.0
+) -> list[dict]:
     """Per row count R, the kernels of a round's steps, run eagerly and profiled
     (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
     writes the drafter's context, as in a round), the draft step of the whole block, and a plain
@@ -173,9 +178,12 @@ def step_kernels(target, drafter, rows: list[int], ctx: int, compile: bool | Non
     widths = [1, gamma + 1]
     cap = capacity(ctx, widths)
     if drafter is not None:
-        eng = _draft_engine(target, drafter, rows, ctx, cap, compile)
+        eng = _draft_engine(target, drafter, rows, ctx, cap, compile, temperature)
     else:
-        eng = FastEngine(target, None, concurrency=max(rows), buckets=rows, capacity=cap, compile=compile)
+        eng = FastEngine(
+            target, None, concurrency=max(rows), buckets=rows, capacity=cap, compile=compile,
+            temperature=temperature,
+        )  # fmt: skip
         eng._allocate(cap)
     eng.bank, eng.use_graphs = None, False  # eager: the profiler sees every kernel
     out = []
@@ -232,7 +240,7 @@ def draft_parts(
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
     cap = 128 * math.ceil((ctx + drafter.gamma + 16) / 128)
-    eng = _draft_engine(target, drafter, [max(rows_all)], ctx, cap, compile=False)
+    eng = _draft_engine(target, drafter, [max(rows_all)], ctx, cap, compile=False, temperature=temperature)
     out = []
     with torch.inference_mode():
         for r in rows_all:
@@ -295,7 +303,7 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
 
 
 def round_overhead_ms(
-    target, drafter, cost, ctx: int, compile: bool | None = None, tokens: int = 48
+    target, drafter, cost, ctx: int, compile: bool | None = None, tokens: int = 48, temperature: float = 1.0
 ) -> dict[str, float]:
     """What a whole round costs beyond its profiled steps, at R = 1: the fast engine decodes a
     random prompt of ``ctx`` tokens with the whole block drafted, then with plain rounds (no draft
@@ -304,7 +312,7 @@ def round_overhead_ms(
     ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what a plain round
     adds (host work the device waited for, the eager kernels between the graphs); ``readback_ms``
     what the read-back adds to the same round (the device idle while the host launches the rest)."""
-    eng, reqs = _round_engine(target, drafter, [1], ctx, compile, tokens)
+    eng, reqs = _round_engine(target, drafter, [1], ctx, compile, tokens, temperature)
     measured = {
         name: _median_round_ms(eng, reqs, policy)
         for name, policy in (("drafting", Fixed(None)), ("plain", Fixed(0)), ("read_back", _ReadBack()))
@@ -326,7 +334,7 @@ def round_overhead_ms(
 
 def round_times(
     target, drafter, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32,
-    lengths: list[int] | None = None,
+    lengths: list[int] | None = None, temperature: float = 1.0,
 ) -> dict[int, dict[int, float]]:  # fmt: skip
     """Whole rounds as the engine runs them, ``{γ_d: {R: ms}}`` for ``γ_d = 0..γ`` (0: a plain
     round; ``lengths``: only those) and each row count R: R requests of a random ``ctx``-token
@@ -335,7 +343,7 @@ def round_times(
     What the sum of separately timed steps misses is in it: the eager work between the graphs,
     the steps' overlap, how a round's cost really changes with γ_d; the draft-aware choices read
     it (``CostModel.round_len_ms``). Ascending R lifted to the running maximum like ``cost_curve``."""
-    eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens)
+    eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens, temperature)
     wanted = range(drafter.gamma + 1) if lengths is None else lengths
     out: dict[int, dict[int, float]] = {m: {} for m in wanted}
     for r in rows_all:
@@ -347,12 +355,14 @@ def round_times(
     return out
 
 
-def _round_engine(target, drafter, rows_all: list[int], ctx: int, compile: bool | None, tokens: int):
+def _round_engine(
+    target, drafter, rows_all: list[int], ctx: int, compile: bool | None, tokens: int, temperature: float
+):
     """A fast engine for ``max(rows_all)`` requests of ``ctx`` prompt tokens and ``tokens`` new
     ones (no EOS: every request runs its whole budget), and the requests of the largest R."""
     eng = FastEngine(
-        target, drafter, Fixed(None), temperature=0.0, concurrency=max(rows_all), max_new_tokens=tokens,
-        buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
+        target, drafter, Fixed(None), temperature=temperature, concurrency=max(rows_all),
+        max_new_tokens=tokens, buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
     )  # fmt: skip
     reqs = _round_requests(target, max(rows_all), ctx)
     eng.prepare(reqs)

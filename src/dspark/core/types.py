@@ -77,7 +77,9 @@ class DraftOutput:
 @dataclass
 class Proposal:
     tokens: Tensor  # [R, γ]
-    probs: Tensor  # [R, γ, V] float32: the exact distributions the tokens were sampled from
+    # [R, γ, V] float32: the exact distributions the tokens were sampled from; None from a fused
+    # draft step at T = 0, whose greedy verification reads the tokens alone
+    probs: Tensor | None
     confidence_logits: Tensor | None = None  # [R, γ]
 
 

@@ -73,7 +73,7 @@ from ..scheduling.policies import Fixed, Policy
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
 from .stall_watch import StallWatch
-from .verify import verify
+from .verify import one_hot_drafts, verify
 
 __all__ = [
     "Engine",
@@ -487,6 +487,8 @@ class Engine:
         )  # fmt: skip
 
     def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
+        if draft_probs is None:  # nothing drafted, or a greedy proposal: one-hot at each draft
+            draft_probs = one_hot_drafts(drafts, target_probs.shape[-1])
         return verify(
             target_probs, draft_probs, drafts, lengths, uniforms=self._verify_uniforms(drafts, drafted)
         )
@@ -596,7 +598,8 @@ class Engine:
                 t1 = time.perf_counter()
                 g = int(lengths.max())  # the one read-back of a confidence-dependent width
                 readback_s = time.perf_counter() - t1
-            drafts, draft_probs = prop.tokens[:, :g], prop.probs[:, :g]
+            drafts = prop.tokens[:, :g]
+            draft_probs = None if prop.probs is None else prop.probs[:, :g]  # None: a greedy proposal
         else:
             g = 0
             lengths = torch.zeros(r, dtype=torch.long, device=device)
@@ -604,13 +607,13 @@ class Engine:
             draft_probs = None
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
+        # What the target step returns is what ``_verify`` reads: probabilities [R, G+1, V] here,
+        # the argmax tokens [R, G+1] in the fast engine's greedy rounds.
         if drafted:
-            target_probs, taps = self._target_step(ids, positions)
+            target_out, taps = self._target_step(ids, positions)
         else:  # nothing drafted: target-only decoding's step
-            target_probs, taps = self._plain_step(ids, positions)
-        if draft_probs is None:
-            draft_probs = target_probs.new_zeros(r, 0, target_probs.shape[-1])
-        res = self._verify(target_probs, draft_probs, drafts, lengths, drafted)
+            target_out, taps = self._plain_step(ids, positions)
+        res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
         n = res.accepted
         # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
         nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)

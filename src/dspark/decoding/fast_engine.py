@@ -10,7 +10,10 @@ What changes against the plain engine (``engine.py``), and nothing else:
     (``buckets``) and verify width, then replayed; live requests are kept in rows 0..R-1 so the
     graphs read plain views; bucket padding rows are free rows, so their writes are harmless;
   * verification uses ``dspark.kernels.rejection_verify`` (Triton on CUDA, its reference on CPU),
-    which never synchronises with the host;
+    which never synchronises with the host; at T = 0 rounds carry tokens, not distributions: the
+    target step returns its argmax tokens, a fused draft step no probabilities, and
+    ``greedy_verify`` compares tokens (``verify`` on one-hot distributions: tested), so no [R, G, V]
+    tensor is built and no verification uniforms are drawn;
   * top-k / top-p filtering of p_t runs inside the target step's graph in its static form (one
     topk or one full-vocabulary sort per row: ``decoding.sampling``);
   * without a drafter the prefill pads each chunk of prompts to its own longest prompt and keeps
@@ -23,10 +26,10 @@ What changes against the plain engine (``engine.py``), and nothing else:
     join, or when the ring is full. Until then no draft step reads the context (its ``length``
     already counts them; the slots past what was written are never read).
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
-fast engine reproduces the plain one token for token (tested). A round reads nothing back (the
-engine's ``_launch`` / ``_complete``), except the verify width under a policy whose width depends
-on the confidences; its graphs are keyed by rows bucket and verify width (target) or drafted
-length (draft).
+fast engine reproduces the plain one token for token (tested; at T = 0 nothing random is read). A
+round reads nothing back (the engine's ``_launch`` / ``_complete``), except the verify width under
+a policy whose width depends on the confidences; its graphs are keyed by rows bucket and verify
+width (target) or drafted length (draft).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, move_rows
+from .verify import greedy_verify, one_hot_drafts
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
 
@@ -165,7 +169,10 @@ class FastEngine(Engine):
     def _warm_verify(self, rows: int) -> None:
         """Verify once at every width 0..γ on the real steps' outputs: the rejection kernel's width
         is a compile-time constant, and a width first met inside a timed round would stall it for
-        the kernel's compilation. Draws its uniforms apart: the engine's random stream is untouched."""
+        the kernel's compilation. Draws its uniforms apart: the engine's random stream is untouched.
+        Greedy rounds do not run the kernel."""
+        if self.greedy:
+            return
         drafted = self._gamma if self.drafter is not None else 0
         if drafted:
             anchors, anchor_pos = self.in_anchor[:rows].clone(), self.in_anchor_pos[:rows].clone()
@@ -174,7 +181,7 @@ class FastEngine(Engine):
             ids, pos = self.in_ids[:rows, : g + 1].clone(), self.in_pos[:rows, : g + 1].clone()
             probs, _ = self._target_step(ids, pos)
             drafts = prop.tokens[:, :g] if g else torch.zeros(rows, 0, dtype=torch.long, device=self.device)
-            draft_probs = prop.probs[:, :g] if g else probs.new_zeros(rows, 0, probs.shape[-1])
+            draft_probs = prop.probs[:, :g] if g else one_hot_drafts(drafts, probs.shape[-1])
             lengths = torch.full((rows,), g, dtype=torch.long, device=self.device)
             u = (torch.rand(rows, g, device=self.device), torch.rand(rows, device=self.device))
             rejection_verify(probs, draft_probs, drafts, lengths, uniforms=u, impl=self.verify_impl)
@@ -266,7 +273,7 @@ class FastEngine(Engine):
             hidden, taps = self.static.forward(i, p, taps=self.drafter is not None)
             if self.drafter is not None:
                 self._write_context(taps, p, 0)
-            return self._target_probs(self.target.lm_head(hidden))
+            return self._target_choice(self.target.lm_head(hidden))
 
         rows = self._stage(ids, positions)
         if self.bank is None:
@@ -288,7 +295,7 @@ class FastEngine(Engine):
             hidden, taps = self.static.forward(i, p, taps=True)
             self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, taps[:, 0][None].to(self.ring_taps.dtype))
             self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
-            return self._target_probs(self.target.lm_head(hidden))
+            return self._target_choice(self.target.lm_head(hidden))
 
         rows = self._stage(ids, positions)
         self._stashed, self._stash_rows = self._stashed + 1, r
@@ -346,9 +353,25 @@ class FastEngine(Engine):
         key = ("draft", rows, drafted)
         out = step(r) if self.bank is None else self.bank.run(key, lambda: step(rows))
         conf = out.confidence_logits
-        return Proposal(out.tokens[:r], out.probs[:r], None if conf is None else conf[:r])
+        probs = None if out.probs is None else out.probs[:r]  # None: a greedy fused draft step
+        return Proposal(out.tokens[:r], probs, None if conf is None else conf[:r])
+
+    @property
+    def greedy(self) -> bool:
+        """T = 0: rounds carry tokens, not distributions (the module docstring)."""
+        return self.temperature == 0
+
+    def _target_choice(self, logits: Tensor) -> Tensor:
+        """What verification reads of the target's logits [R, w, V]: at T = 0 the argmax tokens
+        [R, w] (the bf16 logits' argmax is their float32 upcast's, ties included: the one-hot the
+        probabilities would hold), else the probabilities."""
+        return logits.argmax(-1) if self.greedy else self._target_probs(logits)
 
     def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
+        if self.greedy:  # target_probs holds the target's argmax tokens (_target_choice)
+            return greedy_verify(target_probs, drafts, lengths)
+        if draft_probs is None:  # a round that drafted nothing
+            draft_probs = one_hot_drafts(drafts, target_probs.shape[-1])
         return rejection_verify(
             target_probs,
             draft_probs,

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..core.sampling import sample_from
 
-__all__ = ["VerifyResult", "verify"]
+__all__ = ["VerifyResult", "greedy_verify", "one_hot_drafts", "verify"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,31 @@ def verify(
     dist = torch.where(dist > 0, dist, 0.0)  # drop negatives / NaN before the inverse CDF
     next_token = sample_from(dist, u_sample)
     return VerifyResult(accepted=accepted, next_token=next_token, accept_flags=accept_flags)
+
+
+def greedy_verify(target_tokens: Tensor, tokens: Tensor, lengths: Tensor) -> VerifyResult:
+    """``verify`` at T = 0 from tokens alone: the target's argmax ``target_tokens`` [R, G+1]
+    (position k is the target's choice after the first k drafts) and the drafts ``tokens`` [R, G].
+    Draft k is accepted while it equals the target's choice and k < lengths[r]; the next token is
+    the target's choice after the accepted prefix. This is ``verify`` on one-hot distributions
+    (every draft one-hot at its own token), without building any [R, G, V] tensor or drawing
+    uniforms. Inputs are trusted: no host sync, so it runs inside a captured round."""
+    r, g = tokens.shape
+    if target_tokens.shape != (r, g + 1) or lengths.shape != (r,):
+        raise ValueError(
+            f"greedy_verify takes target_tokens [R, G+1] = {(r, g + 1)} and lengths [R] = {(r,)}, got "
+            f"{tuple(target_tokens.shape)} and {tuple(lengths.shape)}"
+        )
+    pos = torch.arange(g, device=tokens.device)
+    ok = (tokens == target_tokens[:, :g]) & (pos[None, :] < lengths[:, None])
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)
+    flags = pos[None, :] < accepted[:, None]
+    return VerifyResult(accepted=accepted, next_token=next_token, accept_flags=flags)
+
+
+def one_hot_drafts(tokens: Tensor, vocab: int) -> Tensor:
+    """[R, G, V] float32, one-hot at each draft: the distribution a greedy draft was taken from
+    ([R, 0, V] for a round that drafted nothing). A scatter: no host check of the tokens."""
+    out = torch.zeros(*tokens.shape, vocab, device=tokens.device)
+    return out.scatter_(-1, tokens[..., None].long(), 1.0)

@@ -341,20 +341,27 @@ class BlockDrafter(Drafter):
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
         """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences."""
         r, n, _ = hidden.shape
-        if shared.softcap:
-            logits = output_logits(hidden, shared.lm_weight, shared.softcap)
-        else:  # the sampler upcasts the logits itself: the same float32 values, without a copy
-            logits = hidden @ shared.lm_weight.t().to(hidden.dtype)
-        step = sample_step(logits.flatten(0, 1), None, temperature, u.flatten())  # one fused pass
+        step = sample_step(self.block_logits(hidden, shared).flatten(0, 1), None, temperature, u.flatten())
         return step.tokens.view(r, n), step.probs.view(r, n, -1), None
+
+    @staticmethod
+    def block_logits(hidden: Tensor, shared: Shared) -> Tensor:
+        """The LM head's logits of hidden [..., d]; soft-capped where the target caps them."""
+        if shared.softcap:
+            return output_logits(hidden, shared.lm_weight, shared.softcap)
+        # The sampler upcasts the logits itself: the same float32 values, without a copy.
+        return hidden @ shared.lm_weight.t().to(hidden.dtype)
 
     position_major = False  # the layout of draft_hidden's output that sample_block_fused takes
 
     def sample_block_fused(
         self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u, fused
     ):
-        """``sample_block`` of the first n positions of ``hidden`` [R, γ, d] (``FusedDraft``)."""
+        """``sample_block`` of the first n positions of ``hidden`` [R, γ, d] (``FusedDraft``); at
+        T = 0 the argmax tokens alone (probabilities None: greedy verification reads tokens only)."""
         first = hidden[:, : u.shape[1]].contiguous()  # one GEMM for the LM head (see propose)
+        if temperature == 0:
+            return self.block_logits(first, shared).argmax(-1), None, None
         return self.sample_block(first, anchor, shared, temperature, u)
 
     # ---- training ----------------------------------------------------------------------------

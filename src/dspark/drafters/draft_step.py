@@ -10,7 +10,9 @@ kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
     across layer boundaries; for DSpark laid out position-major, so each position's slice is
     contiguous;
   * ``position``: one compiled graph per drafted position for the sequential head's step and its
-    bias (and a soft-cap): ``DSparkDrafter.position_logits``;
+    bias (and a soft-cap): ``DSparkDrafter.position_logits``; at T = 0 ``argmax`` instead, the
+    same step through to the position's greedy token (``DSparkDrafter.position_argmax``): no
+    sampler and no probabilities, which greedy verification does not read;
   * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
@@ -99,6 +101,7 @@ class FusedDraft:
             for i in range(len(drafter.layers))
         ]
         self.position = wrap(drafter.position_logits) if hasattr(drafter, "position_logits") else None
+        self.argmax = wrap(drafter.position_argmax) if hasattr(drafter, "position_argmax") else None
         self.confidence = (
             wrap(drafter.confidence_by_position) if hasattr(drafter, "confidence_by_position") else None
         )
@@ -107,14 +110,16 @@ class FusedDraft:
         if self.compiled:
             mark_dynamic(t, *dims)
 
-    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
-        """``position`` for one drafted position. Its slices of the block sit at another storage
-        offset for each position: duck sizing (one symbol for equal sizes) would tie an offset to an
-        equal size or stride and recompile at the position where they part, so it is off here."""
+    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap, greedy=False):
+        """``position`` (``argmax`` when ``greedy``) for one drafted position. Its slices of the
+        block sit at another storage offset for each position: duck sizing (one symbol for equal
+        sizes) would tie an offset to an equal size or stride and recompile at the position where
+        they part, so it is off here."""
+        fn = self.argmax if greedy else self.position
         if not self.compiled:
-            return self.position(base, h, prev, state, softcap)
+            return fn(base, h, prev, state, softcap)
         with no_duck_shapes():
-            return self.position(base, h, prev, state, softcap)
+            return fn(base, h, prev, state, softcap)
 
     def attention_impl(self, cache: DraftCache) -> str:
         """``draft_hidden``'s ``attention``: "triton" (``kernels.cache_attention``) over a static

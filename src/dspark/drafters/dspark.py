@@ -93,6 +93,13 @@ class DSparkDrafter(BlockDrafter):
             return torch.tanh(logits / softcap) * softcap, None, state
         return base, bias, state
 
+    def position_argmax(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
+        """``position_logits`` and then the greedy token [R]: the argmax of the float32 logits plus
+        bias, what ``sample_step`` takes at T = 0 (ties to the lowest index)."""
+        logits, bias, state = self.position_logits(base, h, prev, state, softcap)
+        z = logits.float() if bias is None else logits.float() + bias.float()
+        return z.argmax(-1), state
+
     def confidence_pass(self, hidden: Tensor, anchor: Tensor, tokens: Tensor) -> Tensor | None:
         """Confidence logits [R, n] (float32) of hidden [R, n, d] with the drafted tokens [R, n]."""
         # [anchor, tokens][:-1] rather than [anchor, tokens[:-1]]: no size n - 1, which a compiled
@@ -112,21 +119,27 @@ class DSparkDrafter(BlockDrafter):
         the head's step and the confidences compiled (``fused.position``, ``fused.confidence``) and
         each position's probabilities written into the proposal's buffer. The confidences run over
         the whole block (the tokens past n padded; a position's confidence reads only its own
-        hidden state and the token before it), so their graph does not depend on n."""
+        hidden state and the token before it), so their graph does not depend on n. At T = 0 each
+        position is one compiled graph to its argmax (``fused.argmax``) and there are no
+        probabilities (None): greedy verification reads tokens only."""
         r, n = u.shape
         gamma = hidden.shape[0]
         first = hidden[:n]  # [n, R, d], contiguous
         base = first @ shared.lm_weight.t().to(first.dtype)  # [n, R, V]: one GEMM
-        probs = base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
+        greedy = temperature == 0
+        probs = None if greedy else base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
         state = self.head.init_state(r, first) if self.head is not None else None
         prev, tokens = anchor, []
         for k in range(n):
             logits, bias, h = base[k], None, first[k]
-            if self.head is not None or shared.softcap:
-                for t in (logits, h, prev, state):  # the very tensors passed: marks live on them
-                    fused.mark(t, 0)
-                logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)
-            prev = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
+            for t in (logits, h, prev, state):  # the very tensors passed: marks live on them
+                fused.mark(t, 0)
+            if greedy:
+                prev, state = fused.step(logits, h, prev, state, shared.softcap, greedy=True)
+            else:
+                if self.head is not None or shared.softcap:
+                    logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)
+                prev = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
             tokens.append(prev)
         if self.confidence is None:
             return torch.stack(tokens, 1), probs, None
