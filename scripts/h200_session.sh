@@ -23,8 +23,10 @@
 #           share the GPU with them: put its profile window later, PROFILE_START=4000); before a
 #           data stage that generates, the generation shares the GPU with them and skips its own
 #   keep    the trained drafter folder (NAME) as <= 15 MiB pieces that `wait` brings back as files of
-#           their own (drafter_NAME.tar.xz.aa, .ab ...), so a later session evaluates it without training
-#   restore with DRAFTER_PACK=<path prefix of such pieces>: unpacked as NAME's drafter instead of training
+#           their own (drafter_NAME.tar.xz.aa, .ab ...; a call brings back 60 MiB: a 5-layer SmolLM2
+#           DSpark-Markov, 178 MB, takes three), to study it on the CPU or stage it again
+#   restore with DRAFTER_PACK=<path prefix of such pieces, staged>: unpacked as NAME's drafter instead
+#           of training (only where the pieces outlive the session: weights stay out of the repository)
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
