@@ -23,7 +23,7 @@ train() {
 }
 e2e() {  # the drafter in the target's precision; in float32 if that fails
   # Cost table with the draft step too (the hardware-aware policy charges T_draft(R) + T_verify(B)).
-  python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 --no-hf --drafter-dir $R/dspark/drafter \
+  python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 --no-hf --temperature 0 --drafter-dir $R/dspark/drafter \
     --out $R/engine_sps_draft.json --cost-table $R/cost_table.json 2>&1 | tee $R/engine_sps_draft.log | tail -12
   python3 -m dspark.bench.e2e $T target.dtype=bfloat16 $E2E --out $R/e2e.json 2>&1 | tee $R/e2e.log | tail -14 ||
     python3 -m dspark.bench.e2e $T target.dtype=bfloat16 $E2E --drafter-dtype float32 --out $R/e2e.json 2>&1 |
@@ -33,7 +33,7 @@ if [ "${1:-1}" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/machine.txt
   python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py tests/test_kernels.py \
     2>&1 | tee $R/gpu_tests.log | tail -5
-  python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 \
+  python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 --temperature 0 \
     --out $R/engine_sps.json --cost-table $R/cost_table.json 2>&1 | tee $R/engine_sps.log | tail -24
   train
 elif [ "$1" = 2 ]; then

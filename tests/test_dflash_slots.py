@@ -96,13 +96,11 @@ def _tau(target, drafter, engine=Engine) -> tuple[float, list[tuple[int, int]], 
     return res.tau, [(r.proposed, r.accepted) for r in res.rounds], [g.tokens for g in res.generations]
 
 
-@pytest.fixture(scope="module")
-def trained(cycle_target, tmp_path_factory):
-    """One tiny DFlash trained per convention on the target's greedy text (≈3 s each), saved."""
+def _train(t, dc, hc, loss: str = "dflash"):
+    """A drafter trained 150 steps on the target's greedy text (≈3 s)."""
     from dspark.module import DraftingModule
     from dspark.objectives import LossWeights
 
-    t = cycle_target
     reqs = _prompts(16, seed=0)
     res = Engine(t, None, temperature=0.0, concurrency=16, eos_token_ids=(), max_new_tokens=44).generate(reqs)
     ids = torch.tensor([p + g.tokens for p, g in zip(reqs, res.generations)])
@@ -111,23 +109,27 @@ def trained(cycle_target, tmp_path_factory):
         "attention_mask": torch.ones_like(ids),
         "loss_mask": torch.ones_like(ids).bool(),
     }
+    torch.manual_seed(0)
+    drafter = build_drafter(TargetDims.of(t), dc, hc)
+    module = DraftingModule(t, drafter, LossWeights.from_cfg(load_group("loss", loss)), {}, num_anchors=16)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        step_loss = module._step(batch, g)["loss"]
+        opt.zero_grad()
+        step_loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(cycle_target, tmp_path_factory):
+    """One tiny DFlash trained per convention on the target's greedy text, saved."""
     root = tmp_path_factory.mktemp("trained")
     out = {}
     for slots in ("anchor", "masks"):
         dc, hc = _drafter_cfg(slots)
-        torch.manual_seed(0)
-        drafter = build_drafter(TargetDims.of(t), dc, hc)
-        module = DraftingModule(
-            t, drafter, LossWeights.from_cfg(load_group("loss", "dflash")), {}, num_anchors=16
-        )
-        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(0)
-        for _ in range(150):
-            loss = module._step(batch, g)["loss"]
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        save_drafter(drafter.eval(), root / slots, dc, hc, t.describe())
+        save_drafter(_train(cycle_target, dc, hc), root / slots, dc, hc, cycle_target.describe())
         out[slots] = root / slots
     return out
 
@@ -245,6 +247,25 @@ def test_export_import_keeps_every_round(cycle_target, trained, tmp_path):
             back, config = load_drafter(export_drafter(folder, dest, fmt, target=t), t)
             assert config["drafter"]["slots"] == slots
             assert _tau(t, back) == want, (slots, fmt)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_greedy_rounds_of_the_fused_draft_step_accept_as_the_plain_engine(cycle_target, trained, kind):
+    """Trained drafters, so greedy rounds accept whole and partial blocks: the fast engine's greedy
+    rounds (the fused draft step's argmax tokens without probabilities, the target's argmax,
+    ``greedy_verify``) keep every round of the plain engine's probability verification."""
+    t = cycle_target
+    if kind == "dflash":
+        drafter, _ = load_drafter(trained["anchor"], t)
+    else:
+        drafter = _train(t, *_drafter_cfg("anchor", "dspark", "markov"), loss="dspark")
+    want = _tau(t, drafter)
+    drafter.compile_inference(compiler=None)  # the fused paths, run eagerly
+    got = _tau(t, drafter, FastEngine)
+    assert got == want
+    accepted = [a for _, a in want[1]]
+    assert want[0] > 1.5 and max(accepted) >= 2, want[:2]  # drafts accepted, several in a round
+    assert len(set(accepted)) >= 2  # rounds of different acceptance: the comparison saw more than one case
 
 
 # ---- z-lab's layout ------------------------------------------------------------------------------

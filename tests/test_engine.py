@@ -754,3 +754,16 @@ def test_round_statistics():
     # t = 0.5: prefixes [0.9, 0.72] -> 2, [0.4] -> 0, [0.95, .9025, .857, .8145] -> 4
     assert sweep[0.5]["tokens_per_step"] == 2 and sweep[0.5]["acceptance_rate"] == 1.0
     assert math.isclose(sweep[0.5]["tau"], (3 + 1 + 5) / 3)
+
+
+def test_a_proposal_without_draft_probabilities_is_verified_only_when_greedy(small_target):
+    """Greedy proposals may omit their distributions (one-hot rows stand in); at T > 0 drafted
+    tokens without them cannot be verified losslessly and are refused; a round that drafted
+    nothing has none at any temperature."""
+    drafts, nothing = torch.tensor([[3, 1], [0, 2]]), torch.zeros(2, 0, dtype=torch.long)
+    greedy = Engine(small_target, None, temperature=0.0)._one_hot_drafts(drafts, 5)
+    assert torch.equal(greedy.argmax(-1), drafts) and torch.equal(greedy.sum(-1), torch.ones(2, 2))
+    sampled = Engine(small_target, None, temperature=1.0)
+    assert sampled._one_hot_drafts(nothing, 5).shape == (2, 0, 5)
+    with pytest.raises(RuntimeError, match="only greedy"):
+        sampled._one_hot_drafts(drafts, 5)

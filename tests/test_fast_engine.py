@@ -921,7 +921,7 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
     kernel, the reference with SDPA): proposals equal the eager reference's
     for every rows count and drafted length, in two graphs per compiled function (one row, more
     rows), and a captured CUDA graph of the whole step replays them for fresh anchors, contexts
-    and uniforms, as the fast engine's draft step does."""
+    and uniforms, as the fast engine's draft step does, sampled and greedy."""
     from test_drafter_fast_paths import (
         assert_same_proposal,
         compiled_draft_step_matches,
@@ -938,28 +938,29 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
             rows = rows_of(cache, 4)
             assert drafter._fused.attention_impl(rows) == "triton"  # the cache kernel, in the graphs
             static = (anchors.clone(), cache.length[:4].clone(), u.clone())
+            for temperature in (1.0, 0.0):  # sampled, and greedy (argmax tokens, no probabilities)
 
-            def step():
-                return drafter.propose(rows, static[0], static[1], shared, 1.0, uniforms=static[2])
+                def step(temp=temperature):
+                    return drafter.propose(rows, static[0], static[1], shared, temp, uniforms=static[2])
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            g = torch.Generator(device="cuda").manual_seed(9)
-            for _ in range(3):
-                static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
-                static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
-                graph.replay()
-                want = reference_proposal(
-                    drafter, rows, static[0], static[1], shared, 1.0, uniforms=static[2]
-                )
-                assert_same_proposal(out, want, tol=1e-4)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step()
+                    step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                g = torch.Generator(device="cuda").manual_seed(9)
+                for _ in range(3):
+                    static[0].copy_(torch.randint(4, t.vocab_size, (4,), device="cuda", generator=g))
+                    static[2].copy_(torch.rand(4, drafter.gamma, device="cuda", generator=g))
+                    graph.replay()
+                    want = reference_proposal(
+                        drafter, rows, static[0], static[1], shared, temperature, uniforms=static[2]
+                    )
+                    assert_same_proposal(out, want, tol=1e-4, greedy=temperature == 0)
             assert counter.frame_count == (8 if name == "dspark" else 2)  # nothing compiled in capture
     finally:
         small_target.to("cpu")

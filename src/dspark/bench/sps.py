@@ -62,7 +62,7 @@ def verify_step_times(
         compile=compile, temperature=temperature,
     )  # fmt: skip
     fast._allocate(cap)  # the static caches
-    plain = Engine(target, None)
+    plain = Engine(target, None, temperature=temperature)
     results = []
     with torch.inference_mode():
         for buf in fast.static.k + fast.static.v:

@@ -488,10 +488,21 @@ class Engine:
 
     def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
         if draft_probs is None:  # nothing drafted, or a greedy proposal: one-hot at each draft
-            draft_probs = one_hot_drafts(drafts, target_probs.shape[-1])
+            draft_probs = self._one_hot_drafts(drafts, target_probs.shape[-1])
         return verify(
             target_probs, draft_probs, drafts, lengths, uniforms=self._verify_uniforms(drafts, drafted)
         )
+
+    def _one_hot_drafts(self, drafts: Tensor, vocab: int) -> Tensor:
+        """The draft distributions of a proposal that came without any: the empty [R, 0, V] of a
+        round that drafted nothing, or a greedy proposal's one-hot rows. At T > 0 drafted tokens
+        without distributions cannot be verified losslessly: refused."""
+        if drafts.shape[1] and self.temperature > 0:
+            raise RuntimeError(
+                f"a proposal without draft probabilities at temperature {self.temperature}: only greedy "
+                f"(T = 0) proposals may omit them"
+            )
+        return one_hot_drafts(drafts, vocab)
 
     def _verify_uniforms(self, drafts: Tensor, drafted: int) -> tuple[Tensor, Tensor]:
         """``u_accept`` is drawn for every drafted position and cut to the verified width, so the

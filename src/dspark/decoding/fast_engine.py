@@ -327,7 +327,10 @@ class FastEngine(Engine):
 
     def _propose(self, anchors: Tensor, anchor_pos: Tensor, drafted: int) -> Proposal:
         self._flush_context()  # the draft step reads the whole context
-        return self._draft_step(anchors, anchor_pos, self._uniform(anchors.shape[0], self._gamma), drafted)
+        r = anchors.shape[0]
+        # Greedy rounds read no uniforms: the static buffer's stale ones stand in, nothing is drawn.
+        u = self.in_u[:r] if self.greedy else self._uniform(r, self._gamma)
+        return self._draft_step(anchors, anchor_pos, u, drafted)
 
     def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor, drafted: int) -> Proposal:
         """The first ``drafted`` positions of each row's block (one graph per rows bucket and
@@ -371,7 +374,7 @@ class FastEngine(Engine):
         if self.greedy:  # target_probs holds the target's argmax tokens (_target_choice)
             return greedy_verify(target_probs, drafts, lengths)
         if draft_probs is None:  # a round that drafted nothing
-            draft_probs = one_hot_drafts(drafts, target_probs.shape[-1])
+            draft_probs = self._one_hot_drafts(drafts, target_probs.shape[-1])
         return rejection_verify(
             target_probs,
             draft_probs,
