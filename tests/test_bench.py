@@ -75,12 +75,13 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert k["top"] == sorted(k["top"], key=lambda t: -t["us"]) and all(t["calls"] > 0 for t in k["top"])
 
 
-def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
+def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
     bench = _bench(tmp_path / "bench")
     out, cost = tmp_path / "e2e.json", tmp_path / "cost.json"
-    # Drafting never pays on this table: draft_aware runs plain decoding rounds.
-    CostModel({1: 1.0, 2: 2.0, 3: 4.0, 16: 64.0}, draft_ms={1: 5.0}).save(cost)
+    # Drafting never pays on this table: draft_aware runs plain decoding rounds. Measured at T = 1
+    # (engine_sps --temperature): pricing the T = 0 runs with it is said.
+    CostModel({1: 1.0, 2: 2.0, 3: 4.0, 16: 64.0}, draft_ms={1: 5.0}, meta={"temperature": 1.0}).save(cost)
     e2e.main(
         ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2",
          "--concurrency", "1,2", "--max-new-tokens", "4", "--policies", "fixed,mtp1,draft_aware",
@@ -114,6 +115,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path):
         assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
     assert report["cost_table"] == CostModel.load(cost).to_dict()
     assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
+    assert "cost table was measured at T = 1 and prices runs at T = 0,1" in caplog.text
 
 
 def test_goal_checks_tell_a_tie_within_the_runs_noise_from_a_loss():

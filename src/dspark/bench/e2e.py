@@ -25,8 +25,11 @@ draws the measured frontier from it.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from ..data.benchmarks import PACKAGED_BENCHMARKS
+
+log = logging.getLogger(__name__)
 
 
 def _parse(argv):
@@ -76,6 +79,13 @@ def main(argv=None) -> dict:
         raise ConfigError(f"--repeats {args.repeats}: give at least 1 timed run per point (default 3)")
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
+    priced = None if cost is None else cost.meta.get("temperature")  # engine_sps --temperature
+    if priced is not None and any(float(priced) != t for t in temperatures):
+        log.warning(
+            "the cost table was measured at T = %g and prices runs at T = %s: greedy rounds (T = 0) cost "
+            "less than sampled ones; give each temperature its own table (engine_sps --temperature)",
+            float(priced), args.temperature,
+        )  # fmt: skip
     names = [p for p in args.policies.split(",") if p]
     check_policies(names, cost)
     target = load_target(target_cfg)
