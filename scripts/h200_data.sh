@@ -52,6 +52,10 @@ print(f"prompts: {p.get('engine')} engine, concurrency {p.get('concurrency')}, {
       f"({p.get('decode_s', 0):.1f} s decoding) in {t['prompts_s']:.1f} s")
 print(f"answers: {a['engine']} engine, concurrency {a['concurrency']}, compile={a['compile']}, "
       f"{a['answer_tokens']} tokens in {t['answers_s']:.1f} s")
+r = a.get("rounds") or {}
+if r:  # the device's work against the host's per decode round: which one sets the pace
+    print(f"answer rounds: {r['rounds']}, {r['ms_per_round']} ms each on the device's timeline, "
+          f"{r['gpu_ms_per_round']} ms of device work, {r['host_ms_per_round']} ms of host work")
 print(f"{a['conversations']} conversations in {gen_s:.1f} s (prompts + answers; goal: 30000 in <= 300 s)")
 print(f"conversations/min {conv_min}  ({conv_min / 1508:.1f}x the 1508 of the old loop; goal >= 5x)")
 print(f"answer tokens/s   {tok_s}  ({tok_s / 6980:.1f}x the 6980 of the old loop)")

@@ -611,6 +611,9 @@ def test_prepare_jsonl_end_to_end_and_reuse(tiny, tmp_path, monkeypatch):
     assert done["rate"]["conversations_per_min"] > 0 and done["config"]["data"]["num_prompts"] == 8
     answers = done["generation"]["answers"]
     assert answers["engine"] == "plain" and answers["concurrency"] == 8 and answers["answer_tokens"] > 0
+    rounds = answers["rounds"]  # what paced the decode rounds (no device clock on the CPU)
+    assert rounds["rounds"] > 0 and rounds["ms_per_round"] > 0 and rounds["host_ms_per_round"] > 0
+    assert rounds["gpu_ms_per_round"] is None
     train = load_tokens(tokens_path(out, "train"))
     assert len(train) == 7 and train.meta["pad_token_id"] == tok_pad(tiny)
     assert all(train.sample(i)[1].any() for i in range(len(train)))

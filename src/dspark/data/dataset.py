@@ -281,6 +281,7 @@ def _prepare(cfg_data, cfg_target, target, force: bool) -> Path:
                 "seconds": round(timings["answers_s"], 2),
                 "conversations": regen_total.conversations,
                 "answer_tokens": answer_tokens,
+                "rounds": regen_total.rounds,  # device- or host-paced (generation.round_times)
             },
         },
         "offline_cache": bool(cfg_data.get("offline_cache", False)),

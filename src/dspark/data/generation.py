@@ -152,7 +152,8 @@ def generate_continuations(
     reproducible (on the CPU the plain and fast engines draw the same tokens). ``on_result(index,
     continuation)`` fires as each continuation completes (progress, shard writes; it may raise to
     stop early), ``on_step()`` after each. ``report``, when given, receives the engine, its
-    concurrency and cache capacity, and the call's wall time."""
+    concurrency and cache capacity, the call's wall time and, for a run that finished, its decode
+    rounds (``round_times``: whether the device or the host sets their pace)."""
     from ..decoding.engine import Request
 
     limits = [sampling.max_new_tokens] * len(prefixes)
@@ -182,8 +183,9 @@ def generate_continuations(
 
     requests = [Request(prompt=list(p), id=i, max_new_tokens=limits[i]) for i, p in enumerate(prefixes)]
     start = time.perf_counter()
+    result = None
     try:
-        eng.generate(requests, on_result=finished)
+        result = eng.generate(requests, on_result=finished)
     finally:  # also when on_result stopped the run early
         if report is not None:
             fast = kind == "fast"
@@ -193,8 +195,22 @@ def generate_continuations(
                 concurrency=concurrency,
                 capacity=capacity if fast else None,
                 seconds=time.perf_counter() - start,
+                rounds=None if result is None else round_times(result.steps),
             )
     return out  # type: ignore[return-value]
+
+
+def round_times(steps: list[dict]) -> dict:
+    """A run's decode rounds (``EngineResult.steps``): how many, their mean span (``ms``: the
+    device's timeline on CUDA, the host's clock elsewhere), the device's work in it (``gpu_ms``,
+    CUDA only) and the host's own work (``host_ms``); ms ≈ gpu_ms says the device sets the pace,
+    ms ≈ host_ms the host."""
+
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return round(sum(values) / len(values), 3) if values else None
+
+    return {"rounds": len(steps), **{f"{k}_per_round": mean(k) for k in ("ms", "gpu_ms", "host_ms")}}
 
 
 def decode(tokenizer, tokens: list[int]) -> str:

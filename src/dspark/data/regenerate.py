@@ -46,6 +46,7 @@ class RegenStats:
     seconds: float = 0.0
     engine: str | None = None  # plain | fast (None: nothing was generated)
     concurrency: int | None = None
+    rounds: dict | None = None  # generation.round_times of the decode rounds (None: cut short)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -163,6 +164,7 @@ def regenerate(
         bar.close()
         total.seconds = time.perf_counter() - start
         total.engine, total.concurrency = report.get("engine"), report.get("concurrency")
+        total.rounds = report.get("rounds")
     return stats, total
 
 
