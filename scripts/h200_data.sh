@@ -60,3 +60,33 @@ print(f"{a['conversations']} conversations in {gen_s:.1f} s (prompts + answers; 
 print(f"conversations/min {conv_min}  ({conv_min / 1508:.1f}x the 1508 of the old loop; goal >= 5x)")
 print(f"answer tokens/s   {tok_s}  ({tok_s / 6980:.1f}x the 6980 of the old loop)")
 EOF
+# What the target's sampling filter costs a round of that many rows (top-p sorts the whole
+# vocabulary per row inside the step), against the plain softmax: the share of a round above.
+python3 - "$DIR/DONE.json" <<'EOF' | tee -a $R/summary_$N.txt
+import json, sys
+
+import torch
+
+from dspark.decoding.sampling import target_probs
+
+d = json.load(open(sys.argv[1]))
+rows = d["generation"]["answers"]["concurrency"] or 1
+gen = d["config"]["target"].get("generation") or {}  # the answers' sampling
+t, top_p = float(gen.get("temperature", 1.0)) or 1.0, float(gen.get("top_p", 1.0))
+logits = torch.randn(rows, int(d["target"]["vocab_size"]), device="cuda") * 4
+
+
+def median_ms(fn, n=20):
+    fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[n // 2]
+
+
+full = median_ms(lambda: target_probs(logits, t, top_p=top_p, static=True))
+plain = median_ms(lambda: target_probs(logits, t, static=True))
+print(f"sampling filter at {rows} rows: T={t} top-p={top_p} {full:.2f} ms, softmax alone {plain:.2f} ms")
+EOF
