@@ -49,6 +49,9 @@ fi
 for t in ${E2E_TEMPERATURES:-0 1}; do
   # A cost table per temperature (greedy rounds build no distributions: their steps cost less);
   # the diagnostics (draft parts, attention splits, kernels) once, with the first temperature's.
+  # Every piece of the table at the workload's context: the policies price these rounds, not longer
+  # ones. Widths 1, 2, 4, 8: the verify step per width at each R (verify_width_ms), which prices a
+  # padded walk's depths. Each e2e run has its own limit: T = 1 once got none left after T = 0.
   diagnose=()
   if [ "${SPEC_DIAGNOSE:-1}" = 1 ] && [ -z "${diagnosed:-}" ]; then
     diagnose=(--draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256)
