@@ -65,8 +65,8 @@ def _parse(argv):
     ap.add_argument("--round-tokens", type=int, default=32, help="new tokens per request of a timed run")
     ap.add_argument(
         "--temperature", type=float, default=1.0,
-        help="every step and round's (before: rounds at 0, the draft step at 1); at 0 the rounds are "
-        "greedy, while the head's parts still time the eager sampler: keep 1 for Fig. 4",
+        help="every step and round's; at 0 the rounds are greedy while the head's parts still time "
+        "the eager sampler: keep 1 for Fig. 4",
     )  # fmt: skip
     ap.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None,

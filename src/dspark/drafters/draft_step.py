@@ -111,13 +111,16 @@ class FusedDraft:
             mark_dynamic(t, *dims)
 
     def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap, greedy=False):
-        """``position`` (``argmax`` when ``greedy``) for one drafted position. Its slices of the
-        block sit at another storage offset for each position: duck sizing (one symbol for equal
-        sizes) would tie an offset to an equal size or stride and recompile at the position where
-        they part, so it is off here."""
+        """``position`` (``argmax`` when ``greedy``) for one drafted position; the rows of the very
+        tensors passed are marked dynamic (marks live on tensors). Its slices of the block sit at
+        another storage offset for each position: duck sizing (one symbol for equal sizes) would tie
+        an offset to an equal size or stride and recompile at the position where they part, so it
+        is off here."""
         fn = self.argmax if greedy else self.position
         if not self.compiled:
             return fn(base, h, prev, state, softcap)
+        for t in (base, h, prev, state):
+            mark_dynamic(t, 0)
         with no_duck_shapes():
             return fn(base, h, prev, state, softcap)
 

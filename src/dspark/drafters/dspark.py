@@ -132,8 +132,6 @@ class DSparkDrafter(BlockDrafter):
         prev, tokens = anchor, []
         for k in range(n):
             logits, bias, h = base[k], None, first[k]
-            for t in (logits, h, prev, state):  # the very tensors passed: marks live on them
-                fused.mark(t, 0)
             if greedy:
                 prev, state = fused.step(logits, h, prev, state, shared.softcap, greedy=True)
             else:
