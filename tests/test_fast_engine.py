@@ -144,18 +144,18 @@ def test_compiled_layers_match_eager(small_target, device):
 
 
 def test_store_kv_writes_each_token_at_its_slot():
-    """The cache store: token (r, w) of k and v at row rows[r, w], slot positions[r, w], all its
-    KV heads; every other slot untouched."""
+    """The cache store: token (r, w) of k and v at row rows[r], slot positions[r, w], all its KV
+    heads; every other slot untouched."""
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = (torch.randn(5, 2, 12, 4, generator=g) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    rows, pos = torch.tensor([1, 3])[:, None].expand(2, 3), torch.tensor([[0, 1, 2], [7, 8, 9]])
+    rows, pos = torch.tensor([[1], [3]]), torch.tensor([[0, 1, 2], [7, 8, 9]])
     k, v = (torch.randn(2, 3, 2, 4, generator=g) for _ in range(2))
     store_kv(k_cache, v_cache, rows, pos, k, v)
     for r in range(2):
         for w in range(3):
-            want_k[rows[r, w], :, pos[r, w]] = k[r, w]
-            want_v[rows[r, w], :, pos[r, w]] = v[r, w]
+            want_k[rows[r, 0], :, pos[r, w]] = k[r, w]
+            want_v[rows[r, 0], :, pos[r, w]] = v[r, w]
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
@@ -196,6 +196,47 @@ def test_compiled_cache_stores_match_eager(small_target, device):
             torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
     finally:
         small_target.to("cpu")
+
+
+def test_compiled_layers_serve_every_engine_of_a_process(small_target, monkeypatch):
+    """bench.e2e builds one engine per rows count in one process. Dynamo keeps a function's graphs
+    per code and, past its recompile limit (8), runs new shapes eagerly without an error: the H200's
+    rounds at R >= 16 once paid ~1.5 ms for it. Every StaticTarget shares one compiled wrapper per
+    layer function, and prompts, plain and verify steps of any rows count and width (sliced out of
+    the engine's buffers, or not) at R = 1, 16, 64 and 256 fit in fewer graphs than that limit."""
+    from torch._dynamo.testing import CompileCounter
+
+    from dspark.decoding.static_target import compiled_layer_function
+
+    wrappers = []
+    real_compile = torch.compile
+
+    def counting(fn, **kw):  # the eager backend: the guards and graphs of the real one, no codegen
+        counter = CompileCounter()
+        wrappers.append((fn.__name__, counter))
+        return real_compile(fn, backend=counter, **kw)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    compiled_layer_function.cache_clear()
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 16, 64, 256):
+                static = StaticTarget(small_target, rows=rows, capacity=64, compile=True)
+                buffer = torch.randint(4, 256, (rows, 40), generator=g)
+                for r in sorted({1, rows // 2 or 1, rows}):
+                    static.forward(buffer[:r, :9], torch.arange(9).expand(r, 9))  # prompts
+                    static.forward(buffer[:r, :9].clone(), torch.arange(9).repeat(r, 1))
+                    for w in range(1, 9):  # plain (1) and verify steps, as sliced and as copies
+                        static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
+                        static.forward(buffer[:r, :w].clone(), (buffer[:r, 10 : 10 + w] % 40 + 9).clone())
+    finally:
+        compiled_layer_function.cache_clear()  # later tests compile with the real backend
+        torch._dynamo.reset()
+    graphs = {name: counter.frame_count for name, counter in wrappers}
+    assert sorted(name for name, _ in wrappers) == ["attention_inputs", "layer_output"]  # one wrapper each
+    assert all(0 < n < 8 for n in graphs.values()), graphs
 
 
 def _engines(t, drafter, temperature, deferred_context=8, **kw):

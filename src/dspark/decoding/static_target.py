@@ -41,6 +41,7 @@ Hugging Face one through ``dspark.target.Target``.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,9 +152,10 @@ def _qkv(h: Tensor, w, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tenso
 
 
 def store_kv(k_cache: Tensor, v_cache: Tensor, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-    """This step's keys/values k, v [R, W, Hkv, hd] into the caches at rows ``rows`` and slots
-    ``positions`` (both [R, W]; slot == position): advanced indices around a slice, so
-    cache[rows, :, slots] is [R, W, Hkv, hd], the projections' own layout, written in place."""
+    """This step's keys/values k, v [R, W, Hkv, hd] into the caches at rows ``rows`` ([R, 1],
+    broadcast over the width) and slots ``positions`` ([R, W]; slot == position): advanced indices
+    around a slice, so cache[rows, :, slots] is [R, W, Hkv, hd], the projections' own layout,
+    written in place."""
     k_cache[rows, :, positions] = k.to(k_cache.dtype)
     v_cache[rows, :, positions] = v.to(v_cache.dtype)
 
@@ -162,6 +164,23 @@ def _gated(h: Tensor, w, act) -> Tensor:
     """The gated MLP's inner activation act(h W_gateᵀ) ⊙ h W_upᵀ from one GEMM over gate|up."""
     gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
     return act(gate) * up
+
+
+# Dynamo keeps its graphs per function code, and sizes of 1 get graphs of their own (one row or more,
+# one token or more, a one-row engine's caches), as do sizes that happen to be equal: a process that
+# builds engines of several row counts (bench.e2e: R = 1, 16, 64, 256) meets a dozen shape classes per
+# layer function. Past dynamo's default of 8 the later engines' layers ran eagerly, silently (the
+# H200's rounds at R >= 16 paid ~1.5 ms for it); LAYER_GRAPHS leaves room for them all.
+LAYER_GRAPHS = 64
+
+
+@functools.cache
+def compiled_layer_function(fn: Callable) -> Callable:
+    """``fn`` compiled once a process, for every shape (``dynamic``): every StaticTarget shares the
+    wrapper (a new one would compile every shape again against the same per-code graph budget)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, LAYER_GRAPHS)
+    return torch.compile(fn, dynamic=True)
 
 
 # ---- Llama family -----------------------------------------------------------------------------
@@ -371,8 +390,8 @@ class StaticTarget:
         # caches keep their addresses, which the captured graphs write). The attention stays eager.
         self._inputs, self._output = arch.inputs, arch.output
         if compile:  # a layer function this torch cannot compile runs eagerly, with a warning
-            self._inputs = EagerOnFailure(torch.compile(arch.inputs, dynamic=True), arch.inputs)
-            self._output = EagerOnFailure(torch.compile(arch.output, dynamic=True), arch.output)
+            self._inputs = EagerOnFailure(compiled_layer_function(arch.inputs), arch.inputs)
+            self._output = EagerOnFailure(compiled_layer_function(arch.output), arch.output)
         self.rows, self.capacity = int(rows), int(capacity)
         self.num_heads = target.num_heads
         self.num_kv_heads = target.num_kv_heads
@@ -414,7 +433,8 @@ class StaticTarget:
         masks = dict.fromkeys(self.rope)
         if impl == "torch":
             masks = {t: folded_mask(positions, self.capacity, self.groups, windows[t]) for t in self.rope}
-        row_index = torch.arange(start, start + r, device=ids.device)[:, None].expand(r, w)
+        positions = positions.contiguous()  # one layout for the compiled layers: no stride variants
+        row_index = torch.arange(start, start + r, device=ids.device)[:, None]  # broadcast over W
         for i, (weights, kind) in enumerate(zip(self.weights, self.layer_types)):
             cos, sin = rope[kind]
             # This step's keys/values go into the caches at their positions, then q attends.
