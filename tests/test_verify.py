@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dspark.core.sampling import probs_from_logits, sample_from
+from dspark.core.sampling import greedy_tokens, probs_from_logits, sample_from
 from dspark.decoding.verify import VerifyResult, greedy_verify, one_hot_drafts, verify
 
 try:  # scipy is a dev extra; fall back to the same statistic via the incomplete gamma function
@@ -112,6 +112,25 @@ def test_probs_from_logits():
     assert torch.equal(g.sum(-1), torch.ones(3, 4)) and set(g.unique().tolist()) == {0.0, 1.0}
     with pytest.raises(ValueError, match="temperature"):
         probs_from_logits(logits, -1.0)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_greedy_tokens_is_argmax_ties_included(compiled):
+    """The two-stage argmax equals torch's on random rows of several shapes and dtypes, on ties
+    inside a slice and across slices (the lowest index wins, as torch.argmax), and on vocabularies
+    the slices do not divide (one stage); compiled as the drafter's greedy step is, too."""
+    fn = torch.compile(greedy_tokens, backend="inductor", dynamic=True) if compiled else greedy_tokens
+    g = torch.Generator().manual_seed(1)
+    for shape in [(3, 49152), (2, 5, 256), (4, 1000), (2, 97), (1, 64)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            z = torch.randn(*shape, generator=g).to(dtype)
+            assert torch.equal(fn(z), z.argmax(-1)), (shape, dtype)
+    z = torch.randn(4, 4096, generator=g)
+    z[0, [3000, 7, 100]] = 9.0  # across slices: 7 wins
+    z[1, [70, 65]] = 9.0  # one slice (64 wide): 65 wins
+    z[2] = 0.0  # all tied: 0
+    z[3, [4095, 4032]] = 9.0  # the last slice
+    assert fn(z).tolist() == [7, 65, 0, 4032] == z.argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------------- sample_from

@@ -5,10 +5,12 @@ the engine and the verifier sample target tokens with them, and the Triton kerne
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["probs_from_logits", "sample_from"]
+__all__ = ["greedy_tokens", "probs_from_logits", "sample_from"]
 
 
 def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
@@ -21,6 +23,20 @@ def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
         out = torch.zeros_like(logits)
         return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.softmax(logits / temperature, dim=-1)
+
+
+def greedy_tokens(logits: Tensor, chunks: int = 64) -> Tensor:
+    """``logits.argmax(-1)`` (ties to the lowest index), in two stages: each of ``chunks`` slices of
+    the vocabulary to its max and first index, then the first slice holding the overall max. One
+    argmax row is one program of a compiled reduction: a drafter's row of 49 k logits took 12 µs a
+    position on the H200 at one row; the slices give the reduction ``chunks`` programs a row."""
+    v = logits.shape[-1]
+    c = math.gcd(v, chunks)
+    if c == 1:
+        return logits.argmax(-1)
+    best, at = logits.unflatten(-1, (c, v // c)).max(-1)
+    chunk = best.argmax(-1, keepdim=True)  # the first slice whose max is the overall max
+    return (chunk * (v // c) + at.gather(-1, chunk)).squeeze(-1)
 
 
 def sample_from(probs: Tensor, u: Tensor) -> Tensor:

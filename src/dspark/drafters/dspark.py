@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError
+from ..core.sampling import greedy_tokens
 from ..core.types import TargetDims
 from ..kernels.sample_step import sample_step
 from .dflash import BlockDrafter, check_slots
@@ -95,10 +96,11 @@ class DSparkDrafter(BlockDrafter):
 
     def position_argmax(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
         """``position_logits`` and then the greedy token [R]: the argmax of the float32 logits plus
-        bias, what ``sample_step`` takes at T = 0 (ties to the lowest index)."""
+        bias, what ``sample_step`` takes at T = 0 (ties to the lowest index; ``greedy_tokens``: the
+        compiled step's reduction in vocabulary slices, many programs a row at one row)."""
         logits, bias, state = self.position_logits(base, h, prev, state, softcap)
         z = logits.float() if bias is None else logits.float() + bias.float()
-        return z.argmax(-1), state
+        return greedy_tokens(z), state
 
     def confidence_pass(self, hidden: Tensor, anchor: Tensor, tokens: Tensor) -> Tensor | None:
         """Confidence logits [R, n] (float32) of hidden [R, n, d] with the drafted tokens [R, n]."""
