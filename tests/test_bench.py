@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_engine import Oracle, prompts_for
 from test_evaluate import _bench, _save
 
@@ -75,6 +76,32 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert k["top"] == sorted(k["top"], key=lambda t: -t["us"]) and all(t["calls"] > 0 for t in k["top"])
 
 
+def test_recompile_limit_watch_names_the_functions_dynamo_gave_up():
+    """Past dynamo's recompile limit a function's new shapes run eagerly with a log line and no
+    error; the watch the benchmarks run under (their ``compile_fallbacks``) names the function,
+    only while it is open, and nothing below the limit."""
+    import logging
+
+    from dspark.core.compiling import RecompileLimitWatch
+
+    def doubled(x):
+        return x * 2
+
+    def halved(x):
+        return x / 2
+
+    torch._dynamo.reset()
+    with RecompileLimitWatch() as watch, torch._dynamo.config.patch(recompile_limit=2):
+        within, past = (torch.compile(f, backend="eager", dynamic=False) for f in (halved, doubled))
+        for n in (1, 2):
+            within(torch.ones(n))
+        for n in range(1, 6):
+            past(torch.ones(n))
+    assert len(watch.hits) == 1 and watch.hits[0].startswith("'doubled'")
+    assert watch not in logging.getLogger(RecompileLimitWatch.LOGGER).handlers
+    torch._dynamo.reset()
+
+
 def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
     bench = _bench(tmp_path / "bench")
@@ -89,6 +116,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
          "target=tiny"]
     )  # fmt: skip
     report = json.loads(out.read_text())
+    assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     for r in report["rows"]:  # each repeat says where its slowest round was
         assert all(rep["slowest_round"]["ms"] == rep["max_ms_round"] for rep in r["repeats"])

@@ -31,6 +31,15 @@ def report_header(command: str, argv: list[str], target, compile: bool | None) -
     }
 
 
+def say_compile_fallbacks(hits: list[str]) -> None:
+    """A benchmark's closing line when dynamo gave up compiling some function (``RecompileLimitWatch``)."""
+    if hits:
+        print(
+            f"WARNING: dynamo stopped compiling {', '.join(sorted(set(hits)))} at its recompile limit: "
+            "their later shapes ran eagerly, and the timings above include them"
+        )
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
     """Median wall time of ``fn`` in ms, synchronised around each call (CUDA events on GPU)."""
     for _ in range(warmup):

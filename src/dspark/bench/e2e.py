@@ -59,6 +59,13 @@ def _parse(argv):
 
 
 def main(argv=None) -> dict:
+    from ..core.compiling import RecompileLimitWatch
+
+    with RecompileLimitWatch() as watch:  # its hits go into the report (compile_fallbacks)
+        return _main(argv, watch)
+
+
+def _main(argv, watch) -> dict:
     import sys
 
     from ..artifacts import DrafterFolder
@@ -68,7 +75,7 @@ def main(argv=None) -> dict:
     from ..data.benchmarks import first_turns
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish, report_header
+    from .common import compose_target, publish, report_header, say_compile_fallbacks
     from .measure import check_policies, compare, goal_checks
 
     argv = sys.argv[1:] if argv is None else argv
@@ -98,6 +105,7 @@ def main(argv=None) -> dict:
     conc = [int(r) for r in args.concurrency.split(",")]
     report = {
         **report_header("dspark.bench.e2e", argv, target, args.compile),
+        "compile_fallbacks": watch.hits,  # functions dynamo gave up compiling: their shapes ran eagerly
         "drafter": str(args.drafter_dir),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
         "engine": args.engine,
@@ -151,6 +159,7 @@ def main(argv=None) -> dict:
                 f"{c['best_on_both_speedup']:.2f}x (>= 0.98x: {c['floor_met']}), hardware_aware vs "
                 f"every fixed: {_verdict(c)}"
             )
+    say_compile_fallbacks(watch.hits)
     return report
 
 

@@ -66,12 +66,19 @@ def _parse(argv):
 
 
 def main(argv=None) -> dict:
+    from ..core.compiling import RecompileLimitWatch
+
+    with RecompileLimitWatch() as watch:  # its hits go into the report (compile_fallbacks)
+        return _main(argv, watch)
+
+
+def _main(argv, watch) -> dict:
     import sys
 
     from ..core.io import atomic_write_json
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish, report_header
+    from .common import compose_target, publish, report_header, say_compile_fallbacks
     from .sps import (
         capacity,
         cost_curve,
@@ -99,6 +106,7 @@ def main(argv=None) -> dict:
     )  # fmt: skip
     report = {
         **report_header("dspark.bench.engine_sps", argv, target, args.compile),
+        "compile_fallbacks": watch.hits,  # functions dynamo gave up compiling: their shapes ran eagerly
         **temp,
         "context": ctx,
         "drafter": args.drafter_dir,
@@ -175,6 +183,7 @@ def main(argv=None) -> dict:
         ],
     )  # fmt: skip
     save()
+    say_compile_fallbacks(watch.hits)
     return report
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 
-__all__ = ["EagerOnFailure"]
+__all__ = ["EagerOnFailure", "RecompileLimitWatch"]
 
 
 class EagerOnFailure:
@@ -27,3 +29,29 @@ class EagerOnFailure:
                     f"torch.compile failed on {name}, which runs eagerly instead: {err!r}", stacklevel=2
                 )
         return self.fn(*args, **kwargs)
+
+
+class RecompileLimitWatch(logging.Handler):
+    """The functions dynamo stopped compiling while this context was open (``hits``): past its
+    recompile limit it runs a function's new shapes eagerly, with one log warning and no error,
+    so a benchmark would time code it did not mean to and not know it. The H200's e2e rounds at
+    R >= 16 once paid ~1.5 ms a round that way; the benchmarks now report it."""
+
+    LOGGER = "torch._dynamo.convert_frame"  # where dynamo logs the limit (torch 2.x)
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "recompile_limit" in message or "cache_size_limit" in message:
+            function = re.search(r"function: (.+)", message)
+            self.hits.append(function.group(1).strip() if function else message.splitlines()[0])
+
+    def __enter__(self) -> RecompileLimitWatch:
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
