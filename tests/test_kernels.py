@@ -38,6 +38,8 @@ from dspark.kernels import (
     triton_available,
     triton_interpreting,
 )
+from dspark.kernels.bias_argmax import BLOCK_V as BIAS_BLOCK_V
+from dspark.kernels.bias_argmax import bias_argmax, bias_argmax_reference, bias_argmax_self_check, near_greedy
 from dspark.kernels.cache_attention import choose_splits
 from dspark.kernels.fused_loss import chunk_plan
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, TWO_CHUNKS_MAX_ROWS, _chunk_layout, choose_chunks
@@ -1147,3 +1149,105 @@ def test_gpu_cache_attention_split_in_cuda_graph(drafter):
         ref = cache_attention_reference(q, k, v, pos, scale=0.125, tail=tail)
         assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2, end
     assert len(bank) == 1
+
+
+# ---- bias_argmax: the greedy drafted token without the bias logits -----------------------------
+def bias_argmax_problem(r, v, k, dtype, seed, device="cpu"):
+    """Base logits [r, v], W2 [v, k], bias features [r, k] at the scales a trained head gives."""
+    g = torch.Generator().manual_seed(seed)
+    base = (4 * torch.randn(r, v, generator=g)).to(device, dtype)
+    weight = torch.randn(v, k, generator=g).to(device, dtype)
+    b = (torch.randn(r, k, generator=g) / k**0.5).to(device, dtype)
+    return base, weight, b
+
+
+def tied_bias_argmax_problem(device="cpu"):
+    """Exact ties under a zero W2, and the tokens argmax keeps (the lowest index): across chunks,
+    inside one, a whole tied row, in the ragged last chunk."""
+    v = 3 * BIAS_BLOCK_V + 5
+    base = torch.zeros(4, v)
+    base[0, [300, 7, 2 * BIAS_BLOCK_V]] = 9.0
+    base[1, [70, 65]] = 9.0
+    base[3, [v - 1, v - 3]] = 9.0
+    weight, b = torch.zeros(v, 32), torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    return base.to(device), weight.to(device), b.to(device), [7, 65, 0, v - 3]
+
+
+def test_bias_argmax_reference_and_its_checks():
+    """On the CPU ``auto`` runs the reference: argmax of base + W2 b (ties to the lowest index);
+    shapes that do not fit are refused naming all three; ``near_greedy`` accepts the argmax and
+    refuses a token ranked below it."""
+    base, weight, b = bias_argmax_problem(3, 300, 16, torch.float32, seed=0)
+    want = (base + b @ weight.t()).argmax(-1)
+    assert torch.equal(bias_argmax(base, weight, b), want)
+    assert near_greedy(want, base, weight, b) and not near_greedy((want + 1) % 300, base, weight, b)
+    *tied, expected = tied_bias_argmax_problem()
+    assert bias_argmax(*tied).tolist() == expected
+    with pytest.raises(ValueError, match=r"base \(3, 300\), weight \(300, 8\), b \(3, 16\)"):
+        bias_argmax(base, weight[:, :8], b)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "r,v,k,dtype",
+    [(1, 300, 64, torch.float32), (19, 517, 100, torch.float32), (5, 1000, 256, torch.float16)],
+    ids=["one-row", "two-row-tiles-ragged-rank", "fp16"],
+)  # bf16 on the GPU only: the interpreter's tl.dot mishandles bf16 (triton 3.6)
+def test_interp_bias_argmax(r, v, k, dtype):
+    base, weight, b = bias_argmax_problem(r, v, k, dtype, seed=r)
+    got = bias_argmax(base, weight, b, impl="triton")
+    assert torch.equal(got, bias_argmax_reference(base, weight, b))
+
+
+@needs_interpreter
+def test_interp_bias_argmax_ties_and_self_check():
+    *tied, expected = tied_bias_argmax_problem()
+    assert bias_argmax(*tied, impl="triton").tolist() == expected
+    assert bias_argmax_self_check(torch.device("cpu"), torch.float32, 256)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_interp_greedy_draft_step_with_the_bias_kernel(small_target, head, monkeypatch):
+    """The fused draft step at T = 0 taking each position's head features to its token with the
+    kernel (forced here, the CPU; on CUDA the compiled default) proposes the reference's tokens and
+    confidences for every rows count and drafted length; every drafted position went through it."""
+    from test_drafter_fast_paths import assert_same_proposal, drafting_setup, reference_proposal, rows_of
+
+    import dspark.drafters.draft_step as draft_step
+    from dspark.core.types import Shared
+
+    calls = []
+    real = draft_step.bias_argmax
+    monkeypatch.setattr(draft_step, "bias_argmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    drafter, cache, anchors, u = drafting_setup(small_target, "dspark", head, "anchor")
+    shared = Shared.of(small_target)
+    drafter.compile_inference(compiler=None)
+    drafter._fused.greedy_kernel = "triton"
+    drafted = 0
+    with torch.inference_mode():
+        for r in (4, 1, 3):
+            for n in sorted({1, drafter.gamma}):
+                args = (rows_of(cache, r), anchors[:r], cache.length[:r], shared, 0.0)
+                kw = dict(uniforms=u[:r], draft_len=n)
+                assert_same_proposal(drafter.propose(*args, **kw), reference_proposal(drafter, *args, **kw),
+                                     greedy=True)  # fmt: skip
+                drafted += n
+    assert len(calls) == drafted
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_gpu_bias_argmax(rows, dtype):
+    """SmolLM2's vocabulary and a rank-256 head: the reference's tokens (fp32), or tokens that tie
+    with them to the bias GEMM's rounding (bf16: ``near_greedy``); ties to the lowest index."""
+    base, weight, b = bias_argmax_problem(rows, GPU_V, 256, dtype, seed=rows, device="cuda")
+    got = bias_argmax(base, weight, b, impl="triton")
+    if dtype == torch.float32:
+        assert torch.equal(got, bias_argmax_reference(base, weight, b))
+    assert near_greedy(got, base, weight, b)
+    *tied, expected = tied_bias_argmax_problem("cuda")
+    assert bias_argmax(*tied, impl="triton").tolist() == expected
+    assert bias_argmax_self_check(torch.device("cuda"), dtype, 256)

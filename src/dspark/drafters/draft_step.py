@@ -10,9 +10,11 @@ kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
     across layer boundaries; for DSpark laid out position-major, so each position's slice is
     contiguous;
   * ``position``: one compiled graph per drafted position for the sequential head's step and its
-    bias (and a soft-cap): ``DSparkDrafter.position_logits``; at T = 0 ``argmax`` instead, the
-    same step through to the position's greedy token (``DSparkDrafter.position_argmax``): no
-    sampler and no probabilities, which greedy verification does not read;
+    bias (and a soft-cap): ``DSparkDrafter.position_logits``; at T = 0 no sampler and no
+    probabilities (greedy verification reads none): on CUDA the head's step alone
+    (``DSparkDrafter.head_step``) and ``kernels.bias_argmax`` from its features to the token (the
+    bias GEMM, the sum and the argmax in one kernel), else ``argmax``, the same step through to the
+    position's greedy token (``DSparkDrafter.position_argmax``);
   * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
@@ -35,6 +37,7 @@ from torch import Tensor
 from ..core.compiling import EagerOnFailure
 from ..core.types import DraftCache, Proposal, Shared
 from ..kernels import triton_available
+from ..kernels.bias_argmax import bias_argmax, bias_argmax_self_check
 from ..kernels.cache_attention import kernel_self_check, triton_fits
 from .derived import DerivedWeights
 from .layers import FusedProjections
@@ -86,6 +89,7 @@ class FusedDraft:
     their eager use in ``propose``/``sample_block`` is the reference."""
 
     attention = "auto"  # the draft step's attention (attention_impl); "torch" or "triton" force one
+    greedy_kernel = "auto"  # greedy_step's bias_argmax: on CUDA when compiled; "torch" / "triton" force
 
     def __init__(self, drafter, compiler=inference_compiler):
         self.drafter = drafter
@@ -102,6 +106,7 @@ class FusedDraft:
         ]
         self.position = wrap(drafter.position_logits) if hasattr(drafter, "position_logits") else None
         self.argmax = wrap(drafter.position_argmax) if hasattr(drafter, "position_argmax") else None
+        self.head_step = wrap(drafter.head_step) if hasattr(drafter, "head_step") else None
         self.confidence = (
             wrap(drafter.confidence_by_position) if hasattr(drafter, "confidence_by_position") else None
         )
@@ -117,12 +122,37 @@ class FusedDraft:
         an offset to an equal size or stride and recompile at the position where they part, so it
         is off here."""
         fn = self.argmax if greedy else self.position
+        return self._marked(fn, base, h, prev, state, softcap)
+
+    def greedy_step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
+        """A position's greedy token and the head's new state. Where ``greedy_kernel`` allows (on
+        CUDA, compiled, no soft-cap) the head's step alone is compiled and ``kernels.bias_argmax``
+        takes its features to the token (the bias GEMM, the sum and the argmax in one kernel, no
+        [R, V] bias logits); else ``step(greedy=True)``, the compiled ``position_argmax``. The same
+        token either way, to the bias GEMM's rounding (the kernel checks itself once per device)."""
+        if not self._greedy_kernel_runs(base, h, softcap):
+            return self.step(base, h, prev, state, softcap, greedy=True)
+        b, state = self._marked(self.head_step, h, prev, state)
+        return bias_argmax(base, self.drafter.head.W2.weight, b, impl="triton"), state
+
+    def _greedy_kernel_runs(self, base: Tensor, h: Tensor, softcap) -> bool:
+        head = self.drafter.head
+        if self.head_step is None or head is None or softcap or self.greedy_kernel == "torch":
+            return False
+        if self.greedy_kernel == "auto" and not (self.compiled and base.is_cuda and triton_available()):
+            return False
+        return bias_argmax_self_check(base.device, h.dtype, head.rank)
+
+    def _marked(self, fn, *args):
+        """``fn(*args)``, compiled with the rows of its tensor arguments dynamic and duck sizing off
+        (see ``step``)."""
         if not self.compiled:
-            return fn(base, h, prev, state, softcap)
-        for t in (base, h, prev, state):
-            mark_dynamic(t, 0)
+            return fn(*args)
+        for t in args:
+            if isinstance(t, Tensor):
+                mark_dynamic(t, 0)
         with no_duck_shapes():
-            return fn(base, h, prev, state, softcap)
+            return fn(*args)
 
     def attention_impl(self, cache: DraftCache) -> str:
         """``draft_hidden``'s ``attention``: "triton" (``kernels.cache_attention``) over a static

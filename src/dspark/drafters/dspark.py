@@ -94,6 +94,11 @@ class DSparkDrafter(BlockDrafter):
             return torch.tanh(logits / softcap) * softcap, None, state
         return base, bias, state
 
+    def head_step(self, h: Tensor, prev: Tensor, state):
+        """The sequential head's step alone: (bias features b [R, r], new state); its bias logits
+        are W2 b (``kernels.bias_argmax`` takes b to the greedy token)."""
+        return self.head.step(h, prev, state)
+
     def position_argmax(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
         """``position_logits`` and then the greedy token [R]: the argmax of the float32 logits plus
         bias, what ``sample_step`` takes at T = 0 (ties to the lowest index; ``greedy_tokens``: the
@@ -135,7 +140,7 @@ class DSparkDrafter(BlockDrafter):
         for k in range(n):
             logits, bias, h = base[k], None, first[k]
             if greedy:
-                prev, state = fused.step(logits, h, prev, state, shared.softcap, greedy=True)
+                prev, state = fused.greedy_step(logits, h, prev, state, shared.softcap)
             else:
                 if self.head is not None or shared.softcap:
                     logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)

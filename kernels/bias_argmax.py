@@ -1,0 +1,145 @@
+"""Greedy token of a drafted position: base logits plus a sequential head's low-rank bias, argmax.
+
+    token[r] = argmax_v ( float(base[r, v]) + float(round(W2[v, :] · b[r, :])) )   (ties: lowest v)
+
+``round`` is the bias GEMM's output rounding to ``b``'s dtype: the reference computes the bias
+logits with ``F.linear`` in that dtype, as ``DSparkDrafter.position_argmax`` does, then upcasts both
+terms. The reference writes the [R, V] bias logits, reads them back to add, and reduces them. The
+kernel is that GEMM with the rest folded into its epilogue: each program multiplies BLOCK_V rows of
+W2 by BLOCK_R rows of b (W2 is read once per row tile, not once per row), adds the base logits and
+reduces its tile to each row's (max, first index); ``greedy_from_partials`` then picks each row's
+first chunk holding the overall max. At one row on the H200 the reference's pieces (a GEMV through
+a [1, V] round trip and an argmax that ran as one program) took ~25 µs a position.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._common import HAS_TRITON, resolve_impl, tl, triton
+
+__all__ = [
+    "bias_argmax",
+    "bias_argmax_reference",
+    "bias_argmax_self_check",
+    "greedy_from_partials",
+    "near_greedy",
+]
+
+BLOCK_V = 128  # vocabulary rows of W2 per program
+BLOCK_R = 16  # rows of b per program (tl.dot's smallest tile)
+BLOCK_K = 64  # the rank, in steps
+
+_SELF_CHECKS: dict[tuple, bool] = {}
+
+
+def bias_argmax_reference(base: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+    """base [R, V] logits, weight [V, K] (W2), b [R, K] bias features -> tokens [R] (int64)."""
+    bias = F.linear(b, weight.to(b.dtype))
+    return (base.float() + bias.float()).argmax(-1)
+
+
+def near_greedy(tokens: Tensor, base: Tensor, weight: Tensor, b: Tensor) -> bool:
+    """Whether every token is the reference's argmax or ties with it to the bias GEMM's rounding:
+    the kernel accumulates the products in another order than the reference's GEMM, so in bf16 or
+    fp16 a bias logit can round one unit apart and swap a near tie (float32: 1e-4 relative)."""
+    z = base.float() + F.linear(b, weight.to(b.dtype)).float()
+    top = z.max(-1).values
+    picked = z.gather(-1, tokens[:, None].long()).squeeze(-1)
+    tol = (1e-4 if b.dtype == torch.float32 else 2**-6) * top.abs().clamp_min(1.0)
+    return bool((top - picked <= tol).all())
+
+
+def greedy_from_partials(best: Tensor, first: Tensor) -> Tensor:
+    """Per-chunk maxima ``best`` [R, C] and their first indices ``first`` [R, C] -> tokens [R]:
+    the first chunk holding the row's max (torch.argmax takes the first), its first index."""
+    chunk = best.argmax(-1, keepdim=True)
+    return first.gather(-1, chunk).squeeze(-1).long()
+
+
+def bias_argmax(base: Tensor, weight: Tensor, b: Tensor, impl: str = "auto") -> Tensor:
+    """``bias_argmax_reference`` through the fused kernel where ``impl`` resolves to Triton
+    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else the reference."""
+    (r, v), k = base.shape, b.shape[-1]
+    if weight.shape != (v, k) or b.shape != (r, k):
+        shapes = f"base {tuple(base.shape)}, weight {tuple(weight.shape)}, b {tuple(b.shape)}"
+        raise ValueError(f"bias_argmax: {shapes} do not fit (base [R, V], weight [V, K], b [R, K])")
+    if resolve_impl(impl, base, weight, b) == "torch":
+        return bias_argmax_reference(base, weight, b)
+    return _bias_argmax_triton(base, weight, b)
+
+
+def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) -> bool:
+    """Run the kernel once on a small random case at this rank against the reference (once per
+    process, device, dtype and rank): False, with a warning, if it fails to compile or disagrees,
+    so a caller keeps the reference path instead of losing a run to a kernel the device rejects."""
+    key = (str(device), dtype, rank)
+    if key not in _SELF_CHECKS:
+        ok, why = False, ""
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            vocab = 3 * BLOCK_V + 5  # a ragged last chunk
+            base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # two row tiles
+            weight = torch.randn(vocab, rank, device=device, generator=g).to(dtype)
+            b = (torch.randn(19, rank, device=device, generator=g) / rank**0.5).to(dtype)
+            got = _bias_argmax_triton(base, weight, b)
+            ok, why = near_greedy(got, base, weight, b), "tokens the reference ranks below its argmax"
+        except Exception as exc:  # a compiler or launch failure on this device
+            why = f"{type(exc).__name__}: {exc}"
+        if not ok:
+            message = f"bias_argmax's Triton kernel is off on {device} ({why}): the reference runs instead"
+            warnings.warn(message, stacklevel=2)
+        _SELF_CHECKS[key] = ok
+    return _SELF_CHECKS[key]
+
+
+def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+    (r, v), k = base.shape, b.shape[-1]
+    weight = weight.to(b.dtype)
+    base, weight, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (base, weight, b))
+    chunks = triton.cdiv(v, BLOCK_V)
+    best = torch.empty(r, chunks, device=base.device, dtype=torch.float32)
+    first = torch.empty(r, chunks, device=base.device, dtype=torch.int32)
+    _bias_argmax_kernel[(chunks, triton.cdiv(r, BLOCK_R))](
+        base, weight, b, best, first, r, v, k, base.stride(0), weight.stride(0), b.stride(0),
+        IEEE=b.dtype == torch.float32, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return greedy_from_partials(best, first)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _bias_argmax_kernel(
+        base_ptr, w_ptr, b_ptr, best_ptr, first_ptr, R, V, K, stride_base, stride_w, stride_b,
+        IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        chunk = tl.program_id(0)
+        cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)  # vocabulary entries: the tile's rows
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # b's rows: the tile's columns
+        col_ok, row_ok = cols < V, rows < R
+        acc = tl.zeros((BLOCK_V, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w_at = w_ptr + cols[:, None] * stride_w + kk[None, :]
+            w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            b_at = b_ptr + rows[None, :] * stride_b + kk[:, None]
+            bt = tl.load(b_at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+            if IEEE:  # float32 features: no TF32 rounding of the products
+                acc += tl.dot(w, bt, input_precision="ieee")
+            else:
+                acc += tl.dot(w, bt)
+        bias = acc.to(b_ptr.dtype.element_ty).to(tl.float32)  # the reference GEMM's output rounding
+        both = col_ok[:, None] & row_ok[None, :]
+        z = tl.load(base_ptr + rows[None, :] * stride_base + cols[:, None], mask=both, other=0.0)
+        z = tl.where(col_ok[:, None], z.to(tl.float32) + bias, float("-inf"))
+        best = tl.max(z, axis=0)
+        first = tl.min(tl.where(z == best[None, :], cols[:, None], V), axis=0)
+        chunks = tl.num_programs(0)
+        tl.store(best_ptr + rows * chunks + chunk, best, mask=row_ok)
+        tl.store(first_ptr + rows * chunks + chunk, first, mask=row_ok)

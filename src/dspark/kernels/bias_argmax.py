@@ -1,0 +1,1 @@
+../../../kernels/bias_argmax.py
