@@ -103,3 +103,37 @@ def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
     top = max(range(len(lrs)), key=lrs.__getitem__)
     assert lrs[top] > 0.8 * peak and 0 < top < len(lrs) - 3, lrs  # reached mid-run, not at the end
     assert lrs[0] < 0.5 * peak and lrs[-1] < 0.35 * peak, lrs  # warm-up, then decay towards the floor
+
+
+def test_init_from_goes_on_from_a_saved_drafter(tmp_path, data_dir):
+    """``init_from``: a new run starts from a saved drafter's weights (a warm start: its own
+    optimizer and schedule). At a learning rate that cannot move them, the weights it exports are
+    the saved ones; a fresh run's are not."""
+    first = tmp_path / "first"
+    run_training(cfg_for(first, data_dir, "trainer.max_steps=2"))
+    saved, _ = load_drafter(first / "drafter")
+    for name, init in (("warm", f"init_from={first / 'drafter'}"), ("fresh", "seed=1")):
+        run_training(cfg_for(tmp_path / name, data_dir, "trainer.max_steps=1", "optim.lr=1e-12", init))
+    warm, _ = load_drafter(tmp_path / "warm" / "drafter")
+    fresh, _ = load_drafter(tmp_path / "fresh" / "drafter")
+    saved, warm, fresh = (d.state_dict() for d in (saved, warm, fresh))
+    for name, want in saved.items():
+        torch.testing.assert_close(warm[name], want, rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.allclose(fresh[name], want) for name, want in saved.items())
+
+
+def test_init_from_another_architecture_is_refused_before_the_run(tmp_path, data_dir):
+    """A folder saved with other drafter settings is refused with the settings to train it with;
+    a folder that holds no drafter, too; both before the target loads (no run folder content)."""
+    from dspark.core.errors import ConfigError, DrafterCheckpointError
+
+    first = tmp_path / "first"
+    run_training(cfg_for(first, data_dir, "trainer.max_steps=1"))
+    layers = load_drafter(first / "drafter")[1]["drafter"]["num_layers"]
+    with pytest.raises(ConfigError, match=rf"drafter.num_layers={layers + 1} \(saved: {layers}\).*"
+                                          rf"train it with drafter.num_layers={layers}"):  # fmt: skip
+        run_training(cfg_for(tmp_path / "other", data_dir, f"drafter.num_layers={layers + 1}",
+                             f"init_from={first / 'drafter'}"))  # fmt: skip
+    with pytest.raises(DrafterCheckpointError):
+        run_training(cfg_for(tmp_path / "none", data_dir, f"init_from={tmp_path / 'nowhere'}"))
+    assert not any((tmp_path / name / "checkpoints").exists() for name in ("other", "none"))

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .artifacts import RunFolder
 from .callbacks import CalibrationCallback, DrafterExport, Throughput
+from .checkpoints import read_drafter_config, warm_start
 from .core.errors import ConfigError, DataError
 from .core.lock import folder_lock
 from .core.types import TargetDims
@@ -204,6 +205,27 @@ def run_training(cfg: DictConfig) -> dict:
         return _train(cfg, run, batch, resume, held)
 
 
+def _check_init_from(cfg: DictConfig, folder) -> None:
+    """``init_from`` names a drafter saved with this run's architecture (a folder that is no drafter
+    fails in ``read_drafter_config``); the weights' shapes are checked again when they load."""
+    saved = read_drafter_config(folder)
+    d, h = saved.get("drafter", {}), saved.get("head") or {"name": "none"}
+    head = cfg.get("head") or {"name": "none"}
+    pairs = {
+        "drafter": (cfg.drafter.name, d.get("name")),
+        "drafter.num_layers": (cfg.drafter.get("num_layers"), d.get("num_layers")),
+        "drafter.block_size": (cfg.drafter.get("block_size"), d.get("block_size")),
+        "head": (head.get("name"), h.get("name", "none")),
+        "head.rank": (head.get("rank"), h.get("rank")),
+    }
+    differ = {k: v for k, v in pairs.items() if v[1] is not None and v[0] != v[1]}
+    if differ:
+        asked = ", ".join(f"{k}={mine} (saved: {theirs})" for k, (mine, theirs) in differ.items())
+        fix = " ".join(f"{k}={theirs}" for k, (_, theirs) in differ.items())
+        raise ConfigError(f"init_from={folder} holds another drafter than this run trains: {asked}; "
+                          f"train it with {fix}")  # fmt: skip
+
+
 def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextlib.ExitStack) -> dict:
     resumed_at = resume[1] if resume else None
     try:
@@ -218,6 +240,9 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         # A process started for GPU k (Lightning's launcher, torchrun) loads the target straight
         # onto GPU k ("cuda" means the current device), not onto GPU 0 first.
         torch.cuda.set_device(int(local_rank))
+    init_from = None if resume else cfg.get("init_from")  # a resumed run goes on from its checkpoint
+    if init_from:
+        _check_init_from(cfg, init_from)  # said now, before the target and the data are loaded
     L.seed_everything(int(cfg.seed), workers=True)
     out_dir = run.path
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +265,9 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
     )
 
     drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.get("head"))
+    if init_from:
+        warm_start(drafter, init_from, target)
+        log.info("weights from %s (init_from): training goes on from them", init_from)
     module = DraftingModule(
         target,
         drafter,

@@ -2,7 +2,14 @@
 through dspark.interop, and export into those formats."""
 
 from .export import export_drafter, refusal
-from .store import check_drafter_files, load_drafter, read_drafter_config, read_drafter_spec, save_drafter
+from .store import (
+    check_drafter_files,
+    load_drafter,
+    read_drafter_config,
+    read_drafter_spec,
+    save_drafter,
+    warm_start,
+)
 
 __all__ = [
     "check_drafter_files",
@@ -12,4 +19,5 @@ __all__ = [
     "read_drafter_spec",
     "refusal",
     "save_drafter",
+    "warm_start",
 ]

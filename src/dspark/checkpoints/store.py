@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
@@ -16,7 +17,14 @@ from ..core.types import TargetDims
 from ..drafters import DrafterSpec, build_drafter
 from ..interop.deepspec import is_foreign, read_state, translate, weight_files
 
-__all__ = ["check_drafter_files", "load_drafter", "read_drafter_config", "read_drafter_spec", "save_drafter"]
+__all__ = [
+    "check_drafter_files",
+    "load_drafter",
+    "read_drafter_config",
+    "read_drafter_spec",
+    "save_drafter",
+    "warm_start",
+]
 
 
 def _plain(cfg):
@@ -85,9 +93,10 @@ def check_drafter_files(folder: str | Path) -> DrafterSpec:
     return spec
 
 
-def load_drafter(folder: str | Path, target=None, device="cpu"):
+def load_drafter(folder: str | Path, target=None, device="cpu", served: bool = True):
     """Load a saved drafter (ours, or a DeepSpec/engine-format DSpark/DFlash folder); with a target,
-    refuse one built for another vocabulary, hidden size or tap layers."""
+    refuse one built for another vocabulary, hidden size or tap layers. ``served``: in the target's
+    precision, as the engines serve it; else in the file's (a warm start trains from it)."""
     files = DrafterFolder(folder)
     folder = files.path
     config = read_drafter_config(folder)
@@ -134,5 +143,30 @@ def load_drafter(folder: str | Path, target=None, device="cpu"):
             f"{folder}: the weights do not fit its config.json ({' '.join(str(err).split())[:300]})"
         ) from None
     # Served in the target's precision (a bf16 target drafts with a bf16 drafter, as engines do).
-    dtype = target.dtype if target is not None else None
+    dtype = target.dtype if target is not None and served else None
     return drafter.to(device=device, dtype=dtype).eval(), config
+
+
+def warm_start(drafter, folder: str | Path, target=None) -> dict:
+    """Copy the weights of the drafter saved in ``folder`` (ours, DeepSpec's or an engine's) into
+    ``drafter``, for training to go on from them (``train.init_from``): the same architecture,
+    every tensor the same shape, or an error naming the settings to train with. Returns the saved
+    config."""
+    saved, config = load_drafter(folder, target, served=False)
+    mine, theirs = drafter.state_dict(), saved.state_dict()
+    differ = [k for k in sorted(mine.keys() | theirs.keys())
+              if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape]  # fmt: skip
+    if differ:
+        d, h = config.get("drafter", {}), config.get("head") or {}
+        saved_as = (
+            f"drafter={d.get('name')} drafter.num_layers={d.get('num_layers')} drafter.block_size="
+            f"{d.get('block_size')} head={h.get('name', 'none')} head.rank={h.get('rank')}"
+        )
+        raise DrafterCheckpointError(
+            f"init_from={folder}: its weights do not fit this run's drafter ({', '.join(differ[:4])}"
+            f"{' ...' if len(differ) > 4 else ''}); train with the settings it was saved with: {saved_as}"
+        )
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            tensor.copy_(theirs[name])
+    return config

@@ -147,6 +147,7 @@ class TrainConfig:
     resume: bool
     features: Literal["online", "offline"]
     compile_target: Literal["auto", True, False] = "auto"  # the target's forward in the training step
+    init_from: str | None = None  # a saved drafter whose weights start the run (warm start)
 
 
 @dataclass
