@@ -26,7 +26,9 @@
 #           their own (drafter_NAME.tar.xz.aa, .ab ...; a call brings back 60 MiB: a 5-layer SmolLM2
 #           DSpark-Markov, 178 MB, takes three), to study it on the CPU or stage it again
 #   restore with DRAFTER_PACK=<path prefix of such pieces, staged>: unpacked as NAME's drafter instead
-#           of training (only where the pieces outlive the session: weights stay out of the repository)
+#           of training (only where the pieces outlive the session: weights stay out of the repository);
+#           before a train stage with TRAIN_EXTRA="init_from=outputs/h200/NAME/drafter ...", the weights
+#           that training goes on from (a warm start: fresh data with DATA_EXTRA="data.seed=1", say)
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for

@@ -107,12 +107,16 @@ def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
 
 def test_init_from_goes_on_from_a_saved_drafter(tmp_path, data_dir):
     """``init_from``: a new run starts from a saved drafter's weights (a warm start: its own
-    optimizer and schedule). At a learning rate that cannot move them, the weights it exports are
-    the saved ones; a fresh run's are not."""
+    optimizer and schedule), here restored into the new run's own folder as the H200 pipeline's
+    ``restore`` stage leaves it (the run's exports then replace it). At a learning rate that
+    cannot move them, the weights it exports are the saved ones; a fresh run's are not."""
+    import shutil
+
     first = tmp_path / "first"
     run_training(cfg_for(first, data_dir, "trainer.max_steps=2"))
     saved, _ = load_drafter(first / "drafter")
-    for name, init in (("warm", f"init_from={first / 'drafter'}"), ("fresh", "seed=1")):
+    shutil.copytree(first / "drafter", tmp_path / "warm" / "drafter")
+    for name, init in (("warm", f"init_from={tmp_path / 'warm' / 'drafter'}"), ("fresh", "seed=1")):
         run_training(cfg_for(tmp_path / name, data_dir, "trainer.max_steps=1", "optim.lr=1e-12", init))
     warm, _ = load_drafter(tmp_path / "warm" / "drafter")
     fresh, _ = load_drafter(tmp_path / "fresh" / "drafter")
