@@ -7,9 +7,11 @@ logits with ``F.linear`` in that dtype, as ``DSparkDrafter.position_argmax`` doe
 terms. The reference writes the [R, V] bias logits, reads them back to add, and reduces them. The
 kernel is that GEMM with the rest folded into its epilogue: each program multiplies BLOCK_V rows of
 W2 by BLOCK_R rows of b (W2 is read once per row tile, not once per row), adds the base logits and
-reduces its tile to each row's (max, first index); ``greedy_from_partials`` then picks each row's
-first chunk holding the overall max. At one row on the H200 the reference's pieces (a GEMV through
-a [1, V] round trip and an argmax that ran as one program) took ~25 µs a position.
+reduces its tile to each row's (max, first index); a second kernel picks each row's first chunk
+holding the overall max (torch.argmax's tie rule). With ``rows`` the first kernel reads
+the features from a table (a Markov head's W1 at the previous tokens) itself. So a Markov position is
+two launches; at one row on the H200 the reference's pieces (an embedding gather, a GEMV through a
+[1, V] round trip, an argmax that ran as one program) took ~25 µs a position.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ __all__ = [
     "bias_argmax",
     "bias_argmax_reference",
     "bias_argmax_self_check",
-    "greedy_from_partials",
     "near_greedy",
 ]
 
@@ -37,16 +38,23 @@ BLOCK_K = 64  # the rank, in steps
 _SELF_CHECKS: dict[tuple, bool] = {}
 
 
-def bias_argmax_reference(base: Tensor, weight: Tensor, b: Tensor) -> Tensor:
-    """base [R, V] logits, weight [V, K] (W2), b [R, K] bias features -> tokens [R] (int64)."""
+def _features(b: Tensor, rows: Tensor | None) -> Tensor:
+    return b if rows is None else b[rows]
+
+
+def bias_argmax_reference(base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | None = None) -> Tensor:
+    """base [R, V] logits, weight [V, K] (W2), bias features b [R, K] (or, with ``rows`` [R], b's
+    rows ``rows``: a Markov head's embedding table W1 and the previous tokens) -> tokens [R] (int64)."""
+    b = _features(b, rows)
     bias = F.linear(b, weight.to(b.dtype))
     return (base.float() + bias.float()).argmax(-1)
 
 
-def near_greedy(tokens: Tensor, base: Tensor, weight: Tensor, b: Tensor) -> bool:
+def near_greedy(tokens: Tensor, base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | None = None) -> bool:
     """Whether every token is the reference's argmax or ties with it to the bias GEMM's rounding:
     the kernel accumulates the products in another order than the reference's GEMM, so in bf16 or
     fp16 a bias logit can round one unit apart and swap a near tie (float32: 1e-4 relative)."""
+    b = _features(b, rows)
     z = base.float() + F.linear(b, weight.to(b.dtype)).float()
     top = z.max(-1).values
     picked = z.gather(-1, tokens[:, None].long()).squeeze(-1)
@@ -54,23 +62,23 @@ def near_greedy(tokens: Tensor, base: Tensor, weight: Tensor, b: Tensor) -> bool
     return bool((top - picked <= tol).all())
 
 
-def greedy_from_partials(best: Tensor, first: Tensor) -> Tensor:
-    """Per-chunk maxima ``best`` [R, C] and their first indices ``first`` [R, C] -> tokens [R]:
-    the first chunk holding the row's max (torch.argmax takes the first), its first index."""
-    chunk = best.argmax(-1, keepdim=True)
-    return first.gather(-1, chunk).squeeze(-1).long()
-
-
-def bias_argmax(base: Tensor, weight: Tensor, b: Tensor, impl: str = "auto") -> Tensor:
-    """``bias_argmax_reference`` through the fused kernel where ``impl`` resolves to Triton
-    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else the reference."""
+def bias_argmax(
+    base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | None = None, impl: str = "auto"
+) -> Tensor:  # fmt: skip
+    """``bias_argmax_reference`` through the fused kernels where ``impl`` resolves to Triton
+    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else the reference. With ``rows`` the kernel
+    gathers the features itself (no [R, K] copy, no launch of its own)."""
     (r, v), k = base.shape, b.shape[-1]
-    if weight.shape != (v, k) or b.shape != (r, k):
+    fits = b.shape == (r, k) if rows is None else rows.shape == (r,)
+    if weight.shape != (v, k) or not fits:
         shapes = f"base {tuple(base.shape)}, weight {tuple(weight.shape)}, b {tuple(b.shape)}"
-        raise ValueError(f"bias_argmax: {shapes} do not fit (base [R, V], weight [V, K], b [R, K])")
+        if rows is not None:
+            shapes += f", rows {tuple(rows.shape)}"
+        want = "base [R, V], weight [V, K], b [R, K] or rows [R]"
+        raise ValueError(f"bias_argmax: {shapes} do not fit ({want})")
     if resolve_impl(impl, base, weight, b) == "torch":
-        return bias_argmax_reference(base, weight, b)
-    return _bias_argmax_triton(base, weight, b)
+        return bias_argmax_reference(base, weight, b, rows)
+    return _bias_argmax_triton(base, weight, b, rows)
 
 
 def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) -> bool:
@@ -86,8 +94,12 @@ def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) 
             base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # two row tiles
             weight = torch.randn(vocab, rank, device=device, generator=g).to(dtype)
             b = (torch.randn(19, rank, device=device, generator=g) / rank**0.5).to(dtype)
-            got = _bias_argmax_triton(base, weight, b)
-            ok, why = near_greedy(got, base, weight, b), "tokens the reference ranks below its argmax"
+            rows = torch.randint(0, 19, (19,), device=device, generator=g)
+            ok = all(
+                near_greedy(_bias_argmax_triton(base, weight, b, index), base, weight, b, index)
+                for index in (None, rows)
+            )  # fmt: skip
+            why = "tokens the reference ranks below its argmax"
         except Exception as exc:  # a compiler or launch failure on this device
             why = f"{type(exc).__name__}: {exc}"
         if not ok:
@@ -97,7 +109,7 @@ def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) 
     return _SELF_CHECKS[key]
 
 
-def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | None = None) -> Tensor:
     (r, v), k = base.shape, b.shape[-1]
     weight = weight.to(b.dtype)
     base, weight, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (base, weight, b))
@@ -105,30 +117,36 @@ def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor) -> Tensor:
     best = torch.empty(r, chunks, device=base.device, dtype=torch.float32)
     first = torch.empty(r, chunks, device=base.device, dtype=torch.int32)
     _bias_argmax_kernel[(chunks, triton.cdiv(r, BLOCK_R))](
-        base, weight, b, best, first, r, v, k, base.stride(0), weight.stride(0), b.stride(0),
-        IEEE=b.dtype == torch.float32, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+        base, weight, b, b if rows is None else rows, best, first, r, v, k,
+        base.stride(0), weight.stride(0), b.stride(0),
+        GATHER=rows is not None, IEEE=b.dtype == torch.float32,
+        BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
     )  # fmt: skip
-    return greedy_from_partials(best, first)
+    tokens = torch.empty(r, device=base.device, dtype=torch.long)
+    _first_chunk_kernel[(r,)](best, first, tokens, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+    return tokens
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _bias_argmax_kernel(
-        base_ptr, w_ptr, b_ptr, best_ptr, first_ptr, R, V, K, stride_base, stride_w, stride_b,
-        IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        base_ptr, w_ptr, b_ptr, rows_ptr, best_ptr, first_ptr, R, V, K, stride_base, stride_w, stride_b,
+        GATHER: tl.constexpr, IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         chunk = tl.program_id(0)
         cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)  # vocabulary entries: the tile's rows
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # b's rows: the tile's columns
         col_ok, row_ok = cols < V, rows < R
+        b_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0) if GATHER else rows  # features' rows
         acc = tl.zeros((BLOCK_V, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             w_at = w_ptr + cols[:, None] * stride_w + kk[None, :]
             w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            b_at = b_ptr + rows[None, :] * stride_b + kk[:, None]
+            b_at = b_ptr + b_rows[None, :] * stride_b + kk[:, None]
             bt = tl.load(b_at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
             if IEEE:  # float32 features: no TF32 rounding of the products
                 acc += tl.dot(w, bt, input_precision="ieee")
@@ -143,3 +161,13 @@ if HAS_TRITON:
         chunks = tl.num_programs(0)
         tl.store(best_ptr + rows * chunks + chunk, best, mask=row_ok)
         tl.store(first_ptr + rows * chunks + chunk, first, mask=row_ok)
+
+    @triton.jit
+    def _first_chunk_kernel(best_ptr, first_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+        """One row: the first chunk holding its max, and that chunk's first index: the row's token."""
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK_C)
+        best = tl.load(best_ptr + r * C + c, mask=c < C, other=float("-inf"))
+        top = tl.max(best, axis=0)
+        chunk = tl.min(tl.where((best == top) & (c < C), c, C), axis=0)
+        tl.store(out_ptr + r, tl.load(first_ptr + r * C + chunk).to(tl.int64))

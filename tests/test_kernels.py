@@ -1183,8 +1183,12 @@ def test_bias_argmax_reference_and_its_checks():
     assert near_greedy(want, base, weight, b) and not near_greedy((want + 1) % 300, base, weight, b)
     *tied, expected = tied_bias_argmax_problem()
     assert bias_argmax(*tied).tolist() == expected
+    rows = torch.tensor([2, 0, 2])  # features gathered from a table (a Markov head's W1 at the tokens)
+    assert torch.equal(bias_argmax(base, weight, b, rows), (base + b[rows] @ weight.t()).argmax(-1))
     with pytest.raises(ValueError, match=r"base \(3, 300\), weight \(300, 8\), b \(3, 16\)"):
         bias_argmax(base, weight[:, :8], b)
+    with pytest.raises(ValueError, match=r"rows \(2,\)"):
+        bias_argmax(base, weight, b, rows[:2])
 
 
 @needs_interpreter
@@ -1194,9 +1198,14 @@ def test_bias_argmax_reference_and_its_checks():
     ids=["one-row", "two-row-tiles-ragged-rank", "fp16"],
 )  # bf16 on the GPU only: the interpreter's tl.dot mishandles bf16 (triton 3.6)
 def test_interp_bias_argmax(r, v, k, dtype):
+    """The kernels against the reference, the features as rows of b and gathered from a table."""
     base, weight, b = bias_argmax_problem(r, v, k, dtype, seed=r)
     got = bias_argmax(base, weight, b, impl="triton")
     assert torch.equal(got, bias_argmax_reference(base, weight, b))
+    table = torch.cat([b, b.flip(0)])  # 2r rows; the tokens pick some, out of order, twice
+    rows = torch.randint(0, 2 * r, (r,), generator=torch.Generator().manual_seed(3))
+    got = bias_argmax(base, weight, table, rows, impl="triton")
+    assert torch.equal(got, bias_argmax_reference(base, weight, table, rows))
 
 
 @needs_interpreter
@@ -1244,10 +1253,11 @@ def test_gpu_bias_argmax(rows, dtype):
     """SmolLM2's vocabulary and a rank-256 head: the reference's tokens (fp32), or tokens that tie
     with them to the bias GEMM's rounding (bf16: ``near_greedy``); ties to the lowest index."""
     base, weight, b = bias_argmax_problem(rows, GPU_V, 256, dtype, seed=rows, device="cuda")
-    got = bias_argmax(base, weight, b, impl="triton")
-    if dtype == torch.float32:
-        assert torch.equal(got, bias_argmax_reference(base, weight, b))
-    assert near_greedy(got, base, weight, b)
+    for index in (None, torch.randint(0, rows, (rows,), device="cuda")):  # features as rows, gathered
+        got = bias_argmax(base, weight, b, index, impl="triton")
+        if dtype == torch.float32:
+            assert torch.equal(got, bias_argmax_reference(base, weight, b, index))
+        assert near_greedy(got, base, weight, b, index)
     *tied, expected = tied_bias_argmax_problem("cuda")
     assert bias_argmax(*tied, impl="triton").tolist() == expected
     assert bias_argmax_self_check(torch.device("cuda"), dtype, 256)

@@ -11,10 +11,10 @@ kernels costs about as much as a draft layer's GEMM. Here (``FusedDraft``):
     contiguous;
   * ``position``: one compiled graph per drafted position for the sequential head's step and its
     bias (and a soft-cap): ``DSparkDrafter.position_logits``; at T = 0 no sampler and no
-    probabilities (greedy verification reads none): on CUDA the head's step alone
-    (``DSparkDrafter.head_step``) and ``kernels.bias_argmax`` from its features to the token (the
-    bias GEMM, the sum and the argmax in one kernel), else ``argmax``, the same step through to the
-    position's greedy token (``DSparkDrafter.position_argmax``);
+    probabilities (greedy verification reads none): on CUDA ``kernels.bias_argmax`` from the
+    head's features (a Markov head's gathered in the kernel, others' from ``DSparkDrafter.head_step``
+    compiled alone) to the token, else ``argmax``, the same step through to the position's greedy
+    token (``DSparkDrafter.position_argmax``);
   * ``confidence``: one compiled graph for the confidence head over the whole block;
   * the sampler (``kernels.sample_step``, a user Triton kernel on CUDA, its reference elsewhere)
     stays outside the graphs and writes each position's probabilities into the proposal's buffer.
@@ -40,6 +40,7 @@ from ..kernels import triton_available
 from ..kernels.bias_argmax import bias_argmax, bias_argmax_self_check
 from ..kernels.cache_attention import kernel_self_check, triton_fits
 from .derived import DerivedWeights
+from .heads import MarkovHead
 from .layers import FusedProjections
 
 __all__ = ["FusedDraft", "inference_compiler", "mark_dynamic"]
@@ -126,14 +127,18 @@ class FusedDraft:
 
     def greedy_step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
         """A position's greedy token and the head's new state. Where ``greedy_kernel`` allows (on
-        CUDA, compiled, no soft-cap) the head's step alone is compiled and ``kernels.bias_argmax``
-        takes its features to the token (the bias GEMM, the sum and the argmax in one kernel, no
-        [R, V] bias logits); else ``step(greedy=True)``, the compiled ``position_argmax``. The same
+        CUDA, compiled, no soft-cap) ``kernels.bias_argmax`` takes the head's features to the token
+        (the bias GEMM, the sum and the argmax in two kernels, no [R, V] bias logits): a Markov
+        head's features (W1 at the previous tokens) it gathers itself, other heads' come from their
+        step compiled alone. Else ``step(greedy=True)``, the compiled ``position_argmax``. The same
         token either way, to the bias GEMM's rounding (the kernel checks itself once per device)."""
         if not self._greedy_kernel_runs(base, h, softcap):
             return self.step(base, h, prev, state, softcap, greedy=True)
+        head = self.drafter.head
+        if isinstance(head, MarkovHead):  # b = W1[prev]: the kernel gathers it, no step of its own
+            return bias_argmax(base, head.W2.weight, head.W1.weight, rows=prev, impl="triton"), state
         b, state = self._marked(self.head_step, h, prev, state)
-        return bias_argmax(base, self.drafter.head.W2.weight, b, impl="triton"), state
+        return bias_argmax(base, head.W2.weight, b, impl="triton"), state
 
     def _greedy_kernel_runs(self, base: Tensor, h: Tensor, softcap) -> bool:
         head = self.drafter.head
