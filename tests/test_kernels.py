@@ -968,6 +968,39 @@ def test_interp_fast_engine_with_the_draft_kernel(small_target, temperature, mon
     assert impls and set(impls) == {"triton"}
 
 
+@needs_interpreter
+def test_interp_fast_engine_greedy_with_the_bias_kernel(small_target, monkeypatch):
+    """Greedy rounds of the fast engine whose DSpark-Markov drafter takes each drafted position to
+    its token with ``bias_argmax`` (forced here, the CPU; on CUDA the compiled default) give the
+    plain engine's rounds with a copy of the drafter on the reference path: tokens, acceptance,
+    confidences; the kernel ran for the fast engine's drafts."""
+    import copy
+
+    from test_drafter_fast_paths import build
+    from test_engine import prompts_for
+    from test_fast_engine import FastEngine, assert_same_rounds
+
+    import dspark.drafters.draft_step as draft_step
+    from dspark.decoding.engine import Engine, Request
+
+    drafter = build(small_target, "dspark", "markov", layers=2, seed=3)
+    reference = copy.deepcopy(drafter)
+    for d in (drafter, reference):
+        d.compile_inference(compiler=None)
+    drafter._fused.greedy_kernel = "triton"
+    calls = []
+    real = draft_step.bias_argmax
+    monkeypatch.setattr(draft_step, "bias_argmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = prompts_for(small_target, 5, seed=12)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 20, 12, 1, 17])]
+    common = dict(temperature=0.0, concurrency=3, eos_token_ids=(), seed=7, refill=1)
+    want = Engine(small_target, reference, **common).generate(reqs)
+    assert not calls  # the reference path
+    fast = FastEngine(small_target, drafter, buckets=(1, 2, 4), deferred_context=8, **common)
+    assert_same_rounds(fast.generate(reqs), want)
+    assert calls
+
+
 # ----------------------------------------------------------------------------- triton, GPU
 
 GPU_N, GPU_D, GPU_R, GPU_V = 512 * 7, 576, 256, 49152
