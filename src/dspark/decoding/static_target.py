@@ -166,11 +166,13 @@ def _gated(h: Tensor, w, act) -> Tensor:
     return act(gate) * up
 
 
-# Dynamo keeps its graphs per function code, and sizes of 1 get graphs of their own (one row or more,
-# one token or more, a one-row engine's caches), as do sizes that happen to be equal: a process that
-# builds engines of several row counts (bench.e2e: R = 1, 16, 64, 256) meets a dozen shape classes per
-# layer function. Past dynamo's default of 8 the later engines' layers ran eagerly, silently (the
-# H200's rounds at R >= 16 paid ~1.5 ms for it); LAYER_GRAPHS leaves room for them all.
+# Dynamo keeps its graphs per function code, whichever wrapper calls it, and sizes of 1 get graphs of
+# their own (one row or more, one token or more, a one-row engine's caches), as do equal sizes and
+# stride patterns: a process that builds engines of several row counts (bench.e2e: R = 1, 16, 64,
+# 256), each with its own wrappers, once spent dynamo's default budget of 8, and the later engines'
+# layers ran eagerly, silently (the H200's rounds at R >= 16 paid ~1.5 ms for it). Now one wrapper
+# serves the process, ``forward`` passes one layout (contiguous positions, row indices broadcast),
+# which keeps the classes few (6 and 4 over the tests' shapes), and LAYER_GRAPHS leaves room.
 LAYER_GRAPHS = 64
 
 
