@@ -60,14 +60,16 @@ print(f"{a['conversations']} conversations in {gen_s:.1f} s (prompts + answers; 
 print(f"conversations/min {conv_min}  ({conv_min / 1508:.1f}x the 1508 of the old loop; goal >= 5x)")
 print(f"answer tokens/s   {tok_s}  ({tok_s / 6980:.1f}x the 6980 of the old loop)")
 EOF
-# What the target's sampling filter costs a round of that many rows (top-p sorts the whole
-# vocabulary per row inside the step), against the plain softmax: the share of a round above.
+# What the target's sampling filter costs a round of that many rows (top-p: kernels.nucleus on CUDA,
+# the sort of the whole vocabulary it replaced as well), against the plain softmax: the share of a
+# round above.
 python3 - "$DIR/DONE.json" <<'EOF' | tee -a $R/summary_$N.txt
 import json, sys
 
 import torch
 
 from dspark.decoding.sampling import target_probs
+from dspark.kernels.nucleus import nucleus_reference
 
 d = json.load(open(sys.argv[1]))
 rows = d["generation"]["answers"]["concurrency"] or 1
@@ -88,5 +90,7 @@ def median_ms(fn, n=20):
 
 full = median_ms(lambda: target_probs(logits, t, top_p=top_p, static=True))
 plain = median_ms(lambda: target_probs(logits, t, static=True))
-print(f"sampling filter at {rows} rows: T={t} top-p={top_p} {full:.2f} ms, softmax alone {plain:.2f} ms")
+sort = median_ms(lambda: nucleus_reference(target_probs(logits, t, static=True), top_p))
+print(f"sampling filter at {rows} rows: T={t} top-p={top_p} {full:.2f} ms, softmax alone {plain:.2f} ms, "
+      f"with the sort-based top-p {sort:.2f} ms")
 EOF

@@ -42,6 +42,7 @@ from dspark.kernels.bias_argmax import BLOCK_V as BIAS_BLOCK_V
 from dspark.kernels.bias_argmax import bias_argmax, bias_argmax_reference, bias_argmax_self_check, near_greedy
 from dspark.kernels.cache_attention import choose_splits
 from dspark.kernels.fused_loss import chunk_plan
+from dspark.kernels.nucleus import nucleus, nucleus_reference, nucleus_self_check
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, TWO_CHUNKS_MAX_ROWS, _chunk_layout, choose_chunks
 
 try:  # the colleague-owned references; tests fall back to the local ones if absent
@@ -1001,6 +1002,38 @@ def test_interp_fast_engine_greedy_with_the_bias_kernel(small_target, monkeypatc
     assert calls
 
 
+def nucleus_rows(rows: int, v: int, seed: int, device="cpu") -> torch.Tensor:
+    """Softmax rows from peaked to flat (a third each), as a temperature-0.7 target gives them."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([8.0, 2.0, 0.1]).repeat_interleave(-(-rows // 3))[:rows, None]
+    return torch.softmax(torch.randn(rows, v, generator=g) * scales, -1).to(device)
+
+
+def test_nucleus_reference_is_the_sampling_rule():
+    """On the CPU ``nucleus`` is the sort-based rule the sampler's static path always was: the most
+    likely token stays even at top_p = 0, the kept mass is renormalised."""
+    probs = nucleus_rows(6, 500, seed=1)
+    got = nucleus(probs, 0.9)
+    assert torch.equal(got, nucleus_reference(probs, 0.9))
+    torch.testing.assert_close(got.sum(-1), torch.ones(6))
+    only = nucleus(probs, 0.0)
+    assert torch.equal(only.argmax(-1), probs.argmax(-1))
+    assert torch.equal((only > 0).sum(-1), torch.ones(6, dtype=torch.long))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 0.9, 0.99])
+def test_interp_nucleus(top_p):
+    """The kernel keeps the sort's tokens with the same renormalised values, over rows from peaked
+    to flat whose width is no multiple of the kernel's block, [R, V] and a verify step's [R, W, V]."""
+    probs = nucleus_rows(9, 3000, seed=4)
+    for batch in (probs, probs.view(3, 3, -1)):
+        got, ref = nucleus(batch, top_p, impl="triton"), nucleus_reference(batch, top_p)
+        assert torch.equal(got > 0, ref > 0)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert nucleus_self_check(torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------- triton, GPU
 
 GPU_N, GPU_D, GPU_R, GPU_V = 512 * 7, 576, 256, 49152
@@ -1294,3 +1327,16 @@ def test_gpu_bias_argmax(rows, dtype):
     *tied, expected = tied_bias_argmax_problem("cuda")
     assert bias_argmax(*tied, impl="triton").tolist() == expected
     assert bias_argmax_self_check(torch.device("cuda"), dtype, 256)
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_gpu_nucleus(top_p):
+    """Data generation's answers: 1 024 rows of SmolLM2's vocabulary from peaked to flat, the
+    kernel against the sort (the same kept tokens, the same values to float32 rounding)."""
+    probs = nucleus_rows(1024, GPU_V, seed=6, device="cuda")
+    got, ref = nucleus(probs, top_p, impl="triton"), nucleus_reference(probs, top_p)
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+    assert nucleus_self_check(torch.device("cuda"))

@@ -7,8 +7,9 @@ This filtered distribution is what the engine samples from without a drafter and
 drafts against, so speculative decoding stays lossless w.r.t. it.
 
 Two implementations of the same rule:
-  * ``static=True`` (the fast engine, inside its CUDA graphs): one ``topk(k)`` or one sort of the
-    full vocabulary per row; static shapes, no host synchronisation, exact by construction.
+  * ``static=True`` (the fast engine, inside its CUDA graphs): one ``topk(k)``, or for top-p alone
+    ``kernels.nucleus`` (on CUDA: the boundary found by bit pattern in ten reads of a row, no
+    sort; elsewhere one sort of the full vocabulary per row); static shapes, no host sync.
   * ``static=False`` (the plain engine): without top-k it first tries the 512, then 4096 most
     likely tokens and sorts the full vocabulary only for rows whose nucleus lies outside them
     (exact: a candidate set holding >= top_p of the mass contains the whole nucleus). On one CPU
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..core.sampling import probs_from_logits
+from ..kernels.nucleus import nucleus
 
 __all__ = ["filter_probs", "target_probs"]
 
@@ -53,9 +55,8 @@ def filter_probs(probs: Tensor, top_k: int = 0, top_p: float = 1.0, *, static: b
     if k:  # the top-k set is renormalised before top-p, as transformers does
         vals, ids = probs.topk(k, dim=-1)
         return _scatter(probs, _nucleus(vals, top_p, True) if top_p < 1.0 else vals, ids)
-    if static or probs.numel() == 0:
-        vals, ids = probs.sort(dim=-1, descending=True)
-        return _scatter(probs, _nucleus(vals, top_p, False), ids)
+    if static or probs.numel() == 0:  # on CUDA without a sort (kernels.nucleus), else one per row
+        return nucleus(probs, top_p)
     return _filter_rows(probs.reshape(-1, v), top_p).reshape(probs.shape)
 
 
