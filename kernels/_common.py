@@ -9,6 +9,8 @@ so ``auto`` never picks it there.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -83,3 +85,24 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
             f"import); got devices {devices}"
         )
     return "triton"
+
+
+_SELF_CHECKS: dict[tuple, bool] = {}
+
+
+def self_check(kernel: str, key: tuple, check: Callable[[], tuple[bool, str]], fallback: str) -> bool:
+    """Whether ``kernel`` may run for ``key`` (its device first, then what its code depends on):
+    ``check()`` runs it once per process and key on a small case against its reference and says
+    (ok, why not). A failure, or an error compiling or launching it, says no with one warning naming
+    the ``fallback`` that runs instead: a caller keeps its reference path rather than losing a run
+    to a kernel the device rejects."""
+    if (kernel, *key) not in _SELF_CHECKS:
+        try:
+            ok, why = check()
+        except Exception as exc:  # a compiler or launch failure on this device
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            message = f"{kernel}'s Triton kernel is off on {key[0]} ({why}): {fallback} runs instead"
+            warnings.warn(message, stacklevel=3)
+        _SELF_CHECKS[(kernel, *key)] = ok
+    return _SELF_CHECKS[(kernel, *key)]

@@ -16,13 +16,11 @@ two launches; at one row on the H200 the reference's pieces (an embedding gather
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import HAS_TRITON, resolve_impl, tl, triton
+from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
 __all__ = [
     "bias_argmax",
@@ -34,9 +32,6 @@ __all__ = [
 BLOCK_V = 128  # vocabulary rows of W2 per program
 BLOCK_R = 16  # rows of b per program (tl.dot's smallest tile)
 BLOCK_K = 64  # the rank, in steps
-
-_SELF_CHECKS: dict[tuple, bool] = {}
-
 
 def _features(b: Tensor, rows: Tensor | None) -> Tensor:
     return b if rows is None else b[rows]
@@ -82,31 +77,23 @@ def bias_argmax(
 
 
 def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) -> bool:
-    """Run the kernel once on a small random case at this rank against the reference (once per
-    process, device, dtype and rank): False, with a warning, if it fails to compile or disagrees,
-    so a caller keeps the reference path instead of losing a run to a kernel the device rejects."""
-    key = (str(device), dtype, rank)
-    if key not in _SELF_CHECKS:
-        ok, why = False, ""
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            vocab = 3 * BLOCK_V + 5  # a ragged last chunk
-            base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # two row tiles
-            weight = torch.randn(vocab, rank, device=device, generator=g).to(dtype)
-            b = (torch.randn(19, rank, device=device, generator=g) / rank**0.5).to(dtype)
-            rows = torch.randint(0, 19, (19,), device=device, generator=g)
-            ok = all(
-                near_greedy(_bias_argmax_triton(base, weight, b, index), base, weight, b, index)
-                for index in (None, rows)
-            )  # fmt: skip
-            why = "tokens the reference ranks below its argmax"
-        except Exception as exc:  # a compiler or launch failure on this device
-            why = f"{type(exc).__name__}: {exc}"
-        if not ok:
-            message = f"bias_argmax's Triton kernel is off on {device} ({why}): the reference runs instead"
-            warnings.warn(message, stacklevel=2)
-        _SELF_CHECKS[key] = ok
-    return _SELF_CHECKS[key]
+    """Whether the kernels run here (``self_check``): a small random case at this rank, the features
+    as rows and gathered, against the reference; the reference otherwise."""
+
+    def check() -> tuple[bool, str]:
+        g = torch.Generator(device=device).manual_seed(0)
+        vocab = 3 * BLOCK_V + 5  # a ragged last chunk
+        base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # two row tiles
+        weight = torch.randn(vocab, rank, device=device, generator=g).to(dtype)
+        b = (torch.randn(19, rank, device=device, generator=g) / rank**0.5).to(dtype)
+        rows = torch.randint(0, 19, (19,), device=device, generator=g)
+        ok = all(
+            near_greedy(_bias_argmax_triton(base, weight, b, index), base, weight, b, index)
+            for index in (None, rows)
+        )  # fmt: skip
+        return ok, "tokens the reference ranks below its argmax"
+
+    return self_check("bias_argmax", (str(device), dtype, rank), check, "the reference")
 
 
 def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | None = None) -> Tensor:

@@ -30,13 +30,11 @@ the unsplit grid fills the SMs, else enough splits for one to two programs an SM
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import HAS_TRITON, resolve_impl, tl, triton
+from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
 __all__ = [
     "cache_attention",
@@ -295,43 +293,28 @@ def device_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
-_SELF_CHECKS: dict[tuple, bool] = {}
-
-
 def kernel_self_check(
     device: torch.device, dtype: torch.dtype, head_dim: int, groups: int, tail: bool = False
 ) -> bool:
-    """Run the kernel once on a small random case at these sizes (``tail``: with the drafter's
-    rule), unsplit and split, against the reference (once per process and sizes): False, with a
-    warning, if it fails to compile or disagrees, so a caller can keep the reference path instead
-    of losing a run to a kernel the device rejects."""
-    key = (str(device), dtype, head_dim, groups, tail)
-    if key not in _SELF_CHECKS:
-        ok, why = False, ""
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(2, 3, 2 * groups, head_dim, device=device, generator=g).to(dtype)
-            k, v = (torch.randn(2, 2, 140, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
-            pos = torch.tensor([[5, 6, 7], [130, 131, 132]], device=device)
-            room = None
-            if tail:  # each row's context (6 and 131 slots), its block in the room at slots 137..139
-                pos, room = pos[:, :1].expand(2, 3), 137
-            ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5, tail=room)
-            err = 0.0
-            for splits in (1, 3):  # the single kernel; the split one (row 2: three chunks) and its merge
-                got = cache_attention(
-                    q, k, v, pos, scale=head_dim**-0.5, tail=room, impl="triton", splits=splits
-                )
-                err = max(err, float((got.float() - ref.float()).norm() / ref.float().norm()))
-            ok, why = err < 2e-2, f"relative error {err:.2e} against the reference"
-        except Exception as exc:  # a compiler or launch failure on this device
-            why = f"{type(exc).__name__}: {exc}"
-        if not ok:
-            warnings.warn(
-                f"cache_attention's Triton kernel is off on {device} ({why}): SDPA runs instead", stacklevel=2
-            )
-        _SELF_CHECKS[key] = ok
-    return _SELF_CHECKS[key]
+    """Whether the kernel runs here (``self_check``): a small random case at these sizes
+    (``tail``: with the drafter's rule), unsplit and split, against the reference; SDPA otherwise."""
+
+    def check() -> tuple[bool, str]:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(2, 3, 2 * groups, head_dim, device=device, generator=g).to(dtype)
+        k, v = (torch.randn(2, 2, 140, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
+        pos = torch.tensor([[5, 6, 7], [130, 131, 132]], device=device)
+        room = None
+        if tail:  # each row's context (6 and 131 slots), its block in the room at slots 137..139
+            pos, room = pos[:, :1].expand(2, 3), 137
+        ref = cache_attention_reference(q, k, v, pos, scale=head_dim**-0.5, tail=room)
+        err = 0.0
+        for splits in (1, 3):  # the single kernel; the split one (row 2: three chunks) and its merge
+            got = cache_attention(q, k, v, pos, scale=head_dim**-0.5, tail=room, impl="triton", splits=splits)
+            err = max(err, float((got.float() - ref.float()).norm() / ref.float().norm()))
+        return err < 2e-2, f"relative error {err:.2e} against the reference"
+
+    return self_check("cache_attention", (str(device), dtype, head_dim, groups, tail), check, "SDPA")
 
 
 def _cache_attention_triton(q, k_cache, v_cache, positions, scale, row0, window, tail, splits) -> Tensor:

@@ -15,18 +15,15 @@ the masses compared with ``top_p``.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
-from ._common import HAS_TRITON, resolve_impl, tl, triton
+from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
 __all__ = ["nucleus", "nucleus_reference", "nucleus_self_check"]
 
 BLOCK = 1024  # columns per step of a pass
 
-_SELF_CHECKS: dict[str, bool] = {}
 
 
 def nucleus_reference(probs: Tensor, top_p: float) -> Tensor:
@@ -49,26 +46,18 @@ def nucleus(probs: Tensor, top_p: float, impl: str = "auto") -> Tensor:
 
 
 def nucleus_self_check(device: torch.device) -> bool:
-    """Run the kernel once on rows from peaked to flat against the reference (once per process and
-    device): False, with a warning, if it fails to compile or keeps other tokens, so the sampler
-    keeps the sort instead of drawing from a wrong distribution."""
-    key = str(device)
-    if key not in _SELF_CHECKS:
-        ok, why = False, ""
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            scales = torch.tensor([8.0, 2.0, 0.1], device=device).repeat_interleave(3)[:, None]
-            probs = torch.softmax(torch.randn(9, 3 * BLOCK + 7, device=device, generator=g) * scales, -1)
-            got, want = _nucleus_triton(probs, 0.9), nucleus_reference(probs, 0.9)
-            ok = torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-8)
-            why = "its kept tokens or values differ from the sort's"
-        except Exception as exc:  # a compiler or launch failure on this device
-            why = f"{type(exc).__name__}: {exc}"
-        if not ok:
-            message = f"nucleus's Triton kernel is off on {device} ({why}): the sort runs instead"
-            warnings.warn(message, stacklevel=2)
-        _SELF_CHECKS[key] = ok
-    return _SELF_CHECKS[key]
+    """Whether the kernel runs here (``self_check``): rows from peaked to flat against the
+    reference; the sort otherwise, rather than drawing from a wrong distribution."""
+
+    def check() -> tuple[bool, str]:
+        g = torch.Generator(device=device).manual_seed(0)
+        scales = torch.tensor([8.0, 2.0, 0.1], device=device).repeat_interleave(3)[:, None]
+        probs = torch.softmax(torch.randn(9, 3 * BLOCK + 7, device=device, generator=g) * scales, -1)
+        got, want = _nucleus_triton(probs, 0.9), nucleus_reference(probs, 0.9)
+        ok = torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-8)
+        return ok, "its kept tokens or values differ from the sort's"
+
+    return self_check("nucleus", (str(device),), check, "the sort")
 
 
 def _nucleus_triton(probs: Tensor, top_p: float) -> Tensor:

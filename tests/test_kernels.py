@@ -584,7 +584,7 @@ def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch, tail)
     import importlib
 
     module = importlib.import_module("dspark.kernels.cache_attention")  # the package's name is the function
-    monkeypatch.setattr(module, "_SELF_CHECKS", {})
+    monkeypatch.setattr(importlib.import_module("dspark.kernels._common"), "_SELF_CHECKS", {})
     if INTERPRETING:  # the interpreter runs it on the CPU: make it fail another way
         monkeypatch.setattr(module, "_cache_attention_triton", lambda *a: 1 / 0)
     with pytest.warns(UserWarning, match="SDPA runs instead"):
