@@ -22,7 +22,8 @@ from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
 __all__ = ["nucleus", "nucleus_reference", "nucleus_self_check"]
 
-BLOCK = 1024  # columns per step of a pass
+BLOCK = 512  # columns per step of a pass (x 16 candidate masses: 32 values a thread at 8 warps)
+WARPS = 8
 
 
 
@@ -64,42 +65,48 @@ def _nucleus_triton(probs: Tensor, top_p: float) -> Tensor:
     v = probs.shape[-1]
     rows = probs.reshape(-1, v).contiguous()
     out = torch.empty_like(rows)
-    _nucleus_kernel[(rows.shape[0],)](rows, out, v, rows.stride(0), float(top_p), BLOCK=BLOCK)
+    # top_p <= 0 keeps the most likely token(s): any positive top_p below the smallest mass does.
+    top_p = max(float(top_p), 1e-30)
+    _nucleus_kernel[(rows.shape[0],)](rows, out, v, rows.stride(0), top_p, BLOCK=BLOCK, num_warps=WARPS)
     return out.view(probs.shape)
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _nucleus_kernel(p_ptr, out_ptr, V, stride, top_p, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64) * stride
+    def _raise_bound(p_ptr, row, V, top_p, below, shift, BLOCK: tl.constexpr):
+        """``below`` (bits of an x with S(x) >= top_p) raised by the largest of 15 steps of 2**shift
+        that keeps S >= top_p: one read of the row, the 16 candidate masses at once."""
         cols = tl.arange(0, BLOCK)
-        digits = tl.arange(0, 16).to(tl.int64)
-        below = tl.zeros((), dtype=tl.int64)  # bits of the largest x found so far with S(x) >= top_p
-        top = tl.zeros((), dtype=tl.int64)  # bits of the row's max (always kept)
-        for shift in tl.static_range(28, -1, -4):
-            tries = below + (digits << shift)  # [16]: the next four bits, 0 (below itself) .. 15
-            mass = tl.zeros((16,), dtype=tl.float32)
-            for start in range(0, V, BLOCK):
-                ok = start + cols < V
-                p = tl.load(p_ptr + row + start + cols, mask=ok, other=0.0)
-                bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-                above = (bits[:, None] > tries[None, :]) & ok[:, None]
-                mass += tl.sum(tl.where(above, p[:, None], 0.0), axis=0)
-                if shift == 28:
-                    top = tl.maximum(top, tl.max(tl.where(ok, bits, 0), axis=0))
-            # S falls as x grows and S(below) >= top_p holds: the largest try that keeps it
-            below += tl.max(tl.where(mass >= top_p, digits, 0), axis=0) << shift
-        kept = tl.zeros((BLOCK,), dtype=tl.float32)
+        digits = tl.arange(0, 16)
+        tries = below + (digits << shift)
+        mass = tl.zeros((16,), dtype=tl.float32)
         for start in range(0, V, BLOCK):
             ok = start + cols < V
             p = tl.load(p_ptr + row + start + cols, mask=ok, other=0.0)
-            bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-            kept += tl.where(ok & ((bits > below) | (bits >= top)), p, 0.0)
+            above = (p.to(tl.int32, bitcast=True)[:, None] > tries[None, :]) & ok[:, None]
+            mass += tl.sum(tl.where(above, p[:, None], 0.0), axis=0)
+        return below + (tl.max(tl.where(mass >= top_p, digits, 0), axis=0) << shift)
+
+    @triton.jit
+    def _nucleus_kernel(p_ptr, out_ptr, V, stride, top_p, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * stride
+        cols = tl.arange(0, BLOCK)
+        # Probabilities are <= 1.0 (bits 0x3F800000): bits 27..30 first, four at a time, down to
+        # 3..6, then 0..3 (a digit past 7 there would redo bit 3, which the pass before settled).
+        # int32 throughout: no try passes 2**31 - 1.
+        below = tl.zeros((), dtype=tl.int32)  # S(0) = the row's mass >= top_p
+        for i in tl.static_range(7):
+            below = _raise_bound(p_ptr, row, V, top_p, below, 27 - 4 * i, BLOCK)
+        below = _raise_bound(p_ptr, row, V, top_p, below, 0, BLOCK)
+        kept = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, V, BLOCK):  # S falls below top_p past `below`: those stay
+            ok = start + cols < V
+            p = tl.load(p_ptr + row + start + cols, mask=ok, other=0.0)
+            kept += tl.where(ok & (p.to(tl.int32, bitcast=True) > below), p, 0.0)
         total = tl.sum(kept, axis=0)
         for start in range(0, V, BLOCK):
             ok = start + cols < V
             p = tl.load(p_ptr + row + start + cols, mask=ok, other=0.0)
-            bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-            keep = (bits > below) | (bits >= top)
+            keep = p.to(tl.int32, bitcast=True) > below
             tl.store(out_ptr + row + start + cols, tl.where(keep, p / total, 0.0), mask=ok)
