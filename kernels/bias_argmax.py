@@ -8,10 +8,12 @@ terms. The reference writes the [R, V] bias logits, reads them back to add, and 
 kernel is that GEMM with the rest folded into its epilogue: each program multiplies BLOCK_V rows of
 W2 by BLOCK_R rows of b (W2 is read once per row tile, not once per row), adds the base logits and
 reduces its tile to each row's (max, first index); a second kernel picks each row's first chunk
-holding the overall max (torch.argmax's tie rule). With ``rows`` the first kernel reads
-the features from a table (a Markov head's W1 at the previous tokens) itself. So a Markov position is
+holding the overall max (torch.argmax's tie rule). With ``rows`` the first kernel reads the
+features from a table (a Markov head's W1 at the previous tokens) itself. So a Markov position is
 two launches; at one row on the H200 the reference's pieces (an embedding gather, a GEMV through a
-[1, V] round trip, an argmax that ran as one program) took ~25 µs a position.
+[1, V] round trip, an argmax that ran as one program) took ~25 µs a position. Each row tile reads
+all of W2 again, so the kernel is for the few rows of latency-bound drafting (``MAX_ROWS``: one
+tile); a GEMM serves more rows better.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ __all__ = [
 ]
 
 BLOCK_V = 128  # vocabulary rows of W2 per program
-BLOCK_R = 16  # rows of b per program (tl.dot's smallest tile)
 BLOCK_K = 64  # the rank, in steps
+MAX_ROWS = 64  # rows of b per program at most (up to 16: tl.dot's smallest tile, 16)
+
 
 def _features(b: Tensor, rows: Tensor | None) -> Tensor:
     return b if rows is None else b[rows]
@@ -83,7 +86,7 @@ def bias_argmax_self_check(device: torch.device, dtype: torch.dtype, rank: int) 
     def check() -> tuple[bool, str]:
         g = torch.Generator(device=device).manual_seed(0)
         vocab = 3 * BLOCK_V + 5  # a ragged last chunk
-        base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # two row tiles
+        base = (4 * torch.randn(19, vocab, device=device, generator=g)).to(dtype)  # the wider tile
         weight = torch.randn(vocab, rank, device=device, generator=g).to(dtype)
         b = (torch.randn(19, rank, device=device, generator=g) / rank**0.5).to(dtype)
         rows = torch.randint(0, 19, (19,), device=device, generator=g)
@@ -101,13 +104,14 @@ def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | 
     weight = weight.to(b.dtype)
     base, weight, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (base, weight, b))
     chunks = triton.cdiv(v, BLOCK_V)
+    block_r = 16 if r <= 16 else MAX_ROWS  # one row tile up to MAX_ROWS rows: W2 read once
     best = torch.empty(r, chunks, device=base.device, dtype=torch.float32)
     first = torch.empty(r, chunks, device=base.device, dtype=torch.int32)
-    _bias_argmax_kernel[(chunks, triton.cdiv(r, BLOCK_R))](
+    _bias_argmax_kernel[(chunks, triton.cdiv(r, block_r))](
         base, weight, b, b if rows is None else rows, best, first, r, v, k,
         base.stride(0), weight.stride(0), b.stride(0),
         GATHER=rows is not None, IEEE=b.dtype == torch.float32,
-        BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+        BLOCK_V=BLOCK_V, BLOCK_R=block_r, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     tokens = torch.empty(r, device=base.device, dtype=torch.long)
     _first_chunk_kernel[(r,)](best, first, tokens, chunks, BLOCK_C=triton.next_power_of_2(chunks))

@@ -1260,8 +1260,9 @@ def test_bias_argmax_reference_and_its_checks():
 @needs_interpreter
 @pytest.mark.parametrize(
     "r,v,k,dtype",
-    [(1, 300, 64, torch.float32), (19, 517, 100, torch.float32), (5, 1000, 256, torch.float16)],
-    ids=["one-row", "two-row-tiles-ragged-rank", "fp16"],
+    [(1, 300, 64, torch.float32), (19, 517, 100, torch.float32), (70, 300, 64, torch.float32),
+     (5, 1000, 256, torch.float16)],
+    ids=["one-row", "wide-tile-ragged-rank", "two-wide-tiles", "fp16"],
 )  # bf16 on the GPU only: the interpreter's tl.dot mishandles bf16 (triton 3.6)
 def test_interp_bias_argmax(r, v, k, dtype):
     """The kernels against the reference, the features as rows of b and gathered from a table."""

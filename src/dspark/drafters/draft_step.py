@@ -37,6 +37,7 @@ from torch import Tensor
 from ..core.compiling import EagerOnFailure
 from ..core.types import DraftCache, Proposal, Shared
 from ..kernels import triton_available
+from ..kernels.bias_argmax import MAX_ROWS as BIAS_KERNEL_MAX_ROWS
 from ..kernels.bias_argmax import bias_argmax, bias_argmax_self_check
 from ..kernels.cache_attention import kernel_self_check, triton_fits
 from .derived import DerivedWeights
@@ -90,7 +91,7 @@ class FusedDraft:
     their eager use in ``propose``/``sample_block`` is the reference."""
 
     attention = "auto"  # the draft step's attention (attention_impl); "torch" or "triton" force one
-    greedy_kernel = "auto"  # greedy_step's bias_argmax: on CUDA when compiled; "torch" / "triton" force
+    greedy_kernel = "auto"  # bias_argmax in greedy_step: CUDA, compiled, <= 64 rows; "torch"/"triton" force
 
     def __init__(self, drafter, compiler=inference_compiler):
         self.drafter = drafter
@@ -127,11 +128,12 @@ class FusedDraft:
 
     def greedy_step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
         """A position's greedy token and the head's new state. Where ``greedy_kernel`` allows (on
-        CUDA, compiled, no soft-cap) ``kernels.bias_argmax`` takes the head's features to the token
-        (the bias GEMM, the sum and the argmax in two kernels, no [R, V] bias logits): a Markov
-        head's features (W1 at the previous tokens) it gathers itself, other heads' come from their
-        step compiled alone. Else ``step(greedy=True)``, the compiled ``position_argmax``. The same
-        token either way, to the bias GEMM's rounding (the kernel checks itself once per device)."""
+        CUDA, compiled, no soft-cap, up to 64 rows) ``kernels.bias_argmax`` takes the head's
+        features to the token (the bias GEMM, the sum and the argmax in two kernels, no [R, V] bias
+        logits): a Markov head's features (W1 at the previous tokens) it gathers itself, other
+        heads' come from their step compiled alone. Else ``step(greedy=True)``, the compiled
+        ``position_argmax``. The same token either way, to the bias GEMM's rounding (the kernel
+        checks itself once per device)."""
         if not self._greedy_kernel_runs(base, h, softcap):
             return self.step(base, h, prev, state, softcap, greedy=True)
         head = self.drafter.head
@@ -144,7 +146,9 @@ class FusedDraft:
         head = self.drafter.head
         if self.head_step is None or head is None or softcap or self.greedy_kernel == "torch":
             return False
-        if self.greedy_kernel == "auto" and not (self.compiled and base.is_cuda and triton_available()):
+        if self.greedy_kernel == "auto" and not (
+            self.compiled and base.is_cuda and triton_available() and base.shape[0] <= BIAS_KERNEL_MAX_ROWS
+        ):  # more rows: each tile of them reads W2 again, where the compiled GEMM reads it once
             return False
         return bias_argmax_self_check(base.device, h.dtype, head.rank)
 
