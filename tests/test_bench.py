@@ -344,3 +344,21 @@ def test_measure_repeats_keep_the_median_run_and_list_every_run(tiny_target, mon
     single = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
                      max_new_tokens=16, seed=5, warmup=False)["fixed"][0]  # fmt: skip
     assert "repeats" not in single and (single["tau"], single["rounds"]) == (out["tau"], out["rounds"])
+
+
+def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):
+    """The decoding kernels' benchmark on the CPU: the replaced steps timed (the compiled Markov
+    position's ops, the sort-based top-p, the softmax), no kernel (CUDA only), a row per size,
+    its JSON with provenance."""
+    from dspark.bench import decode_kernels
+
+    out = tmp_path / "dk.json"
+    sizes = ["--rows", "1,3", "--topp-rows", "4", "--vocab", "512", "--rank", "16"]
+    decode_kernels.main([*sizes, "--repeats", "2", "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["commit"] and report["machine"]["device"] == "cpu" and report["vocab"] == 512
+    assert [r["rows"] for r in report["greedy_position"]] == [1, 3]
+    assert [r["rows"] for r in report["top_p_filter"]] == [4]
+    rows = report["greedy_position"] + report["top_p_filter"]
+    assert all("kernel_ms" not in r for r in rows)
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_ms"))
