@@ -20,20 +20,32 @@ from torch import Tensor
 
 from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
-__all__ = ["nucleus", "nucleus_reference", "nucleus_self_check"]
+__all__ = ["keep_nucleus", "nucleus", "nucleus_reference", "nucleus_self_check", "scatter_renormalised"]
 
 BLOCK = 512  # columns per step of a pass (x 16 candidate masses: 32 values a thread at 8 warps)
 WARPS = 8
 
 
 
+def keep_nucleus(vals: Tensor, top_p: float, renormalise: bool = False) -> Tensor:
+    """The rule on values sorted descending [..., K]: those past the nucleus zeroed (``renormalise``:
+    the mass measured over the K given, as top-p after top-k does)."""
+    dist = vals / vals.sum(-1, keepdim=True) if renormalise else vals
+    keep = (dist.cumsum(-1) - dist) < top_p
+    keep[..., 0] = True
+    return vals * keep
+
+
+def scatter_renormalised(like: Tensor, vals: Tensor, ids: Tensor) -> Tensor:
+    """``vals`` at columns ``ids`` of a zero tensor shaped ``like``, renormalised per row."""
+    out = torch.zeros_like(like).scatter_(-1, ids, vals)
+    return out / out.sum(-1, keepdim=True)
+
+
 def nucleus_reference(probs: Tensor, top_p: float) -> Tensor:
     """Sort-based top-p of normalised probabilities [..., V] (the rule above), renormalised."""
     vals, ids = probs.sort(dim=-1, descending=True)
-    keep = (vals.cumsum(-1) - vals) < top_p
-    keep[..., 0] = True
-    out = torch.zeros_like(probs).scatter_(-1, ids, vals * keep)
-    return out / out.sum(-1, keepdim=True)
+    return scatter_renormalised(probs, keep_nucleus(vals, top_p), ids)
 
 
 def nucleus(probs: Tensor, top_p: float, impl: str = "auto") -> Tensor:

@@ -25,24 +25,11 @@ import torch
 from torch import Tensor
 
 from ..core.sampling import probs_from_logits
-from ..kernels.nucleus import nucleus
+from ..kernels.nucleus import keep_nucleus, nucleus, scatter_renormalised
 
 __all__ = ["filter_probs", "target_probs"]
 
 _CANDIDATES = (512, 4096)
-
-
-def _nucleus(vals: Tensor, top_p: float, renormalise: bool) -> Tensor:
-    """vals [..., K] sorted descending: zero those past the top-p nucleus."""
-    dist = vals / vals.sum(-1, keepdim=True) if renormalise else vals
-    keep = (dist.cumsum(-1) - dist) < top_p
-    keep[..., 0] = True
-    return vals * keep
-
-
-def _scatter(probs: Tensor, vals: Tensor, ids: Tensor) -> Tensor:
-    out = torch.zeros_like(probs).scatter_(-1, ids, vals)
-    return out / out.sum(-1, keepdim=True)
 
 
 def filter_probs(probs: Tensor, top_k: int = 0, top_p: float = 1.0, *, static: bool = False) -> Tensor:
@@ -54,7 +41,7 @@ def filter_probs(probs: Tensor, top_k: int = 0, top_p: float = 1.0, *, static: b
         return probs
     if k:  # the top-k set is renormalised before top-p, as transformers does
         vals, ids = probs.topk(k, dim=-1)
-        return _scatter(probs, _nucleus(vals, top_p, True) if top_p < 1.0 else vals, ids)
+        return scatter_renormalised(probs, keep_nucleus(vals, top_p, True) if top_p < 1.0 else vals, ids)
     if static or probs.numel() == 0:  # on CUDA without a sort (kernels.nucleus), else one per row
         return nucleus(probs, top_p)
     return _filter_rows(probs.reshape(-1, v), top_p).reshape(probs.shape)
@@ -69,7 +56,7 @@ def _filter_rows(probs: Tensor, top_p: float) -> Tensor:
         vals, ids = sub.topk(w, dim=-1) if w < probs.shape[-1] else sub.sort(dim=-1, descending=True)
         done = vals.sum(-1) >= top_p if w < probs.shape[-1] else torch.ones_like(todo, dtype=torch.bool)
         if bool(done.any()):
-            kept = _nucleus(vals[done], top_p, False)
+            kept = keep_nucleus(vals[done], top_p)
             out[todo[done]] = torch.zeros_like(sub[done]).scatter_(-1, ids[done], kept)
             todo = todo[~done]
         if todo.numel() == 0:
