@@ -363,3 +363,25 @@ def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):
     rows = report["greedy_position"] + report["top_p_filter"]
     assert all("kernel_ms" not in r for r in rows)
     assert all(r[k] > 0 for r in rows for k in r if k.endswith("_ms"))
+
+
+def test_round_profile_ranks_the_host_work_of_real_rounds(tiny_target, tmp_path):
+    from dspark.bench import round_profile
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    out = tmp_path / "rp.json"
+    report = round_profile.main(
+        ["--drafter-dir", str(drafter), "--benchmark-dir", str(_bench(tmp_path / "bench")), "--prompts", "2",
+         "--concurrency", "2", "--temperature", "0,1", "--max-new-tokens", "6", "--top", "400",
+         "--out", str(out), "target=tiny"]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["points"] == report["points"]
+    assert [(p["temperature"], p["concurrency"]) for p in report["points"]] == [(0.0, 2), (1.0, 2)]
+    for p in report["points"]:
+        assert p["rounds"] > 0 and p["host_ms_per_round"] > 0 and p["profiled_ms_per_round"] > 0
+        own = [r["own_us"] for r in p["top"]]
+        assert own == sorted(own, reverse=True)
+        launch = next(r for r in p["top"] if r["function"].endswith("(_launch)"))
+        assert launch["calls"] == 1.0 and launch["cumulative_us"] > launch["own_us"]  # one launch a round
+    sampled = {r["function"] for r in report["points"][1]["top"]}
+    assert any(f.endswith("(rejection_verify_reference)") for f in sampled)  # T = 1 verifies by sampling
