@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 def _parse(argv):
     from ..data.benchmarks import PACKAGED_BENCHMARKS
 
-    ap = argparse.ArgumentParser(prog="python -m dspark.bench.round_profile", description=__doc__.split("\n")[0])
+    prog, about = "python -m dspark.bench.round_profile", __doc__.split("\n")[0]
+    ap = argparse.ArgumentParser(prog=prog, description=about)
     ap.add_argument("--drafter-dir", required=True)
     ap.add_argument("--benchmark", default="gsm8k")
     ap.add_argument("--benchmark-dir", default=PACKAGED_BENCHMARKS)
@@ -112,7 +113,8 @@ def main(argv=None) -> dict:
                 target, drafter, build_policy(args.policy), temperature=temperature, concurrency=R,
                 max_new_tokens=args.max_new_tokens, cost=cost, buckets=(R,), compile=args.compile,
             )  # fmt: skip
-            reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(max(R, len(prompts)))]
+            n = max(R, len(prompts))
+            reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
             engine.prepare(reqs)
             point = {"temperature": temperature, "concurrency": R, "policy": args.policy}
             point.update(profile_rounds(engine, reqs, args.top))
@@ -125,7 +127,8 @@ def main(argv=None) -> dict:
             )
             print(f"{'own':>8} {'cumul':>8} {'calls':>6}  function")
             for row in point["top"]:
-                print(f"{row['own_us']:8.1f} {row['cumulative_us']:8.1f} {row['calls']:6.1f}  {row['function']}")
+                own, cum, calls = row["own_us"], row["cumulative_us"], row["calls"]
+                print(f"{own:8.1f} {cum:8.1f} {calls:6.1f}  {row['function']}")
     return report
 
 
