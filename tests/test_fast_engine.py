@@ -447,7 +447,7 @@ def test_leaving_rows_move_only_their_successors(small_target, monkeypatch):
     for mod in (st, fe):
         inner = mod.move_rows
         monkeypatch.setattr(
-            mod, "move_rows", lambda ts, d, s, _i=inner: moved.append(d.tolist()) or _i(ts, d, s)
+            mod, "move_rows", lambda ts, d, s, _i=inner, **kw: moved.append(d.tolist()) or _i(ts, d, s, **kw)
         )
     with torch.inference_mode():
         for buf in [*eng.static.k, *eng.dcache.k]:
@@ -455,12 +455,13 @@ def test_leaving_rows_move_only_their_successors(small_target, monkeypatch):
         eng.static.lengths.copy_(torch.tensor([10, 11, 12, 13]))
         order = retire_order([True, False, True, True])
         eng._keep_rows(torch.tensor(order), order)
-    assert order == [0, 3, 2] and moved == [[1], [1]]  # the target's caches, the drafter's
+    # the target's stacked caches and lengths, the drafter's: one call each, the moved row only
+    assert order == [0, 3, 2] and moved == [[1]] * 4
     for buf in [*eng.static.k, *eng.dcache.k]:
         assert buf[:3, 0, 0, 0].tolist() == [0.0, 3.0, 2.0]
     assert eng.static.lengths[:3].tolist() == [10, 13, 12]
     eng._keep_rows(torch.tensor([0, 1]), [0, 1])  # the tail left: nothing moves
-    assert moved == [[1], [1]]
+    assert moved == [[1]] * 4
 
 
 def test_fast_engine_filtered_sampling_with_refill_matches_plain(small_target):
@@ -1006,3 +1007,18 @@ def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, n
             assert counter.frame_count == compiled_graphs(name, head, "cuda")  # nothing compiled in capture
     finally:
         small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stall_watch_reads_the_allocator_reserve():
+    """The round's watch reads the CUDA allocator's reserve from its nested statistics (cheaper than
+    torch.cuda.memory_reserved, which flattens them all): the same number, and growth shows."""
+    from dspark.decoding.stall_watch import _reserved_mb
+
+    torch.cuda.empty_cache()
+    before = _reserved_mb()
+    assert before == torch.cuda.memory_reserved() / 2**20
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # no free block cached: a cudaMalloc
+    assert _reserved_mb() == torch.cuda.memory_reserved() / 2**20 >= before + 64
+    del block

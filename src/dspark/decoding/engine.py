@@ -680,7 +680,7 @@ class Engine:
                         proposed=len_l[i],
                         accepted=n_l[i],
                         emitted=emitted,
-                        accept_flags=[k < n_l[i] for k in range(len_l[i])],
+                        accept_flags=[True] * min(n_l[i], len_l[i]) + [False] * (len_l[i] - n_l[i]),
                         confidence_logits=None if zl is None else zl[i],
                         confidence=None if cl is None else cl[i],
                     )
@@ -726,6 +726,9 @@ class Engine:
 
     def _emit(self, item: _Live, new: list[int]) -> int:
         """Append tokens until EOS or the budget; returns how many were kept."""
+        if len(new) < item.budget - len(item.tokens) and self.eos.isdisjoint(new):
+            item.tokens += new  # the common case, without a test per token (R rows a round)
+            return len(new)
         kept = 0
         for tok in new:
             item.tokens.append(tok)

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..core.types import DraftCache, Proposal
+from ..drafters.context_write import stacked_kv
 from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
@@ -398,7 +399,12 @@ class FastEngine(Engine):
         dst, src = (self._to_device(torch.tensor(rows, dtype=torch.long)) for rows in zip(*moves))
         self.static.move_rows(dst, src)
         if self.drafter is not None:
-            move_rows([*self.dcache.k, *self.dcache.v, self.dcache.length], dst, src)
+            kv = stacked_kv(self.dcache)  # as new_cache allocates it: all layers in one buffer
+            if kv is None:
+                move_rows([*self.dcache.k, *self.dcache.v], dst, src)
+            else:
+                move_rows([kv], dst, src, dim=2)
+            move_rows([self.dcache.length], dst, src)
 
 
 ENGINES = ("plain", "fast")

@@ -92,12 +92,13 @@ def _gemma_rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-def move_rows(tensors: list[Tensor], dst: Tensor, src: Tensor) -> None:
-    """In place: rows ``src`` of every tensor copied onto rows ``dst`` (disjoint), keeping
-    addresses (captured CUDA graphs read these buffers). Only the rows that change place move:
-    a request leaving a 256-row batch costs its successor's row, not the whole cache."""
+def move_rows(tensors: list[Tensor], dst: Tensor, src: Tensor, dim: int = 0) -> None:
+    """In place: rows ``src`` (along ``dim``) of every tensor copied onto rows ``dst`` (disjoint),
+    keeping addresses (captured CUDA graphs read these buffers). Only the rows that change place
+    move: a request leaving a 256-row batch costs its successor's row, not the whole cache. Two
+    kernels per tensor: callers pass every layer's cache as one stacked buffer, not one per layer."""
     for t in tensors:
-        t[dst] = t[src]
+        t.index_copy_(dim, dst, t.index_select(dim, src))
 
 
 def _no_mlp_bias(layer) -> None:
@@ -403,8 +404,10 @@ class StaticTarget:
         self.taps = target.layer_ids
         device, dtype = target.device, target.dtype
         shape = (self.rows, self.num_kv_heads, self.capacity, self.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.weights]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.weights]
+        # Every layer's keys and values are views of one buffer [2, L, R, Hkv, C, hd]: moving rows
+        # (continuous batching) is then two kernels, not two per layer and tensor.
+        self.kv = torch.zeros(2, len(self.weights), *shape, device=device, dtype=dtype)
+        self.k, self.v = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=device)  # committed per row
         pos = torch.arange(self.capacity, device=device)[None]
         probe = torch.zeros(1, 1, self.head_dim, device=device, dtype=dtype)
@@ -457,4 +460,5 @@ class StaticTarget:
     # ---- rows (continuous batching) -----------------------------------------------------------
     def move_rows(self, dst: Tensor, src: Tensor) -> None:
         """Rows ``src`` (requests still running) onto rows ``dst`` (finished ones)."""
-        move_rows([*self.k, *self.v, self.lengths], dst, src)
+        move_rows([self.kv], dst, src, dim=2)
+        move_rows([self.lengths], dst, src)
