@@ -22,10 +22,12 @@ from dspark.scheduling.policies import (
     HardwareAware,
     Mtp1,
     Retrospective,
+    RoundClock,
     Threshold,
     Truncated,
     admission_order,
     build_policy,
+    expected_tokens,
     prefix_survival,
     throughput_path,
 )
@@ -639,6 +641,67 @@ def test_draft_aware_drafts_what_pays_at_this_load():
     assert measured.round_time(16, 3) == pytest.approx(6e-3) and measured.round_time(16, 0) == pytest.approx(
         4e-3
     )
+
+
+# Whole rounds priced flat in R: a plain round 2.0 ms, one drafted position 2.4, two 2.6. With every
+# position accepted half the time the table's best at 256 rows is to draft both (448 tokens / 2.6 ms).
+CLOCK_COST = CostModel(
+    {1: 1.0, 4096: 1.0}, round_len_ms={0: {1: 2.0, 256: 2.0}, 1: {1: 2.4, 256: 2.4}, 2: {1: 2.6, 256: 2.6}}
+)
+HALF = np.array([0.5, 0.5])
+
+
+def test_round_clock_prices_lengths_by_what_their_rounds_took():
+    """Measured / priced per rows bucket and drafted length: a timed length is priced by its own
+    ratio, the others by the bucket's mean ratio (a table off by one factor keeps its order); once the
+    chosen length is timed, one round in ``explore_every`` tries the best untimed length whose rate
+    is within ``explore_share`` of the best."""
+    clock = RoundClock(decay=0.5, min_timed=2, explore_every=3, explore_share=0.8)
+    tokens = expected_tokens(HALF, 256)
+    assert tokens.tolist() == [256.0, 384.0, 448.0]
+    assert clock.choose(tokens, 256, CLOCK_COST) == 2  # the table's best; nothing timed, nothing explored
+    clock.observe(256, 2, 3.9, CLOCK_COST)  # drafting both takes 1.5x what the table says
+    assert not clock.timed(256, 2)  # min_timed rounds first
+    clock.observe(200, 2, 3.9, CLOCK_COST)  # 200 rows: the same bucket (256)
+    assert clock.timed(256, 2) and not clock.timed(128, 2) and not clock.timed(256, 1)
+    np.testing.assert_allclose(clock.times(256, 2, CLOCK_COST), [3.0e-3, 3.6e-3, 3.9e-3])  # all x 1.5
+    np.testing.assert_allclose(clock.times(128, 2, CLOCK_COST), [2.0e-3, 2.4e-3, 2.6e-3])  # another bucket
+    # Rates 85, 107, 115 tokens/ms: two rounds keep the best, the third explores one drafted position
+    # (107 >= 0.8 x 115); the plain round (85) is not worth a round.
+    assert [clock.choose(tokens, 256, CLOCK_COST) for _ in range(3)] == [2, 2, 1]
+    for _ in range(2):
+        clock.observe(256, 1, 2.4, CLOCK_COST)  # one position costs what the table says
+    np.testing.assert_allclose(clock.times(256, 2, CLOCK_COST), [2.5e-3, 2.4e-3, 3.9e-3])  # plain: mean 1.25
+    assert clock.choose(tokens, 256, CLOCK_COST) == 1  # 160 tokens/ms against 115 and 102
+    clock.observe(256, 1, 4.8, CLOCK_COST)  # the ratio decays towards what rounds take now
+    assert clock.times(256, 2, CLOCK_COST)[1] == pytest.approx(2.4e-3 * (0.5 * 1.5 + 2.0) / 1.75)
+    clock.reset()
+    np.testing.assert_allclose(clock.times(256, 2, CLOCK_COST), [2.0e-3, 2.4e-3, 2.6e-3])
+    with pytest.raises(ValueError, match="decay"):
+        RoundClock(decay=1.0)
+
+
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_draft_aware_choices_follow_the_rounds_clock(policy):
+    """The engine's rounds say what the table does not: drafting two positions takes 3.9 ms, not 2.6,
+    while one costs what it is priced at. Fed completed rounds in launch order (as the engines report
+    them), the policy settles on one position; with ``round_clock=False`` it keeps the table's two."""
+    took = {0: 2.0, 1: 2.4, 2: 3.9}
+    accepted = {0: [0] * 4, 1: [0, 0, 1, 1], 2: [0, 0, 1, 2]}  # each reached position accepted half the time
+
+    def run(pol, rounds=60):
+        plans = []
+        for _ in range(rounds):
+            m = pol.draft_length(256, 2, CLOCK_COST)
+            plans.append(m)
+            pol.observe_round(np.full(256, m), np.resize(accepted[m], 256))
+            pol.observe_time(took[m])
+        return plans
+
+    plans = run(build_policy(policy, defaults={"check": False}))
+    assert plans[0] == 2 and 1 in plans and plans[-20:] == [1] * 20, plans
+    table_only = run(build_policy(policy, defaults={"check": False, "round_clock": False}))
+    assert set(table_only) == {2}
 
 
 def test_policies_plan_their_draft_and_width():

@@ -65,12 +65,14 @@ __all__ = [
     "Mtp1",
     "Policy",
     "Retrospective",
+    "RoundClock",
     "Threshold",
     "Truncated",
     "admission_order",
     "build_policy",
     "depth_path",
     "expected_rates",
+    "expected_tokens",
     "prefix_survival",
     "throughput_path",
 ]
@@ -244,12 +246,91 @@ class AcceptanceEstimate:
         self._hits += (reached & (accepted[:, None] >= j)).sum(0)
 
 
+def expected_tokens(acceptance: np.ndarray, rows: int) -> np.ndarray:
+    """Tokens a round emits for ``γ_d = 0..γ``, every row verifying its whole draft:
+    ``R · (1 + Σ_{j<=γ_d} Π_{i<=j} ĉ_i)``."""
+    return rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(acceptance))]))
+
+
 def expected_rates(acceptance: np.ndarray, rows: int, cost: CostModel) -> np.ndarray:
-    """Θ(γ_d) for ``γ_d = 0..γ`` (tokens per second), every row verifying its whole draft:
-    ``R · (1 + Σ_{j<=γ_d} Π_{i<=j} ĉ_i) / T(R, γ_d)`` with ``T = CostModel.round_time``."""
-    gamma = acceptance.size
-    tau = rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(acceptance))]))
-    return tau / cost.round_times(rows, gamma)
+    """Θ(γ_d) for ``γ_d = 0..γ`` (tokens per second) priced by the table:
+    ``expected_tokens / T(R, γ_d)`` with ``T = CostModel.round_time``."""
+    return expected_tokens(acceptance, rows) / cost.round_times(rows, acceptance.size)
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two at or above ``rows`` (the engines' graph buckets by default)."""
+    return 1 << max(int(rows) - 1, 0).bit_length()
+
+
+class RoundClock:
+    """What the engine's rounds cost, against what the cost table prices them at.
+
+    The table is profiled apart from the run (steps or whole rounds of random prompts, no request
+    ending), and the run's rounds can cost otherwise: rows moved as requests finish, the host's work
+    per round outlasting the device's at high load, a plain round of an engine that carries a
+    drafter. Per rows bucket and drafted length ``γ_d`` this keeps a decaying mean of measured / priced
+    (``observe``, from completed rounds) and prices ``γ_d`` with the table times that ratio once it
+    has ``min_timed`` rounds of it (``times``). ``choose`` takes the best rate so priced; and once the
+    chosen length is timed, one round in ``explore_every`` runs the most promising length the clock
+    has not timed yet, if its rate is within ``explore_share`` of the best one's, so a table that
+    overprices a plain round (or underprices a draft) costs a few rounds, not the run. Only
+    completed rounds and a round counter decide: the choice stays non-anticipating."""
+
+    def __init__(
+        self, decay: float = 0.9, min_timed: int = 2, explore_every: int = 8, explore_share: float = 0.8
+    ) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if min_timed < 1 or explore_every < 1:
+            raise ValueError(f"min_timed and explore_every must be >= 1, got {min_timed}, {explore_every}")
+        self.decay, self.min_timed, self.explore_every = float(decay), int(min_timed), int(explore_every)
+        self.explore_share = float(explore_share)
+        self.reset()
+
+    def reset(self) -> None:
+        self._ratios: dict[tuple[int, int], np.ndarray] = {}  # (bucket, γ_d) -> [Σ w·ratio, Σ w, rounds]
+        self._since_explore = 0
+
+    def timed(self, rows: int, drafted: int) -> bool:
+        sums = self._ratios.get((rows_bucket(rows), int(drafted)))
+        return sums is not None and sums[2] >= self.min_timed
+
+    def times(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
+        """``T(R, γ_d)`` for ``γ_d = 0..gamma`` (seconds): the table's, times the measured ratio
+        where it is timed, else the mean ratio of the timed lengths of this bucket: a table off
+        by one factor throughout (another machine, another load) keeps its order of the lengths."""
+        bucket = rows_bucket(rows)
+        timed = [m for m in range(gamma + 1) if self.timed(rows, m)]
+        ratios = {m: self._ratios[(bucket, m)][0] / self._ratios[(bucket, m)][1] for m in timed}
+        fallback = float(np.mean(list(ratios.values()))) if ratios else 1.0
+        return cost.round_times(rows, gamma) * np.array([ratios.get(m, fallback) for m in range(gamma + 1)])
+
+    def observe(self, rows: int, drafted: int, ms: float, cost: CostModel) -> None:
+        """A completed round of ``rows`` rows that drafted ``drafted`` positions took ``ms``."""
+        priced = cost.round_time(rows, drafted)
+        if not (ms > 0 and priced > 0):
+            return
+        sums = self._ratios.setdefault((rows_bucket(rows), int(drafted)), np.zeros(3))
+        sums[:2] = self.decay * sums[:2] + (1e-3 * ms / priced, 1.0)
+        sums[2] += 1
+
+    def choose(self, tokens: np.ndarray, rows: int, cost: CostModel) -> int:
+        """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``)."""
+        gamma = tokens.size - 1
+        rates = tokens / self.times(rows, gamma, cost)
+        best = int(np.argmax(rates))  # the first max: the fewest drafts
+        if not self.timed(rows, best):
+            return best
+        self._since_explore += 1
+        if self._since_explore < self.explore_every:
+            return best
+        worth = self.explore_share * rates[best]
+        untimed = [m for m in range(gamma + 1) if not self.timed(rows, m) and rates[m] >= worth]
+        if not untimed:
+            return best
+        self._since_explore = 0
+        return max(untimed, key=lambda m: rates[m])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,9 +483,11 @@ class HardwareAware(Policy):
     Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected
     rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
-    verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``.
-    Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks the
-    round's confidences (the engine reads the width back); otherwise every row verifies its whole
+    verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``, its
+    cost table corrected by the rounds' clock (``RoundClock``; ``round_clock=False``: the table
+    alone). Then, if the verification it
+    expects to save exceeds ``cost.readback_ms``, it walks the round's confidences (the engine
+    reads the width back); otherwise every row verifies its whole
     draft (width known, nothing read back). The expected saving is the largest one (``T_verify`` of R
     rows 1 + γ_d wide minus 1 wide, ``CostModel.verify_rows_ms``) times the share of it that completed
     walked rounds realised (an average that halves the weight of older walks, each a whole batch's
@@ -435,7 +518,12 @@ class HardwareAware(Policy):
     needs_cost = True
 
     def __init__(
-        self, check: bool = True, decay: float = 0.9, explore_every: int = 32, min_timed: int = 4
+        self,
+        check: bool = True,
+        decay: float = 0.9,
+        explore_every: int = 32,
+        min_timed: int = 4,
+        round_clock: bool = True,
     ) -> None:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
@@ -445,6 +533,7 @@ class HardwareAware(Policy):
         self.explore_every = int(explore_every)
         self.min_timed = int(min_timed)
         self._acceptance = AcceptanceEstimate(decay)
+        self._rounds = RoundClock(decay) if round_clock else None  # what rounds of each γ_d really cost
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
@@ -468,6 +557,8 @@ class HardwareAware(Policy):
         self._acceptance.reset()
         self._realised, self._since_explore = None, 0
         self._clock.clear()
+        if self._rounds is not None:
+            self._rounds.reset()
 
     def acceptance(self, gamma: int) -> np.ndarray:
         return self._acceptance.rates(gamma)
@@ -476,7 +567,11 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = int(np.argmax(expected_rates(self._acceptance.rates(gamma), rows, cost)))
+        tokens = expected_tokens(self._acceptance.rates(gamma), rows)
+        if self._rounds is None:
+            drafted = int(np.argmax(tokens / cost.round_times(rows, gamma)))
+        else:
+            drafted = self._rounds.choose(tokens, rows, cost)
         largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
         could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
         walk, shadow, clocked = False, False, self._clocked_walk(rows)
@@ -537,6 +632,9 @@ class HardwareAware(Policy):
             self._learn(lengths)
 
     def observe_time(self, ms: float) -> None:
+        if self._observed is not None and self._rounds is not None:
+            rows, drafted, _, cost = self._observed
+            self._rounds.observe(rows, drafted, ms, cost)
         if self._observed is None or not self._observed[1] or not ms > 0:  # unplanned or plain
             return
         rows, _, walked, _ = self._observed
@@ -661,9 +759,11 @@ class DraftAware(Policy):
     a global search over ``γ + 1`` values (``expected_rates``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
     the acceptance of completed rounds (``AcceptanceEstimate``: decaying weights, one optimistic
     pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
-    outcomes the confidences predict, observed exactly, for any drafter. Every row then verifies
-    its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row would
-    save nothing.
+    outcomes the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's,
+    corrected by what the engine's completed rounds took (``RoundClock``, ``observe_time``; off with
+    ``round_clock=False``, for choices that must not depend on timing). Every row then
+    verifies its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row
+    would save nothing.
 
     Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
     report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
@@ -674,18 +774,26 @@ class DraftAware(Policy):
     needs_confidence = False
     needs_cost = True
 
-    def __init__(self, decay: float = 0.9) -> None:
+    def __init__(self, decay: float = 0.9, round_clock: bool = True) -> None:
         self._acceptance = AcceptanceEstimate(decay)
         self.decay = self._acceptance.decay
+        self.clock = RoundClock(self.decay) if round_clock else None
+        self._plans: deque = deque(maxlen=8)  # (rows, γ_d, cost) of launched rounds, oldest first
+        self._observed = None  # the plan observe_round just completed
 
     def reset(self) -> None:
-        """A new ``generate``. The acceptance estimate carries over: it describes the drafter on
-        this workload, not one run, and starting again from the optimistic prior would draft
-        (and pay) a saturated load's first rounds only to learn it again; ``forget`` drops it."""
+        """A new ``generate``. The acceptance estimate and the clock carry over: they describe the
+        drafter and the engine on this workload, not one run, and starting again from the
+        optimistic prior would draft (and pay) a saturated load's first rounds only to learn it
+        again; ``forget`` drops them. The rounds in flight are gone."""
+        self._plans.clear()
+        self._observed = None
 
     def forget(self) -> None:
-        """Drop the acceptance estimate (a new drafter or workload)."""
+        """Drop the acceptance estimate and the clock (a new drafter, workload or engine)."""
         self._acceptance.reset()
+        if self.clock is not None:
+            self.clock.reset()
 
     def acceptance(self, gamma: int) -> np.ndarray:
         """``ĉ_j`` for positions ``1..gamma``."""
@@ -699,7 +807,12 @@ class DraftAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        return int(np.argmax(self.expected_rates(rows, gamma, cost)))  # first max: fewest drafts
+        if self.clock is None:
+            drafted = int(np.argmax(self.expected_rates(rows, gamma, cost)))  # first max: fewest drafts
+        else:
+            drafted = self.clock.choose(expected_tokens(self.acceptance(gamma), rows), rows, cost)
+        self._plans.append((rows, drafted, cost))
+        return drafted
 
     def width(self, drafted: int) -> int:
         return drafted
@@ -712,6 +825,12 @@ class DraftAware(Policy):
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self._acceptance.observe(lengths, accepted)
+        self._observed = self._plans.popleft() if self._plans else None  # launch order
+
+    def observe_time(self, ms: float) -> None:
+        if self.clock is not None and self._observed is not None:
+            rows, drafted, cost = self._observed
+            self.clock.observe(rows, drafted, ms, cost)
 
 
 class Truncated(Policy):
