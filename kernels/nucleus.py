@@ -26,7 +26,6 @@ BLOCK = 512  # columns per step of a pass (x 16 candidate masses: 32 values a th
 WARPS = 8
 
 
-
 def keep_nucleus(vals: Tensor, top_p: float, renormalise: bool = False) -> Tensor:
     """The rule on values sorted descending [..., K]: those past the nucleus zeroed (``renormalise``:
     the mass measured over the K given, as top-p after top-k does)."""
