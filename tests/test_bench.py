@@ -383,5 +383,13 @@ def test_round_profile_ranks_the_host_work_of_real_rounds(tiny_target, tmp_path)
         assert own == sorted(own, reverse=True)
         launch = next(r for r in p["top"] if r["function"].endswith("(_launch)"))
         assert launch["calls"] == 1.0 and launch["cumulative_us"] > launch["own_us"]  # one launch a round
+        assert not any(r["function"].endswith("(_prefill)") for r in p["top"])  # rounds only
+    assert any("drafters/" in r["function"] for r in report["points"][0]["top"])  # the draft step ran
     sampled = {r["function"] for r in report["points"][1]["top"]}
     assert any(f.endswith("(rejection_verify_reference)") for f in sampled)  # T = 1 verifies by sampling
+    alone = round_profile.main(
+        ["--drafter-dir", str(drafter), "--benchmark-dir", str(tmp_path / "bench"), "--prompts", "2",
+         "--concurrency", "2", "--temperature", "1", "--max-new-tokens", "6", "--top", "400",
+         "--policy", "target_only", "--out", str(tmp_path / "alone.json"), "target=tiny"]
+    )  # fmt: skip
+    assert not any("drafters/" in r["function"] for r in alone["points"][0]["top"])  # no drafter ran

@@ -1,13 +1,15 @@
 """Where the host's time in a decode round goes: the engine's rounds under cProfile.
 
     python -m dspark.bench.round_profile --drafter-dir <checkpoint> target=smollm2_135m \\
-        target.device=cuda [--concurrency 16,256] [--temperature 0,1] [--policy fixed] \\
-        [--max-new-tokens 64] [--top 25] [--no-compile] [--out round_profile.json]
+        target.device=cuda [--concurrency 16,256] [--temperature 0,1] \\
+        [--policy fixed|fixed_0|target_only|...] [--max-new-tokens 64] [--top 25] [--no-compile] \\
+        [--out round_profile.json]
 
 At large R the host's work per round (launching the draft and target graphs, verification, the
 outcome's copies, per-request bookkeeping) can outlast the device's, and the device then idles
 between rounds (``gap_ms`` in ``bench.e2e``). For each temperature and R this builds the engine,
-runs one untimed generate of the prompts (repeated to fill R rows), then one under cProfile, and
+runs one untimed generate of the prompts (repeated to fill R rows), then one whose rounds (the
+engine's ``_launch``, ``_complete`` and ``_retire``; not the prefill) run under cProfile, and
 reports the host's milliseconds per round (the engine's own ``host_ms``) and the functions that
 spend them: own time and cumulative time per round, the heaviest first. The profiler's own cost
 inflates Python-heavy functions, so read the ranking, not the absolute microseconds.
@@ -22,6 +24,8 @@ import pstats
 
 log = logging.getLogger(__name__)
 
+ROUND_METHODS = ("_launch", "_complete", "_retire")  # a round's host work, prefill aside
+
 
 def _parse(argv):
     from ..data.benchmarks import PACKAGED_BENCHMARKS
@@ -34,7 +38,10 @@ def _parse(argv):
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="16,256")
     ap.add_argument("--temperature", default="0,1")
-    ap.add_argument("--policy", default="fixed")
+    ap.add_argument(
+        "--policy", default="fixed",
+        help="a policy name (fixed_0: plain rounds of an engine that carries the drafter) or target_only",
+    )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
@@ -48,9 +55,24 @@ def profile_rounds(engine, requests, top: int) -> dict:
     functions by own time (µs per round, with their cumulative time and calls per round)."""
     engine.generate(requests)  # untimed: first-use costs out of the profile
     prof = cProfile.Profile()
-    prof.enable()
-    res = engine.generate(requests)
-    prof.disable()
+
+    def profiled(method):
+        def run(*args, **kwargs):
+            prof.enable()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                prof.disable()
+
+        return run
+
+    for name in ROUND_METHODS:  # instance attributes over the class's methods, for this generate
+        setattr(engine, name, profiled(getattr(engine, name)))
+    try:
+        res = engine.generate(requests)
+    finally:
+        for name in ROUND_METHODS:
+            delattr(engine, name)
     rounds = max(len(res.steps), 1)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
     rows = [
@@ -109,8 +131,10 @@ def main(argv=None) -> dict:
     report = {**report_header("dspark.bench.round_profile", argv, target, args.compile), "points": []}
     for temperature in (float(t) for t in args.temperature.split(",")):
         for R in (int(r) for r in args.concurrency.split(",")):
+            alone = args.policy == "target_only"  # the engine without a drafter: the baseline's rounds
             engine = FastEngine(
-                target, drafter, build_policy(args.policy), temperature=temperature, concurrency=R,
+                target, None if alone else drafter, None if alone else build_policy(args.policy),
+                temperature=temperature, concurrency=R,
                 max_new_tokens=args.max_new_tokens, cost=cost, buckets=(R,), compile=args.compile,
             )  # fmt: skip
             n = max(R, len(prompts))
