@@ -348,8 +348,8 @@ def test_measure_repeats_keep_the_median_run_and_list_every_run(tiny_target, mon
 
 def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):
     """The decoding kernels' benchmark on the CPU: the replaced steps timed (the compiled Markov
-    position's ops, the sort-based top-p, the softmax), no kernel (CUDA only), a row per size,
-    its JSON with provenance."""
+    position's ops, the sort-based top-p, the softmax, the LM head over 7 and 8 positions), no
+    kernel (CUDA only), a row per size, its JSON with provenance."""
     from dspark.bench import decode_kernels
 
     out = tmp_path / "dk.json"
@@ -360,7 +360,9 @@ def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):
     assert report["vocab"] == 512
     assert [r["rows"] for r in report["greedy_position"]] == [1, 3]
     assert [r["rows"] for r in report["top_p_filter"]] == [4]
-    rows = report["greedy_position"] + report["top_p_filter"]
+    assert [(r["rows"], r["positions"]) for r in report["lm_head"]] == [(1, 7), (1, 8), (3, 7), (3, 8)]
+    assert report["lm_head_floor_ms"] == pytest.approx(1e3 * 512 * 576 * 4 / 4.8e12)  # float32 off CUDA
+    rows = report["greedy_position"] + report["top_p_filter"] + report["lm_head"]
     assert all("kernel_ms" not in r for r in rows)
     assert all(r[k] > 0 for r in rows for k in r if k.endswith("_ms"))
 

@@ -5,10 +5,13 @@ graph (what a round pays for it inside its graph):
   ops ``DSparkDrafter.position_argmax`` runs (the W1 gather, the bias GEMM, the sum, the argmax in
   vocabulary slices) against ``kernels.bias_argmax`` gathering the features itself, per row count;
 * top-p at data generation's row counts: the sort (``kernels.nucleus.nucleus_reference``) against
-  ``kernels.nucleus``, beside the plain softmax both follow.
+  ``kernels.nucleus``, beside the plain softmax both follow;
+* the draft step's LM-head GEMM over a block's positions ([n, R, d] @ W^T) at n = 7 and 8, with
+  the head's bytes at the H200's bandwidth as its floor (``lm_head_floor_ms``).
 
     python -m dspark.bench.decode_kernels [--rows 1,4,16,64] [--topp-rows 64,256,1024] \\
-        [--vocab 49152] [--rank 256] [--top-p 0.9] [--out decode_kernels.json]
+        [--head-positions 7,8] [--hidden 576] [--vocab 49152] [--rank 256] [--top-p 0.9] \\
+        [--out decode_kernels.json]
 
 Each row also says whether the kernel agreed with its reference on those inputs. The kernels run on
 CUDA only (or under Triton's interpreter): elsewhere the references alone are timed, eagerly.
@@ -32,6 +35,8 @@ def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m dspark.bench.decode_kernels", description=what)
     ap.add_argument("--rows", default="1,4,16,64", help="rows of the greedy drafted position")
     ap.add_argument("--topp-rows", default="64,256,1024", help="rows of the top-p filter")
+    ap.add_argument("--head-positions", default="7,8", help="positions of the draft step's LM-head GEMM")
+    ap.add_argument("--hidden", type=int, default=576, help="the LM head's input width (SmolLM2-135M: 576)")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--top-p", type=float, default=0.9)
@@ -73,8 +78,20 @@ def main(argv=None) -> dict:
     table = (torch.randn(v, k, device=device, generator=g) * 0.02).to(dtype)
     weight = (torch.randn(v, k, device=device, generator=g) * 0.05).to(dtype)
     compiled = torch.compile(_markov_position, fullgraph=True, dynamic=False) if cuda else _markov_position
-    greedy, topp = [], []
+    greedy, topp, head = [], [], []
+    lm_weight = (torch.randn(v, args.hidden, device=device, generator=g) * 0.02).to(dtype)
     with torch.inference_mode():
+        # The draft step's LM head over its positions at once (``sample_block_fused``: [n, R, d] @ W^T):
+        # at one row a skinny GEMM that reads the whole head, so its floor is the head's bytes; the
+        # GEMM library picks its kernel by shape, and a block of 7 is not one of 8.
+        for r in [int(x) for x in args.rows.split(",") if x]:
+            for n in [int(x) for x in args.head_positions.split(",") if x]:
+                x = torch.randn(n, r, args.hidden, device=device, generator=g).to(dtype)
+
+                def block(x=x):
+                    return x @ lm_weight.t()
+
+                head.append({"rows": r, "positions": n, "ms": ms(("head", r, n), block)})
         for r in [int(x) for x in args.rows.split(",") if x]:
             base = (4 * torch.randn(r, v, device=device, generator=g)).to(dtype)
             prev = torch.randint(0, v, (r,), device=device, generator=g)
@@ -116,6 +133,8 @@ def main(argv=None) -> dict:
         "temperature": args.temperature,
         "greedy_position": greedy,
         "top_p_filter": topp,
+        "lm_head": head,
+        "lm_head_floor_ms": 1e3 * lm_weight.numel() * lm_weight.element_size() / 4.8e12,  # H200: 4.8 TB/s
     }
     nan = float("nan")
     cells = [[f"greedy position, R = {r['rows']}", f"{r['compiled_ms'] * 1e3:.1f}",
@@ -123,6 +142,8 @@ def main(argv=None) -> dict:
     cells += [[f"top-p {args.top_p}, R = {r['rows']} (softmax {r['softmax_ms'] * 1e3:.1f})",
                f"{r['sort_ms'] * 1e3:.1f}", f"{r.get('kernel_ms', nan) * 1e3:.1f}",
                str(r.get("agrees", "-"))] for r in topp]  # fmt: skip
+    cells += [[f"LM head, {r['positions']} positions x R = {r['rows']}", f"{r['ms'] * 1e3:.1f}", "-", "-"]
+              for r in head]  # fmt: skip
     publish(args.out, report, ["step", "replaced µs", "kernel µs", "agrees"], cells)
     return report
 
