@@ -485,10 +485,9 @@ class HardwareAware(Policy):
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
     verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``, its
     cost table corrected by the rounds' clock (``RoundClock``; ``round_clock=False``: the table
-    alone). Then, if the verification it
-    expects to save exceeds ``cost.readback_ms``, it walks the round's confidences (the engine
-    reads the width back); otherwise every row verifies its whole
-    draft (width known, nothing read back). The expected saving is the largest one (``T_verify`` of R
+    alone). Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks
+    the round's confidences (the engine reads the width back); otherwise every row verifies its
+    whole draft (width known, nothing read back). The expected saving is the largest one (``T_verify`` of R
     rows 1 + γ_d wide minus 1 wide, ``CostModel.verify_rows_ms``) times the share of it that completed
     walked rounds realised (an average that halves the weight of older walks, each a whole batch's
     evidence; all of it before any walk): at a high τ the walk keeps nearly every block whole and stops
