@@ -16,6 +16,7 @@ from dspark.core.errors import ConfigError
 from dspark.scheduling.cost import CostModel, CostTableError, profile
 from dspark.scheduling.policies import (
     POLICIES,
+    AcceptanceEstimate,
     AsyncTopK,
     DraftAware,
     Fixed,
@@ -600,6 +601,23 @@ def test_draft_aware_estimates_acceptance_from_completed_rounds():
     np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
     pol.forget()
     assert pol.acceptance(2).tolist() == [1.0, 1.0]
+
+
+def test_acceptance_counts_match_the_per_position_table():
+    """``AcceptanceEstimate.observe`` counts from two histograms what the [rows, positions] table of
+    reached and accepted positions says (ragged lengths, rows accepting all, none, or some)."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        rows, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        lengths = rng.integers(0, gamma + 1, rows)
+        accepted = np.minimum(rng.integers(0, gamma + 1, rows), lengths)
+        est = AcceptanceEstimate(decay=0.0)  # this round alone
+        est.observe(lengths, accepted)
+        j = np.arange(1, gamma + 1)[None, :]
+        reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)
+        tries, hits = reached.sum(0), (reached & (accepted[:, None] >= j)).sum(0)
+        n = int(lengths.max(initial=0))
+        np.testing.assert_allclose(est.rates(gamma)[:n], ((hits + 1.0) / (tries + 1.0))[:n])
 
 
 def _rates_by_hand(c: list[float], R: int, cost: CostModel) -> list[float]:

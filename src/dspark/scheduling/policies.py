@@ -240,10 +240,17 @@ class AcceptanceEstimate:
             self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
         self._hits *= self.decay
         self._tries *= self.decay
-        j = np.arange(1, self._hits.size + 1)[None, :]
-        reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)
-        self._tries += reached.sum(0)
-        self._hits += (reached & (accepted[:, None] >= j)).sum(0)
+        # Position j is reached when the row verified it and accepted the j - 1 before it, and
+        # accepted when also accepted itself: counts of min(ℓ, n + 1) >= j and min(ℓ, n) >= j,
+        # from one histogram each (no [R, γ] table: this runs on the host every round).
+        self._tries += _at_least(np.minimum(lengths, accepted + 1), self._tries.size)
+        self._hits += _at_least(np.minimum(lengths, accepted), self._hits.size)
+
+
+def _at_least(values: np.ndarray, n: int) -> np.ndarray:
+    """``#(values >= j)`` for ``j = 1..n`` (non-negative integers)."""
+    counts = np.bincount(np.clip(values, 0, n).astype(np.int64), minlength=n + 1)
+    return counts[::-1].cumsum()[::-1][1:]
 
 
 def expected_tokens(acceptance: np.ndarray, rows: int) -> np.ndarray:
@@ -289,31 +296,48 @@ class RoundClock:
         self.reset()
 
     def reset(self) -> None:
-        self._ratios: dict[tuple[int, int], np.ndarray] = {}  # (bucket, γ_d) -> [Σ w·ratio, Σ w, rounds]
+        # rows bucket -> [3, lengths]: Σ w·ratio, Σ w, rounds per drafted length (grown on demand)
+        self._stats: dict[int, np.ndarray] = {}
         self._since_explore = 0
 
+    def _counts(self, rows: int, gamma: int) -> np.ndarray:
+        """[3, gamma + 1] of this rows bucket (zeros where nothing was timed)."""
+        stats = self._stats.get(rows_bucket(rows))
+        out = np.zeros((3, gamma + 1))
+        if stats is not None:
+            n = min(gamma + 1, stats.shape[1])
+            out[:, :n] = stats[:, :n]
+        return out
+
     def timed(self, rows: int, drafted: int) -> bool:
-        sums = self._ratios.get((rows_bucket(rows), int(drafted)))
-        return sums is not None and sums[2] >= self.min_timed
+        stats = self._stats.get(rows_bucket(rows))
+        return stats is not None and drafted < stats.shape[1] and stats[2, drafted] >= self.min_timed
 
     def times(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
         """``T(R, γ_d)`` for ``γ_d = 0..gamma`` (seconds): the table's, times the measured ratio
         where it is timed, else the mean ratio of the timed lengths of this bucket: a table off
         by one factor throughout (another machine, another load) keeps its order of the lengths."""
-        bucket = rows_bucket(rows)
-        timed = [m for m in range(gamma + 1) if self.timed(rows, m)]
-        ratios = {m: self._ratios[(bucket, m)][0] / self._ratios[(bucket, m)][1] for m in timed}
-        fallback = float(np.mean(list(ratios.values()))) if ratios else 1.0
-        return cost.round_times(rows, gamma) * np.array([ratios.get(m, fallback) for m in range(gamma + 1)])
+        weighted, weight, rounds = self._counts(rows, gamma)
+        timed = rounds >= self.min_timed
+        if not timed.any():
+            return cost.round_times(rows, gamma)
+        ratio = np.divide(weighted, weight, out=np.ones_like(weighted), where=timed)
+        return cost.round_times(rows, gamma) * np.where(timed, ratio, ratio[timed].sum() / timed.sum())
 
     def observe(self, rows: int, drafted: int, ms: float, cost: CostModel) -> None:
         """A completed round of ``rows`` rows that drafted ``drafted`` positions took ``ms``."""
-        priced = cost.round_time(rows, drafted)
+        priced = cost.round_times(rows, drafted)[drafted]  # kept per (rows, length): no interpolation
         if not (ms > 0 and priced > 0):
             return
-        sums = self._ratios.setdefault((rows_bucket(rows), int(drafted)), np.zeros(3))
-        sums[:2] = self.decay * sums[:2] + (1e-3 * ms / priced, 1.0)
-        sums[2] += 1
+        bucket, m = rows_bucket(rows), int(drafted)
+        stats = self._stats.get(bucket)
+        if stats is None or stats.shape[1] <= m:
+            grown = np.zeros((3, m + 1))
+            if stats is not None:
+                grown[:, : stats.shape[1]] = stats
+            stats = self._stats[bucket] = grown
+        stats[:2, m] = self.decay * stats[:2, m] + (1e-3 * ms / priced, 1.0)
+        stats[2, m] += 1
 
     def choose(self, tokens: np.ndarray, rows: int, cost: CostModel) -> int:
         """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``)."""
@@ -325,12 +349,12 @@ class RoundClock:
         self._since_explore += 1
         if self._since_explore < self.explore_every:
             return best
-        worth = self.explore_share * rates[best]
-        untimed = [m for m in range(gamma + 1) if not self.timed(rows, m) and rates[m] >= worth]
-        if not untimed:
+        worth = rates >= self.explore_share * rates[best]
+        untimed = (self._counts(rows, gamma)[2] < self.min_timed) & worth
+        if not untimed.any():
             return best
         self._since_explore = 0
-        return max(untimed, key=lambda m: rates[m])
+        return int(np.argmax(np.where(untimed, rates, -np.inf)))
 
 
 # ---------------------------------------------------------------------------------------------
