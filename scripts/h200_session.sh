@@ -52,8 +52,11 @@
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
-# gemma3_270m answering the SmolLM2 pack's prompts (its own Magpie prompts rarely finish):
-#   TARGET=gemma3_270m N=30000 DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
+# gemma3_270m answering the SmolLM2 pack's prompts (its own Magpie prompts rarely finish; the pack in
+# the repository holds them, {"id", "prompt"} lines, which data=jsonl reads as they are):
+#   cat data/packs/smollm2_30000_bfloat16.tar.xz.* | xz -d | tar -xO smollm2_30000_bfloat16/prompts/train.jsonl \
+#     > outputs/h200/prompts.jsonl
+#   TARGET=gemma3_270m N=29400 DATA_EXTRA="data.source=jsonl data.jsonl.path=outputs/h200/prompts.jsonl"
 # Settings travel as environment variables of the `start` call, e.g.
 #   N=30000 TRAIN_MINUTES=10 TRAIN_EXTRA="data.batch_size=32 optim.lr=1e-3" bash scripts/h200_session.sh start
 #   NAME=DSpark-Markov STAGES="data batch spec" RUNS="DSpark-Markov:drafter=dspark head=markov" TRAIN_MINUTES=11 \
