@@ -504,8 +504,14 @@ def test_session_keeps_the_trained_drafter_and_a_later_session_restores_it(tmp_p
     env = {**ENV, "DSPARK_INSTALLED": "1", "NAME": "D"}
 
     def session(out, *args, **more):
-        return subprocess.run(["bash", "scripts/h200_session.sh", *args], cwd=tmp_path, timeout=120,
-                              env={**env, "OUT": str(out), **more}, capture_output=True, text=True)
+        return subprocess.run(
+            ["bash", "scripts/h200_session.sh", *args],
+            cwd=tmp_path,
+            timeout=120,
+            env={**env, "OUT": str(out), **more},
+            capture_output=True,
+            text=True,
+        )
 
     assert session(tmp_path / "out", "start", STAGES="keep").returncode == 0
     assert "PIPELINE DONE" in session(tmp_path / "out", "wait", "60").stdout
@@ -554,8 +560,10 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
             done = subprocess.run(["bash", "scripts/h200_session.sh", *step], cwd=tmp_path, text=True,
                                   capture_output=True, timeout=120, env=env)  # fmt: skip
         assert "PIPELINE DONE" in done.stdout, done.stdout + done.stderr
-        stages = [line.split()[:2] for line in
-                  (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().splitlines()]
+        stages = [
+            line.split()[:2]
+            for line in (tmp_path / "outputs" / "h200" / "session" / "stages.txt").read_text().splitlines()
+        ]
         log = (tmp_path / "outputs" / "h200" / "out" / "gpu_tests.log").read_text()
         told = (tmp_path / "spec.txt").read_text()
         assert "PASSED tests/test_kernels.py::test_gpu_kernel" in log and "test_cpu_only" not in log

@@ -152,9 +152,7 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
     draft = draft_step_times(
         target, drafter, rows, ctx, cap, compile=args.compile, lengths=[gamma], **timing, **t
     )
-    rounds = round_times(
-        target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma], **t
-    )
+    rounds = round_times(target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma], **t)
     parts = {p["rows"]: p for p in draft_parts(target, drafter, rows, ctx, **timing, **t)}
     out = []
     for r in rows:

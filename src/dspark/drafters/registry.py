@@ -14,7 +14,11 @@ from ..core.types import TargetDims
 from .base import Drafter, DrafterConfig, HeadConfig
 
 __all__ = [
-    "build_drafter", "check_drafter_config", "drafter_class", "drafter_names", "register",
+    "build_drafter",
+    "check_drafter_config",
+    "drafter_class",
+    "drafter_names",
+    "register",
     "static_cache_drafters",
 ]
 

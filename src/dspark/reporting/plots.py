@@ -16,7 +16,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
 __all__ = [
-    "acceptance_by_position_plot", "head_latency_plot", "save_figure", "threshold_sweep_plot", "write_json",
+    "acceptance_by_position_plot",
+    "head_latency_plot",
+    "save_figure",
+    "threshold_sweep_plot",
+    "write_json",
 ]
 
 

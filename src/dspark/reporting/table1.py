@@ -122,6 +122,7 @@ def findings(table: dict, kinds: dict[str, str]) -> list[dict]:
     """Each DSpark row (``kinds``: label -> the results' drafter, ``dspark-markov``, …) against each
     row of a ``PAPER_GOALS`` kind: the ratio of their macro τ over all benchmarks ± its standard error,
     the paper's goal and whether the ratio reaches it."""
+
     def macro(label: str, key: str) -> float | None:
         return ((table[key].get(label) or {}).get("macro") or {}).get("all")
 
