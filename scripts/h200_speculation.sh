@@ -14,8 +14,9 @@
 #      (python -m dspark.bench.engine_sps); then
 #   3. python -m dspark.bench.e2e at that temperature with its table, R = 1, 16, 64, 256:
 #      target-only, fixed γ, mtp1 (γ = 1), threshold, hardware_aware and draft_aware
-#      (E2E_POLICIES: fewer, when minutes are short; gsm8k, 32 prompts, 128 new tokens, bf16,
-#      fast engine, compiled on CUDA);
+#      (E2E_POLICIES: fewer, when minutes are short; E2E_CONCURRENCY: fewer R, e.g. the headline
+#      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
+#      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
@@ -66,13 +67,13 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
   stage "cost table, T = $t"
   timeout $((${#diagnose[@]} ? 270 : 180)) python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" \
     --no-hf --warmup 3 --repeats 15 --widths 1,2,4,8 --temperature $t \
-    --drafter-dir "$DRAFTER" --overhead --rounds 1,16,64,256 --round-context "${ROUND_CONTEXT:-172}" \
+    --drafter-dir "$DRAFTER" --overhead --rounds "${E2E_CONCURRENCY:-1,16,64,256}" --round-context "${ROUND_CONTEXT:-172}" \
     ${diagnose[@]+"${diagnose[@]}"} --out "$OUT/engine_sps_T$t.json" --cost-table "$OUT/cost_table_T$t.json" 2>&1 |
     quiet | tail -60
 
   stage "end to end, T = $t"
   timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
-    --benchmark gsm8k --prompts 32 --concurrency 1,16,64,256 --max-new-tokens 128 --temperature $t \
+    --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" \
     --policies "${E2E_POLICIES:-fixed,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -36
