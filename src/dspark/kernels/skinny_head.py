@@ -1,0 +1,1 @@
+../../../kernels/skinny_head.py
