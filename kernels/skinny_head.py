@@ -13,8 +13,6 @@ check found it right *and faster* than the library at that head's shape; ``F.lin
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -65,25 +63,13 @@ def skinny_head_self_check(device: torch.device, dtype: torch.dtype, shape: tupl
             return False, "its logits differ from the library's GEMM"
         if device.type != "cuda":
             return True, ""
-        mine = _median_ms(lambda: _head_logits_triton(x, weight))
-        theirs = _median_ms(lambda: head_logits_reference(x, weight))
+        from ..bench.common import median_ms  # CUDA events around each call
+
+        mine = median_ms(lambda: _head_logits_triton(x, weight), device, warmup=3, repeats=20)
+        theirs = median_ms(lambda: head_logits_reference(x, weight), device, warmup=3, repeats=20)
         return mine <= FASTER * theirs, f"{mine * 1e3:.1f} µs against the library's {theirs * 1e3:.1f} µs"
 
     return self_check("skinny_head", (str(device), dtype, tuple(shape)), check, "the library's GEMM")
-
-
-def _median_ms(fn, warmup: int = 3, repeats: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _head_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
@@ -100,6 +86,27 @@ def _head_logits_triton(x: Tensor, weight: Tensor) -> Tensor:
 if HAS_TRITON:
 
     @triton.jit
+    def head_tile(
+        w_ptr, x_ptr, cols, x_rows, col_ok, row_ok, K, stride_w, stride_x,
+        IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """[BLOCK_V, BLOCK_M] float32: the head's rows ``cols`` times x's rows ``x_rows`` (row
+        indices, so a caller may gather them), over K in BLOCK_K steps (also ``bias_argmax``'s GEMM)."""
+        acc = tl.zeros((BLOCK_V, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w_at = w_ptr + cols[:, None] * stride_w + kk[None, :]
+            w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            x_at = x_ptr + x_rows[None, :] * stride_x + kk[:, None]
+            xt = tl.load(x_at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+            if IEEE:  # float32 rows: no TF32 rounding of the products
+                acc += tl.dot(w, xt, input_precision="ieee")
+            else:
+                acc += tl.dot(w, xt)
+        return acc
+
+    @triton.jit
     def _skinny_head_kernel(
         x_ptr, w_ptr, out_ptr, M, V, K, stride_x, stride_w, stride_out,
         IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -107,17 +114,7 @@ if HAS_TRITON:
         cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)  # head rows: the tile's rows
         rows = tl.arange(0, BLOCK_M)  # x's rows: the tile's columns
         col_ok, row_ok = cols < V, rows < M
-        acc = tl.zeros((BLOCK_V, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            w_at = w_ptr + cols[:, None] * stride_w + kk[None, :]
-            w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            x_at = x_ptr + rows[None, :] * stride_x + kk[:, None]
-            xt = tl.load(x_at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
-            if IEEE:  # float32 rows: no TF32 rounding of the products
-                acc += tl.dot(w, xt, input_precision="ieee")
-            else:
-                acc += tl.dot(w, xt)
+        acc = head_tile(w_ptr, x_ptr, cols, rows, col_ok, row_ok, K, stride_w, stride_x,
+                        IEEE, BLOCK_V, BLOCK_M, BLOCK_K)  # fmt: skip
         at = out_ptr + rows[None, :] * stride_out + cols[:, None]
         tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])

@@ -357,6 +357,14 @@ class RoundClock:
         return int(np.argmax(np.where(untimed, rates, -np.inf)))
 
 
+def plan_draft(acceptance: np.ndarray, rows: int, cost: CostModel, clock: RoundClock | None) -> int:
+    """``γ_d`` of the best expected rate (the first max: the fewest drafts), the rounds priced by the
+    table, or by ``clock`` (which also explores) where the policy keeps one."""
+    if clock is None:
+        return int(np.argmax(expected_rates(acceptance, rows, cost)))
+    return clock.choose(expected_tokens(acceptance, rows), rows, cost)
+
+
 # ---------------------------------------------------------------------------------------------
 # policies
 # ---------------------------------------------------------------------------------------------
@@ -590,11 +598,7 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        tokens = expected_tokens(self._acceptance.rates(gamma), rows)
-        if self._rounds is None:
-            drafted = int(np.argmax(tokens / cost.round_times(rows, gamma)))
-        else:
-            drafted = self._rounds.choose(tokens, rows, cost)
+        drafted = plan_draft(self._acceptance.rates(gamma), rows, cost, self._rounds)
         largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
         could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
         walk, shadow, clocked = False, False, self._clocked_walk(rows)
@@ -830,10 +834,7 @@ class DraftAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        if self.clock is None:
-            drafted = int(np.argmax(self.expected_rates(rows, gamma, cost)))  # first max: fewest drafts
-        else:
-            drafted = self.clock.choose(expected_tokens(self.acceptance(gamma), rows), rows, cost)
+        drafted = plan_draft(self.acceptance(gamma), rows, cost, self.clock)
         self._plans.append((rows, drafted, cost))
         return drafted
 
