@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.timing import median_ms
 from ._common import HAS_TRITON, resolve_impl, self_check, tl, triton
 
 __all__ = ["MAX_ROWS", "head_logits", "head_logits_reference", "skinny_head_self_check"]
@@ -63,8 +64,6 @@ def skinny_head_self_check(device: torch.device, dtype: torch.dtype, shape: tupl
             return False, "its logits differ from the library's GEMM"
         if device.type != "cuda":
             return True, ""
-        from ..bench.common import median_ms  # CUDA events around each call
-
         mine = median_ms(lambda: _head_logits_triton(x, weight), device, warmup=3, repeats=20)
         theirs = median_ms(lambda: head_logits_reference(x, weight), device, warmup=3, repeats=20)
         return mine <= FASTER * theirs, f"{mine * 1e3:.1f} µs against the library's {theirs * 1e3:.1f} µs"

@@ -1,12 +1,11 @@
-"""What the benchmark scripts share: a target from Hydra overrides, timing, the published report."""
+"""What the benchmark scripts share: a target from Hydra overrides, timing (``core.timing``, re-exported
+here for the scripts), the published report."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+from ..core.timing import median_ms
 
-import torch
+__all__ = ["compose_target", "median_ms", "publish", "report_header", "say_compile_fallbacks"]
 
 
 def compose_target(overrides: list[str]):
@@ -38,27 +37,6 @@ def say_compile_fallbacks(hits: list[str]) -> None:
             f"WARNING: dynamo stopped compiling {', '.join(sorted(set(hits)))} at its recompile limit: "
             "their later shapes ran eagerly, and the timings above include them"
         )
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn`` in ms, synchronised around each call (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def publish(path: str, report: dict, header: list[str], cells: list[list[str]]) -> None:
