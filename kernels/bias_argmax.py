@@ -119,7 +119,27 @@ def _bias_argmax_triton(base: Tensor, weight: Tensor, b: Tensor, rows: Tensor | 
 
 
 if HAS_TRITON:
-    from .skinny_head import head_tile  # W2 times the features: the few-row head's tile GEMM
+
+    @triton.jit
+    def _bias_tile(
+        w_ptr, b_ptr, cols, b_rows, col_ok, row_ok, K, stride_w, stride_b,
+        IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """[BLOCK_V, BLOCK_R] float32: W2's rows ``cols`` times the features' rows ``b_rows`` (row
+        indices, so the caller may gather them), over K in BLOCK_K steps."""
+        acc = tl.zeros((BLOCK_V, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w_at = w_ptr + cols[:, None] * stride_w + kk[None, :]
+            w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            b_at = b_ptr + b_rows[None, :] * stride_b + kk[:, None]
+            bt = tl.load(b_at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+            if IEEE:  # float32 features: no TF32 rounding of the products
+                acc += tl.dot(w, bt, input_precision="ieee")
+            else:
+                acc += tl.dot(w, bt)
+        return acc
 
     @triton.jit
     def _bias_argmax_kernel(
@@ -132,8 +152,8 @@ if HAS_TRITON:
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # b's rows: the tile's columns
         col_ok, row_ok = cols < V, rows < R
         b_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0) if GATHER else rows  # features' rows
-        acc = head_tile(w_ptr, b_ptr, cols, b_rows, col_ok, row_ok, K, stride_w, stride_b,
-                        IEEE, BLOCK_V, BLOCK_R, BLOCK_K)  # fmt: skip
+        acc = _bias_tile(w_ptr, b_ptr, cols, b_rows, col_ok, row_ok, K, stride_w, stride_b,
+                         IEEE, BLOCK_V, BLOCK_R, BLOCK_K)  # fmt: skip
         bias = acc.to(b_ptr.dtype.element_ty).to(tl.float32)  # the reference GEMM's output rounding
         both = col_ok[:, None] & row_ok[None, :]
         z = tl.load(base_ptr + rows[None, :] * stride_base + cols[:, None], mask=both, other=0.0)

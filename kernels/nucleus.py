@@ -10,9 +10,7 @@ the kept mass and one that writes. Ten reads of a row instead of a sort of it: a
 49 152 the sort took 5.9 ms of an 11.4 ms decoding round on the H200 (data generation's answers).
 Exact ties straddling the boundary are kept together here, where a sort keeps some of them (in
 whatever order it put them); otherwise the kept set is the sort's, up to the float32 rounding of
-the masses compared with ``top_p``. First version on the H200 (2026-12-03, summing the 16 candidate
-masses across the block at every step): 3.45 ms at 1 024 rows (the sort 5.81), 0.56 ms at 64 (the
-sort 0.49): eight times its floor of ten reads. The candidate masses are now summed once a pass.
+the masses compared with ``top_p``.
 """
 
 from __future__ import annotations
@@ -89,19 +87,16 @@ if HAS_TRITON:
     @triton.jit
     def _raise_bound(p_ptr, row, V, top_p, below, shift, BLOCK: tl.constexpr):
         """``below`` (bits of an x with S(x) >= top_p) raised by the largest of 15 steps of 2**shift
-        that keeps S >= top_p: one read of the row, the 16 candidate masses at once. Each lane
-        keeps its own 16 partial masses and they are summed once, after the read: a sum across
-        the block per step would put a block-wide reduction (and its barriers) in every step."""
+        that keeps S >= top_p: one read of the row, the 16 candidate masses at once."""
         cols = tl.arange(0, BLOCK)
         digits = tl.arange(0, 16)
         tries = below + (digits << shift)
-        partial = tl.zeros((BLOCK, 16), dtype=tl.float32)
+        mass = tl.zeros((16,), dtype=tl.float32)
         for start in range(0, V, BLOCK):
             ok = start + cols < V
             p = tl.load(p_ptr + row + start + cols, mask=ok, other=0.0)
             above = (p.to(tl.int32, bitcast=True)[:, None] > tries[None, :]) & ok[:, None]
-            partial += tl.where(above, p[:, None], 0.0)
-        mass = tl.sum(partial, axis=0)
+            mass += tl.sum(tl.where(above, p[:, None], 0.0), axis=0)
         return below + (tl.max(tl.where(mass >= top_p, digits, 0), axis=0) << shift)
 
     @triton.jit

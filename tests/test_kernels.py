@@ -44,8 +44,6 @@ from dspark.kernels.cache_attention import choose_splits
 from dspark.kernels.fused_loss import chunk_plan
 from dspark.kernels.nucleus import nucleus, nucleus_reference, nucleus_self_check
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, TWO_CHUNKS_MAX_ROWS, _chunk_layout, choose_chunks
-from dspark.kernels.skinny_head import MAX_ROWS as HEAD_MAX_ROWS
-from dspark.kernels.skinny_head import head_logits, head_logits_reference, skinny_head_self_check
 
 try:  # the colleague-owned references; tests fall back to the local ones if absent
     from dspark.core.sampling import probs_from_logits, sample_from
@@ -1043,25 +1041,6 @@ def test_nucleus_rule_check_catches_a_shifted_boundary():
             assert_nucleus_rule(bad, probs, 0.9, tol=1e-6)
 
 
-def head_problem(rows: int, k: int, v: int, dtype, device="cpu", seed: int = 0):
-    """A head [v, k] and ``rows`` hidden states [rows, k], at the scales of a trained LM head."""
-    g = torch.Generator().manual_seed(seed)
-    weight = (0.05 * torch.randn(v, k, generator=g)).to(dtype).to(device)
-    return torch.randn(rows, k, generator=g).to(dtype).to(device), weight
-
-
-def test_head_logits_off_cuda_is_the_linear_layer():
-    """Off CUDA ``head_logits`` is the library's GEMM itself (an ``nn.Linear`` without bias), for
-    few rows or many, any leading shape; shapes or dtypes that do not fit are refused."""
-    x, weight = head_problem(HEAD_MAX_ROWS + 3, 24, 50, torch.float32)
-    for rows in (x[:1], x[:7], x, x.view(1, -1, 24)):
-        assert torch.equal(head_logits(rows, weight), torch.nn.functional.linear(rows, weight))
-    with pytest.raises(ValueError, match="do not fit"):
-        head_logits(x, weight.t())
-    with pytest.raises(ValueError, match="one dtype"):
-        head_logits(x, weight.half())
-
-
 def test_nucleus_reference_is_the_sampling_rule():
     """The sort-based rule (the kernel's reference, and ``nucleus`` off CUDA): the kept mass is
     renormalised, the most likely token stays even at top_p = 0, and every kept token had less
@@ -1090,23 +1069,6 @@ def test_interp_nucleus(top_p):
         assert torch.equal(got > 0, ref > 0)
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
     assert nucleus_self_check(torch.device("cpu"))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_interp_skinny_head(dtype):
-    """The kernel's logits are the library's for one row up to a whole tile, a hidden size and a
-    vocabulary that are no multiples of its blocks, and leading dimensions ([n, R, d] as a block's
-    positions); fp16 to one rounding of its output (bf16 on the GPU: the interpreter's tl.dot
-    mishandles it)."""
-    x, weight = head_problem(HEAD_MAX_ROWS, 100, 3 * 128 + 5, dtype, seed=8)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    for rows in (x[:1], x[:7], x, x.view(2, 8, -1)):
-        got = head_logits(rows, weight, impl="triton")
-        assert got.shape == (*rows.shape[:-1], weight.shape[0]) and got.dtype == dtype
-        want = head_logits_reference(rows, weight)
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    assert skinny_head_self_check(torch.device("cpu"), dtype, tuple(weight.shape))  # no timing off CUDA
 
 
 # ----------------------------------------------------------------------------- triton, GPU
@@ -1422,16 +1384,3 @@ def test_gpu_nucleus(top_p):
     for filtered in (got, ref):
         assert_nucleus_rule(filtered, probs, top_p, tol=1e-4)
     assert nucleus_self_check(torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@needs_cuda_triton
-@pytest.mark.parametrize("rows", [1, 7, 8, 16])
-def test_gpu_skinny_head(rows):
-    """SmolLM2's head in bf16: the kernel's logits are the library's to bf16 rounding; "auto" runs
-    it exactly where its check (right and faster than the library) said so."""
-    x, weight = head_problem(rows, 576, GPU_V, torch.bfloat16, device="cuda", seed=rows)
-    got, want = head_logits(x, weight, impl="triton"), head_logits_reference(x, weight)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    chosen = skinny_head_self_check(torch.device("cuda"), torch.bfloat16, tuple(weight.shape))
-    assert torch.equal(head_logits(x, weight), got if chosen else want)

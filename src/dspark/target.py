@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from .core.errors import ConfigError, TargetError
 from .core.io import atomic_open, read_json
 from .core.schema import Count, Natural, NonNegative, Pattern, Positive, Probability
-from .kernels.skinny_head import head_logits
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +259,7 @@ class Target(nn.Module):
         return self._embedding(ids)
 
     def lm_head(self, hidden: Tensor) -> Tensor:
-        head = self.model.get_output_embeddings()
-        # A decode step's few rows through head_logits (a skinny-GEMM kernel where it is faster).
-        logits = (head(hidden) if head.bias is not None else head_logits(hidden, head.weight)).float()
+        logits = self.model.get_output_embeddings()(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -29,7 +29,6 @@ from ..core.phases import phase
 from ..core.types import DraftCache, DraftOutput, Proposal, Shared, TargetDims
 from ..kernels.cache_attention import fold_mask
 from ..kernels.sample_step import sample_step
-from ..kernels.skinny_head import head_logits
 from .base import (
     Drafter,
     DrafterConfig,
@@ -351,7 +350,7 @@ class BlockDrafter(Drafter):
         if shared.softcap:
             return output_logits(hidden, shared.lm_weight, shared.softcap)
         # The sampler upcasts the logits itself: the same float32 values, without a copy.
-        return head_logits(hidden, shared.lm_weight.to(hidden.dtype))
+        return hidden @ shared.lm_weight.t().to(hidden.dtype)
 
     position_major = False  # the layout of draft_hidden's output that sample_block_fused takes
 

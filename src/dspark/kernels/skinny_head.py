@@ -1,1 +1,0 @@
-../../../kernels/skinny_head.py
