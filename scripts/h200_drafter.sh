@@ -45,7 +45,10 @@ train)
   run=outputs/h200/$name
   status=0
   # SIGINT: finish the step, save, exit; SIGKILL 60 s later if it has not (a call must end in time).
-  timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA data.anchors_per_sequence=128 trainer=gpu \
+  # Dynamo's recompile log says why a compiled function compiled again (recompiles.txt): two runs on
+  # the 90 k data stalled ~50 s between steps 579 and 589.
+  TORCH_LOGS=recompiles timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA \
+    data.anchors_per_sequence=128 trainer=gpu \
     trainer.max_time=00:$(printf %02d $((minutes / 60))):$(printf %02d $((minutes % 60))):00 \
     trainer.max_steps=10000000 trainer.val_check_interval=500 trainer.limit_val_batches=40 \
     callbacks.checkpoint_every_n_steps=1000 callbacks.profile.enabled=${PROFILE:-true} \
@@ -58,6 +61,11 @@ train)
   fi
   tr '\r' '\n' < $run.log | grep -a -v Warning | tail -4
   mkdir -p "$OUTDIR/$name"
+  recompiles=$(tr '\r' '\n' < $run.log | grep -a -A8 "Recompiling function" || true)
+  if [ -n "$recompiles" ]; then
+    echo "$recompiles" > "$OUTDIR/$name/recompiles.txt"
+    echo "recompiles: $(grep -c "Recompiling function" <<< "$recompiles") (recompiles.txt)"
+  fi
   cp $run/config.yaml "$OUTDIR/$name/"
   cp $run/summary.json "$OUTDIR/$name/" 2>/dev/null || true  # written when the run finishes
   cp $run/drafter/config.json "$OUTDIR/$name/drafter_config.json" 2>/dev/null || true
@@ -81,6 +89,15 @@ import csv, sys
 val = sorted({(int(r["step"]), float(r["val/tau_prob"])) for f in sys.argv[1:] for r in csv.DictReader(open(f))
               if r.get("val/tau_prob")})
 print("val tau_prob by step:", ", ".join(f"{s}:{t:.3f}" for s, t in val))
+EOF
+  python3 - $run/summary.json <<'EOF' || true
+import json, sys
+
+ms = json.load(open(sys.argv[1]))["throughput"].get("step_ms")
+if ms:
+    slow = ms["slowest"]
+    print(f"ms per step: median {ms['median']:.1f}, slowest {slow['ms_per_step']:.1f} "
+          f"(steps {slow['from_step']}-{slow['to_step']})")
 EOF
   ;;
 probe)

@@ -81,11 +81,12 @@ def test_lr_factor_warms_up_then_decays_to_the_floor():
 
 def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
     """A run that stops on the clock (trainer.max_time, max_steps out of reach) warms up to the peak
-    learning rate and decays towards the floor within that time, and logs the learning rate."""
+    learning rate and decays towards the floor within that time, and logs the learning rate and
+    the wall time per step between logged steps (the summary names the slowest interval)."""
     import csv
 
     out = tmp_path / "clock"
-    run_training(
+    summary = run_training(
         cfg_for(
             out,
             data_dir,
@@ -103,6 +104,14 @@ def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
     top = max(range(len(lrs)), key=lrs.__getitem__)
     assert lrs[top] > 0.8 * peak and 0 < top < len(lrs) - 3, lrs  # reached mid-run, not at the end
     assert lrs[0] < 0.5 * peak and lrs[-1] < 0.35 * peak, lrs  # warm-up, then decay towards the floor
+    with (out / "logs" / "metrics.csv").open() as f:
+        step_ms = [
+            (int(r["step"]), float(r["train/step_ms"])) for r in csv.DictReader(f) if r.get("train/step_ms")
+        ]
+    assert len(step_ms) >= 3 and all(ms > 0 for _, ms in step_ms), step_ms
+    slowest = summary["throughput"]["step_ms"]["slowest"]
+    assert slowest["ms_per_step"] == pytest.approx(max(ms for _, ms in step_ms), rel=1e-4)
+    assert slowest["to_step"] - slowest["from_step"] == 1  # smoke_run logs every step
 
 
 def test_init_from_goes_on_from_a_saved_drafter(tmp_path, data_dir):

@@ -94,7 +94,9 @@ class Throughput(L.Callback):
     """Training tokens/s and samples/s, over all ranks, between the first and the last training
     batch with validation time taken out (and what others hand to `exclude`: writing a profile);
     `steady` leaves out the first `warmup_steps` optimizer steps too (compilation, allocator and
-    cache warm-up), which is the number to compare runs by."""
+    cache warm-up), which is the number to compare runs by. Past the warm-up, each logged step also
+    logs `train/step_ms`, the wall time per optimizer step since the last logged one: a stall (a
+    recompilation, a slow batch) shows where it happened, and the summary names the slowest interval."""
 
     def __init__(self, warmup_steps: int = 5):
         self.warmup_steps = int(warmup_steps)
@@ -111,6 +113,8 @@ class Throughput(L.Callback):
         self.totals = None
         self._pending = None  # device tensor: tokens of batches not yet counted on the host
         self._host_base = None  # the datamodule's host count at the start (see _host_tokens)
+        self._log_mark = None  # (elapsed, optimizer step) at the last logged step past the warm-up
+        self.step_ms: list[tuple[int, int, float]] = []  # (from step, to step, ms per step)
 
     @staticmethod
     def _host_tokens(trainer) -> int | None:
@@ -172,6 +176,16 @@ class Throughput(L.Callback):
             rate = self.tokens * self.world_size / self.elapsed
             # In host memory, like the module's metrics (module.host_scalar): no device round trip.
             module.log("train/tokens_per_s", host_scalar(rate), on_step=True, prog_bar=False)
+            self._log_step_time(module, int(trainer.global_step))
+
+    def _log_step_time(self, module, step: int) -> None:
+        if self.steady_mark is None:
+            return
+        if self._log_mark is not None and step > self._log_mark[1]:
+            ms = 1e3 * (self.elapsed - self._log_mark[0]) / (step - self._log_mark[1])
+            self.step_ms.append((self._log_mark[1], step, ms))
+            module.log("train/step_ms", host_scalar(ms), on_step=True, prog_bar=False)
+        self._log_mark = (self.elapsed, step)
 
     def on_train_end(self, trainer, module) -> None:
         """Sum the counts over ranks (a collective: every rank calls this hook)."""
@@ -205,6 +219,13 @@ class Throughput(L.Callback):
             "tokens_per_s": self.tokens * self.world_size / e,
             "samples_per_s": self.samples * self.world_size / e,
         }
+        if self.step_ms:
+            ms = sorted(m for _, _, m in self.step_ms)
+            first, last, slowest = max(self.step_ms, key=lambda x: x[2])
+            out["step_ms"] = {
+                "median": ms[len(ms) // 2],
+                "slowest": {"from_step": first, "to_step": last, "ms_per_step": slowest},
+            }
         if self.totals is not None:
             t = self.totals
             steady = max(t["steady_seconds"], 1e-9)
