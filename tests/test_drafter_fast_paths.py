@@ -452,3 +452,30 @@ def test_compile_inference_is_idempotent_for_one_compiler(small_target):
     assert drafter._fused is fused and drafter._context_writer is writer
     drafter.compile_inference(compiler=lambda fn: fn)
     assert drafter._fused is not fused and drafter._context_writer is not writer
+
+
+@pytest.mark.parametrize("name,head", [("dspark", "markov"), ("dflash", "none")])
+def test_draft_step_reads_the_lm_head_once_at_one_request(small_target, name, head):
+    """The block's LM-head product is one GEMM over all its positions, also at R = 1, where the
+    position-major block [γ, 1, d] (a transpose of [1, γ, d]) keeps a stride that stops
+    ``torch.matmul`` from folding it: a batched GEMM would read the head once per position (on the
+    H200 75.8 µs for SmolLM2's seven positions against ~16 for one pass)."""
+    from torch.profiler import profile
+
+    from dspark.core.types import Shared
+
+    drafter, cache, anchors, u = drafting_setup(small_target, name, head, "anchor", True)
+    shared = Shared(small_target.embed, small_target.lm_head_weight, None)
+    drafter.compile_inference(compiler=None)
+    vocab = small_target.vocab_size
+    with torch.inference_mode():
+        for temperature in (0.0, 1.0):
+            args = (rows_of(cache, 1), anchors[:1], cache.length[:1], shared, temperature)
+            with profile(record_shapes=True) as prof:
+                drafter.propose(*args, uniforms=u[:1], draft_len=drafter.gamma)
+            head_gemms = [
+                (e.name, e.input_shapes)
+                for e in prof.events()
+                if e.name in ("aten::mm", "aten::bmm") and any(s and s[-1] == vocab for s in e.input_shapes)
+            ]
+            assert head_gemms and all(name == "aten::mm" for name, _ in head_gemms), head_gemms

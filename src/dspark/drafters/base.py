@@ -191,8 +191,18 @@ def layer_shape(dims: TargetDims, cfg) -> LayerShape:
     )
 
 
+def head_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., d] @ weight [V, d]ᵀ in x's dtype, as one GEMM over all of x's rows. ``x @ w.t()``
+    becomes a batched GEMM that reads the weight once per batch where x's leading strides do not
+    chain, as in a position-major block [n, 1, d] transposed from [1, n, d] (its size-1 dim keeps
+    its old stride, so ``torch.matmul`` does not fold it): at one request the draft step read
+    SmolLM2's 57 MB head seven times, 75.8 µs on the H200 against ~16 µs for one pass."""
+    rows = x.reshape(-1, x.shape[-1])  # a view wherever the strides allow, a small copy otherwise
+    return (rows @ weight.t().to(x.dtype)).view(*x.shape[:-1], weight.shape[0])
+
+
 def output_logits(x: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
-    logits = (x @ weight.t().to(x.dtype)).float()
+    logits = head_product(x, weight).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits

@@ -36,6 +36,7 @@ from .base import (
     draft_length,
     draft_uniforms,
     empty_cache,
+    head_product,
     layer_shape,
     output_logits,
 )
@@ -350,7 +351,7 @@ class BlockDrafter(Drafter):
         if shared.softcap:
             return output_logits(hidden, shared.lm_weight, shared.softcap)
         # The sampler upcasts the logits itself: the same float32 values, without a copy.
-        return hidden @ shared.lm_weight.t().to(hidden.dtype)
+        return head_product(hidden, shared.lm_weight)
 
     position_major = False  # the layout of draft_hidden's output that sample_block_fused takes
 

@@ -10,6 +10,7 @@ from ..core.errors import ConfigError
 from ..core.sampling import greedy_tokens
 from ..core.types import TargetDims
 from ..kernels.sample_step import sample_step
+from .base import head_product
 from .dflash import BlockDrafter, check_slots
 from .heads import HEADS, ConfidenceHead
 from .registry import register
@@ -68,7 +69,7 @@ class DSparkDrafter(BlockDrafter):
         per position the head's bias and the fused softmax + inverse-CDF draw
         (``kernels.sample_step``; its PyTorch reference off CUDA). The confidences need only each
         position's hidden state and the token before it: one batched pass after the loop."""
-        base = hidden @ shared.lm_weight.t().to(hidden.dtype)  # [R, n, V]; upcast in the sampler
+        base = head_product(hidden, shared.lm_weight)  # [R, n, V]; upcast in the sampler
         prev = anchor
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
         tokens, probs = [], []
@@ -132,7 +133,7 @@ class DSparkDrafter(BlockDrafter):
         r, n = u.shape
         gamma = hidden.shape[0]
         first = hidden[:n]  # [n, R, d], contiguous
-        base = first @ shared.lm_weight.t().to(first.dtype)  # [n, R, V]: one GEMM
+        base = head_product(first, shared.lm_weight)  # [n, R, V]: one GEMM, also at R = 1
         greedy = temperature == 0
         probs = None if greedy else base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
         state = self.head.init_state(r, first) if self.head is not None else None
