@@ -132,7 +132,7 @@ class DSparkDrafter(BlockDrafter):
         probabilities (None): greedy verification reads tokens only."""
         r, n = u.shape
         gamma = hidden.shape[0]
-        first = hidden[:n]  # [n, R, d], contiguous
+        first = hidden[:n]  # [n, R, d]; at R = 1 its strides need not chain (see head_product)
         base = head_product(first, shared.lm_weight)  # [n, R, V]: one GEMM, also at R = 1
         greedy = temperature == 0
         probs = None if greedy else base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
