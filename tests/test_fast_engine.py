@@ -1023,3 +1023,32 @@ def test_gpu_stall_watch_reads_the_allocator_reserve():
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # no free block cached: a cudaMalloc
     assert _reserved_mb() == torch.cuda.memory_reserved() / 2**20 >= before + 64
     del block
+
+
+def test_greedy_steps_read_the_argmax_off_the_heads_own_logits(small_target, monkeypatch):
+    """At T = 0 the target's steps take the argmax of the LM head's bf16 logits: no float32 copy of
+    [rows, width, V] (at 256 x 8 rows of SmolLM2 a 402 MB write per verify step), and the tokens
+    are those of the float32 logits (the upcast is exact)."""
+    import copy
+
+    from torch.profiler import profile
+
+    from dspark.target import Target
+
+    t = copy.deepcopy(small_target)
+    t.model.to(torch.bfloat16)
+    drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0].to(torch.bfloat16)
+    prompts = prompts_for(t, 2, seed=3)
+    kw = dict(temperature=0.0, concurrency=2, buckets=(2,), eos_token_ids=(), max_new_tokens=8)
+    with profile(record_shapes=True) as prof:
+        res = FastEngine(t, drafter, **kw).generate(prompts)
+    upcasts = [
+        shapes[0]
+        for e in prof.events()
+        if e.name == "aten::_to_copy" and (shapes := e.input_shapes) and len(shapes[0]) == 3
+        if shapes[0][-1] == t.vocab_size
+    ]
+    assert not upcasts, upcasts
+    monkeypatch.setattr(t, "lm_head", lambda hidden, upcast=True: Target.lm_head(t, hidden, True))
+    upcast = FastEngine(t, drafter, **kw).generate(prompts)
+    assert [g.tokens for g in res.generations] == [g.tokens for g in upcast.generations]

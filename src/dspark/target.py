@@ -258,11 +258,15 @@ class Target(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         return self._embedding(ids)
 
-    def lm_head(self, hidden: Tensor) -> Tensor:
-        logits = self.model.get_output_embeddings()(hidden).float()
+    def lm_head(self, hidden: Tensor, upcast: bool = True) -> Tensor:
+        """The logits of ``hidden`` in float32, soft-capped where the model caps them. ``upcast=False``
+        keeps the head's own dtype where nothing is capped: an argmax reads the same token (the
+        upcast is exact) without a float32 copy of every logit (at 256 x 8 rows of SmolLM2 a
+        402 MB write, ~0.15 ms of a greedy verify step on the H200)."""
+        logits = self.model.get_output_embeddings()(hidden)
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+            return torch.tanh(logits.float() / self.softcap) * self.softcap
+        return logits.float() if upcast else logits
 
     def _run(self, ids: Tensor, **kw) -> tuple[Any, Tensor]:
         """The base model's output and the concatenated taps the hooks captured."""

@@ -274,7 +274,7 @@ class FastEngine(Engine):
             hidden, taps = self.static.forward(i, p, taps=self.drafter is not None)
             if self.drafter is not None:
                 self._write_context(taps, p, 0)
-            return self._target_choice(self.target.lm_head(hidden))
+            return self._target_choice(self.target.lm_head(hidden, upcast=not self.greedy))
 
         rows = self._stage(ids, positions)
         if self.bank is None:
@@ -296,7 +296,7 @@ class FastEngine(Engine):
             hidden, taps = self.static.forward(i, p, taps=True)
             self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, taps[:, 0][None].to(self.ring_taps.dtype))
             self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
-            return self._target_choice(self.target.lm_head(hidden))
+            return self._target_choice(self.target.lm_head(hidden, upcast=not self.greedy))
 
         rows = self._stage(ids, positions)
         self._stashed, self._stash_rows = self._stashed + 1, r
