@@ -478,4 +478,4 @@ def test_draft_step_reads_the_lm_head_once_at_one_request(small_target, name, he
                 for e in prof.events()
                 if e.name in ("aten::mm", "aten::bmm") and any(s and s[-1] == vocab for s in e.input_shapes)
             ]
-            assert head_gemms and all(name == "aten::mm" for name, _ in head_gemms), head_gemms
+            assert head_gemms and all(op == "aten::mm" for op, _ in head_gemms), head_gemms

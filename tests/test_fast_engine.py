@@ -1042,12 +1042,8 @@ def test_greedy_steps_read_the_argmax_off_the_heads_own_logits(small_target, mon
     kw = dict(temperature=0.0, concurrency=2, buckets=(2,), eos_token_ids=(), max_new_tokens=8)
     with profile(record_shapes=True) as prof:
         res = FastEngine(t, drafter, **kw).generate(prompts)
-    upcasts = [
-        shapes[0]
-        for e in prof.events()
-        if e.name == "aten::_to_copy" and (shapes := e.input_shapes) and len(shapes[0]) == 3
-        if shapes[0][-1] == t.vocab_size
-    ]
+    copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes]
+    upcasts = [shape for shape in copies if len(shape) == 3 and shape[-1] == t.vocab_size]  # [rows, width, V]
     assert not upcasts, upcasts
     monkeypatch.setattr(t, "lm_head", lambda hidden, upcast=True: Target.lm_head(t, hidden, True))
     upcast = FastEngine(t, drafter, **kw).generate(prompts)
