@@ -8,7 +8,8 @@
 #     the same command again resumes it from its checkpoint on the same clock-bounded schedule.
 #     Records a profile window of the run (callbacks.profile: steps PROFILE_START.. +9, after warm-up and
 #     compilation; PROFILE=false leaves it out) and copies it as $OUT/NAME/step_profile.{json,md} (+ the
-#     Chrome trace step_profile_trace.json.gz when it is at most TRACE_MAX_MB, default 12).
+#     Chrome trace step_profile_trace.json.gz when it is at most TRACE_MAX_MB, default 0: a 7 MB trace
+#     rides in every later `h200_session.sh wait` bundle, and a machine went back while one came back).
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
 #     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
 #     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
@@ -75,7 +76,7 @@ train)
     if [ -f $run/profile/$f ]; then cp $run/profile/$f "$OUTDIR/$name/"; fi
   done
   trace=$run/profile/trace.json.gz
-  if [ -f $trace ] && [ "$(stat -c %s $trace)" -le $((${TRACE_MAX_MB:-12} * 1048576)) ]; then
+  if [ -f $trace ] && [ "$(stat -c %s $trace)" -le $((${TRACE_MAX_MB:-0} * 1048576)) ]; then
     cp $trace "$OUTDIR/$name/step_profile_trace.json.gz"
   fi
   if [ -f $run/profile/step_profile.md ]; then sed -n 3p $run/profile/step_profile.md; fi  # what bounds the step

@@ -18,13 +18,15 @@
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
-#      dspark.schedule mode=e2e).
+#      dspark.schedule mode=e2e);
+#   5. one target layer's functions compiled for every shape (the engine's) against compiled per
+#      shape, at R x W = 1 x 8, 256 x 1, 256 x 8 (python -m dspark.bench.layer_compile, layer_compile.json).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
-# Writes 16 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json,
+# Writes 17 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json, layer_compile.json,
 # engine_sps_T{0,1}.json, cost_table_T{0,1}.json, e2e_T{0,1}.json, fig7_T{0,1}.png/.json,
 # fig8_T{0,1}.png/.json. Each stage has its own time limit (60 + 120 + 270 + 260 + 180 + 320 +
-# 2 x 60 s at most: each e2e point is the median of
+# 2 x 60 + 150 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
@@ -88,4 +90,7 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     cp "$WORK/frontier_T$t/fig8_budget.png" "$OUT/fig8_T$t.png" &&
     cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json"
 done
+stage "the target layer compiled per shape against for every shape"  # ~1-2 min, mostly compiles: last, after the e2e runs
+timeout 150 python3 -m dspark.bench.layer_compile --steps 1x8,256x1,256x8 --context "${ROUND_CONTEXT:-172}" \
+  --out "$OUT/layer_compile.json" 2>&1 | quiet | tail -6
 stage "done"

@@ -395,3 +395,22 @@ def test_round_profile_ranks_the_host_work_of_real_rounds(tiny_target, tmp_path)
          "--policy", "target_only", "--out", str(tmp_path / "alone.json"), "target=tiny"]
     )  # fmt: skip
     assert not any("drafters/" in r["function"] for r in alone["points"][0]["top"])  # no drafter ran
+
+
+def test_layer_compile_bench_compares_a_shape_compile_with_the_eager_layer(tmp_path):
+    """The layer-compile benchmark on the CPU at a tiny layer: the eager layer functions and the
+    ones compiled for each step's shape, timed per step, the shape-compiled outputs and K/V stores
+    checked against the eager ones; bad steps are refused before anything runs."""
+    from dspark.bench import layer_compile
+
+    out = tmp_path / "lc.json"
+    tiny = ["--hidden", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--intermediate", "48"]
+    argv = [*tiny, "--steps", "2x1,2x3", "--context", "8", "--variants", "eager,static", "--repeats", "2"]
+    report = layer_compile.main([*argv, "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text())["steps"] == report["steps"]
+    assert report["variants"] == ["eager", "static"] and report["layer"]["kv_heads"] == 2
+    assert [(s["rows"], s["width"]) for s in report["steps"]] == [(2, 1), (2, 3)]
+    assert all(s["static_agrees"] and s["eager_ms"] > 0 and s["static_ms"] > 0 for s in report["steps"])
+    for bad in (["--steps", "2x9"], ["--steps", "2by3"], ["--variants", "static"]):
+        with pytest.raises(SystemExit):
+            layer_compile.main([*tiny, "--context", "8", *bad, "--device", "cpu", "--out", str(out)])
