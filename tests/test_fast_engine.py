@@ -239,6 +239,51 @@ def test_compiled_layers_serve_every_engine_of_a_process(small_target, monkeypat
     assert all(0 < n < 8 for n in graphs.values()), graphs
 
 
+def test_compiled_layers_keep_the_weight_sizes_constant(small_target, monkeypatch):
+    """The layer functions take their weights as plain tensors (stacked q|k|v, gate|up), which
+    dynamo would make as symbolic as the activations under ``dynamic=True``: every kernel then
+    divides its indices by run-time sizes (the H200: 99.5 µs a layer at 256 x 8 rows against 60.8
+    compiled with constant sizes, ``bench.layer_compile``). Only the sizes that vary (rows, width,
+    cache positions) may be symbolic: every graph over several rows counts and widths has the
+    weights' sizes as constants."""
+    from dspark.decoding.static_target import compiled_layer_function
+
+    graphs = []
+    real_compile = torch.compile
+
+    def recording(fn, **kw):  # keeps each graph's inputs, runs it eagerly
+        def backend(gm, example_inputs):
+            graphs.append((fn.__name__, gm))
+            return gm.forward
+
+        return real_compile(fn, backend=backend, **kw)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    compiled_layer_function.cache_clear()
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    try:
+        with torch.inference_mode():
+            static = StaticTarget(small_target, rows=16, capacity=64, compile=True)
+            buffer = torch.randint(4, 256, (16, 40), generator=g)
+            for r, w in ((1, 1), (16, 8), (8, 3), (16, 1), (4, 8)):
+                static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
+    finally:
+        compiled_layer_function.cache_clear()
+        torch._dynamo.reset()
+    weights = static.weights[0]
+    sizes = {tuple(t.shape) for t in (weights.qkv, weights.gate_up, weights.o, weights.down)}
+    symbolic_graphs = 0
+    for name, gm in graphs:
+        inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        shapes = [t.shape for t in inputs if isinstance(t, torch.Tensor)]
+        symbolic = [s for s in shapes if any(isinstance(d, torch.SymInt) for d in s)]
+        symbolic_graphs += bool(symbolic)
+        hinted = {tuple(d.node.hint if isinstance(d, torch.SymInt) else d for d in s) for s in symbolic}
+        assert not hinted & sizes, f"{name}: a weight's sizes are symbolic in {hinted & sizes}"
+    assert symbolic_graphs, "no graph over several shapes: nothing was checked"
+
+
 def _engines(t, drafter, temperature, deferred_context=8, **kw):
     common = dict(temperature=temperature, concurrency=3, eos_token_ids=(), seed=5, refill=1)
     common.update(kw)

@@ -179,11 +179,16 @@ LAYER_GRAPHS = 64
 
 @functools.cache
 def compiled_layer_function(fn: Callable) -> Callable:
-    """``fn`` compiled once a process, for every shape (``dynamic``): every StaticTarget shares the
-    wrapper (a new one would compile every shape again against the same per-code graph budget)."""
+    """``fn`` compiled once a process: every StaticTarget shares the wrapper (a new one would
+    compile every shape again against the same per-code graph budget). Automatic dynamic shapes:
+    the first shape compiles as constants, and a size that later changes (rows, width, cache
+    capacity) becomes symbolic in the recompile, while the weights' sizes stay constants. Not
+    ``dynamic=True``: the weights enter as plain tensors (stacked q|k|v, gate|up), so their sizes
+    were symbolic too, and every fused kernel divided its indices by run-time sizes (on the H200
+    99.5 against 60.8 µs a layer at 256 x 8 rows, 29.8 against 26.1 at 1 x 8: bench.layer_compile)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, LAYER_GRAPHS)
-    return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=None)
 
 
 # ---- Llama family -----------------------------------------------------------------------------
