@@ -2,8 +2,6 @@
 # H200, issue 18 (speculation that pays at every load), in about 8 minutes (15 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
-#   1b. the greedy draft kernel and the top-p kernel against the steps they replace, as graph replays
-#      (python -m dspark.bench.decode_kernels, decode_kernels.json);
 #   2. per temperature (E2E_TEMPERATURES, default "0 1"; greedy rounds at T = 0 build no
 #      distributions, so their steps cost less) the cost table, all of it at the e2e prompts' mean
 #      context (ROUND_CONTEXT, default 172: gsm8k's 108 prompt tokens plus half the 128 new ones):
@@ -19,14 +17,17 @@
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e);
-#   5. one target layer's functions compiled for every shape (the engine's) against compiled per
-#      shape, at R x W = 1 x 8, 256 x 1, 256 x 8 (python -m dspark.bench.layer_compile, layer_compile.json).
+#   5. the kernel benchmarks, last: the greedy draft kernel, the top-p kernel and the draft step's LM
+#      head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
+#      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
+#      compiles them and per shape, at R x W = 1 x 8, 256 x 1, 256 x 8 (python -m dspark.bench.layer_compile,
+#      layer_compile.json).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
 # Writes 17 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json, layer_compile.json,
 # engine_sps_T{0,1}.json, cost_table_T{0,1}.json, e2e_T{0,1}.json, fig7_T{0,1}.png/.json,
-# fig8_T{0,1}.png/.json. Each stage has its own time limit (60 + 120 + 270 + 260 + 180 + 320 +
-# 2 x 60 + 150 s at most: each e2e point is the median of
+# fig8_T{0,1}.png/.json. Each stage has its own time limit (60 + 270 + 260 + 180 + 320 +
+# 2 x 60 + 120 + 150 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
@@ -51,9 +52,6 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
   timeout 60 python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py \
     -k "not test_compiled_layers_match_eager" 2>&1 | quiet | tail -8
 fi
-
-stage "the decoding kernels against what they replace"  # ~30 s: bias_argmax, nucleus
-timeout 120 python3 -m dspark.bench.decode_kernels --out "$OUT/decode_kernels.json" 2>&1 | quiet | tail -12
 
 for t in ${E2E_TEMPERATURES:-0 1}; do
   # A cost table per temperature (greedy rounds build no distributions: their steps cost less);
@@ -90,7 +88,10 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     cp "$WORK/frontier_T$t/fig8_budget.png" "$OUT/fig8_T$t.png" &&
     cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json"
 done
-stage "the target layer compiled per shape against for every shape"  # ~1-2 min, mostly compiles: last, after the e2e runs
+# The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
+stage "the decoding kernels against what they replace"  # ~60 s: bias_argmax, nucleus, the LM head
+timeout 120 python3 -m dspark.bench.decode_kernels --out "$OUT/decode_kernels.json" 2>&1 | quiet | tail -12
+stage "one target layer: eager, all sizes symbolic, as the engine compiles it, per shape"  # ~1-2 min, mostly compiles
 timeout 150 python3 -m dspark.bench.layer_compile --steps 1x8,256x1,256x8 --context "${ROUND_CONTEXT:-172}" \
   --out "$OUT/layer_compile.json" 2>&1 | quiet | tail -6
 stage "done"

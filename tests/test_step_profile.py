@@ -241,16 +241,16 @@ exec {sys.executable} "$@"
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout, (work / "outputs" / "h200" / f"{name}.args").read_text()
 
-    stdout, args = train("A")
+    stdout, args = train("A", TRACE_MAX_MB="1")
     assert "callbacks.profile.enabled=true" in args and "callbacks.profile.start_step=200" in args
     assert "Reading: stub." in stdout
     out = tmp_path / "out" / "A"
     assert {p.name for p in out.iterdir()} >= {
         "step_profile.json", "step_profile.md", "step_profile_trace.json.gz"
     }  # fmt: skip
-    _, args = train("B", PROFILE="false", TRACE_MAX_MB="0")
+    _, args = train("B", PROFILE="false")
     assert "callbacks.profile.enabled=false" in args
-    assert not (tmp_path / "out" / "B" / "step_profile_trace.json.gz").exists()  # over TRACE_MAX_MB
+    assert not (tmp_path / "out" / "B" / "step_profile_trace.json.gz").exists()  # TRACE_MAX_MB: 0 by default
     # A window that failed leaves its error alone: the training step still succeeds.
     train("C", FAILED_WINDOW="1")
     assert {p.name for p in (tmp_path / "out" / "C").iterdir()} == {"config.yaml", "step_profile.json"}
