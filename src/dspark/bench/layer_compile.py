@@ -37,7 +37,7 @@ VARIANTS = ("eager", "symbolic", "engine", "static")
 
 
 def _parse(argv):
-    what = "The target layer functions eager, compiled for every shape and compiled per shape, timed."
+    what = "The target layer functions eager, all sizes symbolic, as the engine compiles them, per shape."
     ap = argparse.ArgumentParser(prog="python -m dspark.bench.layer_compile", description=what)
     ap.add_argument("--steps", default="1x8,64x8,256x1,256x8", help="ROWSxWIDTH, comma-separated")
     ap.add_argument("--context", type=int, default=512, help="cache slots per row")

@@ -185,7 +185,7 @@ def compiled_layer_function(fn: Callable) -> Callable:
     capacity) becomes symbolic in the recompile, while the weights' sizes stay constants. Not
     ``dynamic=True``: the weights enter as plain tensors (stacked q|k|v, gate|up), so their sizes
     were symbolic too, and every fused kernel divided its indices by run-time sizes (on the H200
-    99.5 against 60.8 µs a layer at 256 x 8 rows, 29.8 against 26.1 at 1 x 8: bench.layer_compile)."""
+    99.5 against 60.7 µs a layer at 256 x 8 rows, 29.8 against 26.1 at 1 x 8: bench.layer_compile)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, LAYER_GRAPHS)
     return torch.compile(fn, dynamic=None)
