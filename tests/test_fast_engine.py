@@ -8,6 +8,9 @@ with that eager path in the ``gpu`` tests at the end.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import pytest
 import torch
 from test_engine import Cycling, hf_greedy, make_drafter, prompts_for
@@ -198,79 +201,73 @@ def test_compiled_cache_stores_match_eager(small_target, device):
         small_target.to("cpu")
 
 
+@contextlib.contextmanager
+def _layer_graphs(monkeypatch):
+    """Every graph dynamo compiles for the target's layer functions inside the block, as (function
+    name, GraphModule), run eagerly (the guards and graphs of the real backend, no codegen); yields
+    that list and the names of the wrappers ``torch.compile`` made. A fresh wrapper per function
+    (``compiled_layer_function``'s cache cleared) before and after, so later tests compile for real."""
+    from dspark.decoding.static_target import compiled_layer_function
+
+    wrappers, graphs = [], []
+    real_compile = torch.compile
+
+    def recording(fn, **kw):
+        def backend(gm, example_inputs):
+            graphs.append((fn.__name__, gm))
+            return gm.forward
+
+        wrappers.append(fn.__name__)
+        return real_compile(fn, backend=backend, **kw)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    compiled_layer_function.cache_clear()
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            yield wrappers, graphs
+    finally:
+        compiled_layer_function.cache_clear()
+        torch._dynamo.reset()
+
+
 def test_compiled_layers_serve_every_engine_of_a_process(small_target, monkeypatch):
     """bench.e2e builds one engine per rows count in one process. Dynamo keeps a function's graphs
     per code and, past its recompile limit (8), runs new shapes eagerly without an error: the H200's
     rounds at R >= 16 once paid ~1.5 ms for it. Every StaticTarget shares one compiled wrapper per
     layer function, and prompts, plain and verify steps of any rows count and width (sliced out of
     the engine's buffers, or not) at R = 1, 16, 64 and 256 fit in fewer graphs than that limit."""
-    from torch._dynamo.testing import CompileCounter
-
-    from dspark.decoding.static_target import compiled_layer_function
-
-    wrappers = []
-    real_compile = torch.compile
-
-    def counting(fn, **kw):  # the eager backend: the guards and graphs of the real one, no codegen
-        counter = CompileCounter()
-        wrappers.append((fn.__name__, counter))
-        return real_compile(fn, backend=counter, **kw)
-
-    monkeypatch.setattr(torch, "compile", counting)
-    compiled_layer_function.cache_clear()
-    torch._dynamo.reset()
     g = torch.Generator().manual_seed(2)
-    try:
-        with torch.inference_mode():
-            for rows in (1, 16, 64, 256):
-                static = StaticTarget(small_target, rows=rows, capacity=64, compile=True)
-                buffer = torch.randint(4, 256, (rows, 40), generator=g)
-                for r in sorted({1, rows // 2 or 1, rows}):
-                    static.forward(buffer[:r, :9], torch.arange(9).expand(r, 9))  # prompts
-                    static.forward(buffer[:r, :9].clone(), torch.arange(9).repeat(r, 1))
-                    for w in range(1, 9):  # plain (1) and verify steps, as sliced and as copies
-                        static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
-                        static.forward(buffer[:r, :w].clone(), (buffer[:r, 10 : 10 + w] % 40 + 9).clone())
-    finally:
-        compiled_layer_function.cache_clear()  # later tests compile with the real backend
-        torch._dynamo.reset()
-    graphs = {name: counter.frame_count for name, counter in wrappers}
-    assert sorted(name for name, _ in wrappers) == ["attention_inputs", "layer_output"]  # one wrapper each
-    assert all(0 < n < 8 for n in graphs.values()), graphs
+    with _layer_graphs(monkeypatch) as (wrappers, graphs):
+        for rows in (1, 16, 64, 256):
+            static = StaticTarget(small_target, rows=rows, capacity=64, compile=True)
+            buffer = torch.randint(4, 256, (rows, 40), generator=g)
+            for r in sorted({1, rows // 2 or 1, rows}):
+                static.forward(buffer[:r, :9], torch.arange(9).expand(r, 9))  # prompts
+                static.forward(buffer[:r, :9].clone(), torch.arange(9).repeat(r, 1))
+                for w in range(1, 9):  # plain (1) and verify steps, as sliced and as copies
+                    static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
+                    static.forward(buffer[:r, :w].clone(), (buffer[:r, 10 : 10 + w] % 40 + 9).clone())
+    assert sorted(wrappers) == ["attention_inputs", "layer_output"]  # one wrapper each
+    per_function = collections.Counter(name for name, _ in graphs)
+    assert sorted(per_function) == sorted(wrappers) and all(n < 8 for n in per_function.values()), (
+        per_function
+    )
 
 
 def test_compiled_layers_keep_the_weight_sizes_constant(small_target, monkeypatch):
     """The layer functions take their weights as plain tensors (stacked q|k|v, gate|up), which
     dynamo would make as symbolic as the activations under ``dynamic=True``: every kernel then
-    divides its indices by run-time sizes (the H200: 99.5 µs a layer at 256 x 8 rows against 60.8
-    compiled with constant sizes, ``bench.layer_compile``). Only the sizes that vary (rows, width,
+    divides its indices by run-time sizes (the H200: 99.5 µs a layer at 256 x 8 rows against 60.7
+    with constant weight sizes, ``bench.layer_compile``). Only the sizes that vary (rows, width,
     cache positions) may be symbolic: every graph over several rows counts and widths has the
     weights' sizes as constants."""
-    from dspark.decoding.static_target import compiled_layer_function
-
-    graphs = []
-    real_compile = torch.compile
-
-    def recording(fn, **kw):  # keeps each graph's inputs, runs it eagerly
-        def backend(gm, example_inputs):
-            graphs.append((fn.__name__, gm))
-            return gm.forward
-
-        return real_compile(fn, backend=backend, **kw)
-
-    monkeypatch.setattr(torch, "compile", recording)
-    compiled_layer_function.cache_clear()
-    torch._dynamo.reset()
     g = torch.Generator().manual_seed(3)
-    try:
-        with torch.inference_mode():
-            static = StaticTarget(small_target, rows=16, capacity=64, compile=True)
-            buffer = torch.randint(4, 256, (16, 40), generator=g)
-            for r, w in ((1, 1), (16, 8), (8, 3), (16, 1), (4, 8)):
-                static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
-    finally:
-        compiled_layer_function.cache_clear()
-        torch._dynamo.reset()
+    with _layer_graphs(monkeypatch) as (_, graphs):
+        static = StaticTarget(small_target, rows=16, capacity=64, compile=True)
+        buffer = torch.randint(4, 256, (16, 40), generator=g)
+        for r, w in ((1, 1), (16, 8), (8, 3), (16, 1), (4, 8)):
+            static.forward(buffer[:r, :w], buffer[:r, 10 : 10 + w] % 40 + 9)
     weights = static.weights[0]
     sizes = {tuple(t.shape) for t in (weights.qkv, weights.gate_up, weights.o, weights.down)}
     symbolic_graphs = 0
