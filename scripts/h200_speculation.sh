@@ -11,14 +11,14 @@
 #      kernel split against unsplit, each step's kernels at R = 1 and 256
 #      (python -m dspark.bench.engine_sps); then
 #   3. python -m dspark.bench.e2e at that temperature with its table, R = 1, 16, 64, 256:
-#      target-only, fixed γ, mtp1 (γ = 1), threshold, hardware_aware and draft_aware
+#      target-only, fixed γ = 7, 5, 3 and 1 (mtp1), threshold, hardware_aware and draft_aware
 #      (E2E_POLICIES: fewer, when minutes are short; E2E_CONCURRENCY: fewer R, e.g. the headline
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e);
-#   5. the kernel benchmarks, last: the greedy draft kernel, the top-p kernel and the draft step's LM
-#      head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
+#   5. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
+#      and the draft step's LM head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
 #      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
 #      compiles them and per shape, at R x W = 1 x 8, 256 x 1, 256 x 8 (python -m dspark.bench.layer_compile,
 #      layer_compile.json).
@@ -75,8 +75,8 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
   timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" \
-    --policies "${E2E_POLICIES:-fixed,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
-    --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -36
+    --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
+    --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -64
 done
 
 stage "measured frontier"
@@ -89,9 +89,11 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json"
 done
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
-stage "the decoding kernels against what they replace"  # ~60 s: bias_argmax, nucleus, the LM head
-timeout 120 python3 -m dspark.bench.decode_kernels --out "$OUT/decode_kernels.json" 2>&1 | quiet | tail -12
-stage "one target layer: eager, all sizes symbolic, as the engine compiles it, per shape"  # ~1-2 min, mostly compiles
-timeout 150 python3 -m dspark.bench.layer_compile --steps 1x8,256x1,256x8 --context "${ROUND_CONTEXT:-172}" \
-  --out "$OUT/layer_compile.json" 2>&1 | quiet | tail -6
+if [ "${SPEC_KERNELS:-1}" = 1 ]; then
+  stage "the decoding kernels against what they replace"  # ~60 s: bias_argmax, nucleus, the LM head
+  timeout 120 python3 -m dspark.bench.decode_kernels --out "$OUT/decode_kernels.json" 2>&1 | quiet | tail -12
+  stage "one target layer: eager, all sizes symbolic, as the engine compiles it, per shape"  # ~1-2 min
+  timeout 150 python3 -m dspark.bench.layer_compile --steps 1x8,256x1,256x8 --context "${ROUND_CONTEXT:-172}" \
+    --out "$OUT/layer_compile.json" 2>&1 | quiet | tail -6
+fi
 stage "done"

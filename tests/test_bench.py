@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_engine import Oracle, prompts_for
@@ -116,6 +117,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
          "target=tiny"]
     )  # fmt: skip
     report = json.loads(out.read_text())
+    assert report["waves"] == 1  # the default: one batch of R requests
     assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     for r in report["rows"]:  # each repeat says where its slowest round was
@@ -141,6 +143,9 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
             assert r["speedup_per_user"] > 0
         want = {"target_only": 0, "dspark/fixed": 4, "dspark/mtp1": 1, "dspark/draft_aware": 0}[r["run"]]
         assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
+        assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
+        assert {g["drafted"] for g in r["by_length"]} == {want}
+        assert all(g["priced_ms"] > 0 for g in r["by_length"])
     assert report["cost_table"] == CostModel.load(cost).to_dict()
     assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
     assert "cost table was measured at T = 1 and prices runs at T = 0,1" in caplog.text
@@ -344,6 +349,64 @@ def test_measure_repeats_keep_the_median_run_and_list_every_run(tiny_target, mon
     single = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
                      max_new_tokens=16, seed=5, warmup=False)["fixed"][0]  # fmt: skip
     assert "repeats" not in single and (single["tau"], single["rounds"]) == (out["tau"], out["rounds"])
+
+
+def test_measure_waves_queue_requests_behind_the_slots(tiny_target, monkeypatch):
+    """waves=3 at R = 2: six requests behind two slots (a request that ends hands its slot on), so
+    the rounds run two rows until the queue runs dry; waves=1: the prompt repeated to fill the two."""
+    sizes, inner = [], Engine.generate
+
+    def generate(self, reqs, *args, **kw):
+        if all(getattr(r, "max_new_tokens", None) is None for r in reqs):  # a timed run
+            sizes.append(len(reqs))
+        return inner(self, reqs, *args, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    prompts = prompts_for(tiny_target, 1, seed=2)
+    drafter = Oracle(tiny_target, gamma=3)
+    full = {}
+    for waves in (3, 1):
+        out = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
+                      max_new_tokens=6, seed=3, warmup=False, waves=waves)["fixed"][0]  # fmt: skip
+        full[waves] = sum(g["rounds"] for g in out["by_length"] if g["rows_bucket"] == 2)
+    assert sizes == [6, 2] and full[3] > full[1] > 0
+    with pytest.raises(ValueError, match="waves"):
+        measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, waves=0)
+
+
+def test_points_keep_the_rounds_by_length_and_the_acceptance():
+    """A point's digest of its rounds: per rows bucket and drafted length the rounds, their mean
+    time, tokens per live row and the table's price of them; the acceptance per draft position the
+    rows realised (reached and accepted, counted like the schedulers' estimate); and the estimate of a
+    policy that keeps one, over the longest draft verified."""
+    from types import SimpleNamespace
+
+    from dspark.bench.measure import _by_length, _estimate, _realised_acceptance
+    from dspark.scheduling.policies import DraftAware, Truncated
+
+    steps = [
+        {"ms": 2.0, "batch": 3, "drafted": 2, "tokens": 6, "verified": 9},
+        {"ms": 4.0, "batch": 3, "drafted": 2, "tokens": 3, "verified": 6},  # a walk cut the draft
+        {"ms": 1.0, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},
+        {"ms": None, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},  # no clock: left out
+    ]
+    cost = CostModel({1: 1.0, 16: 4.0}, draft_ms={1: 0.5, 16: 1.0})
+    by = _by_length(steps, cost)
+    assert [(g["rows_bucket"], g["drafted"], g["rounds"]) for g in by] == [(4, 2, 2), (1, 0, 1)]
+    assert (by[0]["ms"], by[0]["tokens_per_row"], by[0]["verified_per_row"]) == (3.0, 1.5, 2.5)
+    assert by[1]["tokens_per_row"] == by[1]["verified_per_row"] == 1.0
+    assert by[0]["priced_ms"] == pytest.approx(1e3 * cost.round_time(3, 2))
+    assert by[1]["priced_ms"] == pytest.approx(1.0) and _by_length(steps, None)[0]["priced_ms"] is None
+    # rows verified (ℓ) and accepted (n): position 1 reached by three rows, accepted by two;
+    # position 2 reached by the one that accepted position 1 with ℓ = 2, and accepted
+    rounds = [SimpleNamespace(proposed=ell, accepted=n) for ell, n in [(2, 2), (2, 0), (1, 1), (0, 0)]]
+    assert _realised_acceptance(rounds) == pytest.approx([2 / 3, 1.0])
+    assert _realised_acceptance([SimpleNamespace(proposed=0, accepted=0)]) == []
+    aware = DraftAware()
+    aware.observe_round(np.array([2, 2, 1, 0]), np.array([2, 0, 1, 0]))
+    assert _estimate(aware, rounds) == pytest.approx([(2 + 1) / (3 + 1), (1 + 1) / (1 + 1)])
+    assert _estimate(Truncated(aware, 2), rounds) == _estimate(aware, rounds)
+    assert _estimate(Fixed(None), rounds) is None and _estimate(None, rounds) is None
 
 
 def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):

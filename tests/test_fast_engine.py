@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -725,8 +726,12 @@ def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
             common = dict(temperature=temperature, concurrency=5, eos_token_ids=(), cost=POLICY_COST)
             return cls(t, drafter, pol, generator=gen, **common, **kw)
 
-        eager = engine(FastEngine, graphs=False, compile=False).generate(reqs)
         graphed_engine = engine(FastEngine, graphs=True, compile=False)
+        eager_engine = engine(FastEngine, graphs=False, compile=False)
+        priced = graphed_engine.cost.round_times(3, 4).tolist()  # 3 live rows run the 4-row graphs
+        assert priced == POLICY_COST.round_times(4, 4).tolist() != POLICY_COST.round_times(3, 4).tolist()
+        eager_engine.cost = graphed_engine.cost  # priced at the graphs' rows: the same choices
+        eager = eager_engine.generate(reqs)
         # Capture every graph first (target steps before draft steps): a draft step's outputs
         # must survive the target step replayed after it (they once shared a memory pool).
         graphed_engine.prepare(reqs)
@@ -796,6 +801,50 @@ def test_cuda_graphs_reproduce_eager_bulk_sampling(small_target, top_k, top_p):
         graphed = graphed_engine.generate(reqs)
         assert len(graphed_engine.bank) >= 2
         assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
+    finally:
+        small_target.to("cpu")
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")])],
+)  # fmt: skip
+def test_rounds_leave_no_cyclic_garbage(small_target, device):
+    """``generate`` turns the garbage collector off for its rounds, so the rounds must leave
+    nothing for it: a run with plain rounds and drafts of every length, requests leaving and joining
+    (and on CUDA its graphs and clocks) makes no object that only a collection would free; the
+    collector is off inside the rounds and back on after them."""
+    t = small_target.to(device)
+    try:
+        drafter = make_drafter(t, "dspark", "markov", gamma=4)[0].to(device)
+        eng = FastEngine(t, drafter, Cycling(), cost=POLICY_COST, temperature=1.0, concurrency=3,
+                         eos_token_ids=(), seed=3, compile=False)  # fmt: skip
+        budgets = [3, 14, 7, 11, 5]
+        reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts_for(t, 5, seed=8), budgets)]
+        eng.prepare(reqs)
+        eng.generate(reqs)  # first uses (lazy state, kernels) are not the rounds' garbage
+        loop, collecting = eng._rounds_loop, []
+
+        def rounds_loop(*args):
+            collecting.append(gc.isenabled())
+            return loop(*args)
+
+        eng._rounds_loop = rounds_loop
+        while gc.collect():  # until nothing is left: a pass's weakref callbacks can free more
+            pass
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage, to be named
+        try:
+            res = eng.generate(reqs)
+            found = gc.collect()
+            kinds = collections.Counter(type(o).__name__ for o in gc.garbage).most_common(8)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert [len(g.tokens) for g in res.generations] == budgets
+        assert {s["drafted"] for s in res.steps} > {0}  # plain rounds and drafting ones
+        assert found == 0, f"the rounds left cyclic garbage: {kinds}"
+        assert collecting == [False] and gc.isenabled()
     finally:
         small_target.to("cpu")
 

@@ -28,6 +28,7 @@ from dspark.scheduling.policies import (
     Truncated,
     admission_order,
     build_policy,
+    expected_rates,
     expected_tokens,
     prefix_survival,
     throughput_path,
@@ -1110,6 +1111,30 @@ def test_verify_rows_ms_prices_r_rows_at_a_width():
     for bad in ({}, {"x": {1: 1.0}}, {1: {}}, {1: {1: -1.0}}):
         with pytest.raises(CostTableError, match="verify_width_ms"):
             CostModel(tokens, verify_width_ms=bad)
+
+
+def test_engine_rows_price_a_round_at_its_bucket():
+    """An engine that pads a round of R live rows to a rows bucket runs the bucket's step: priced
+    there (the round, its draft step, each verify width and so the choice of γ_d), R itself past the
+    largest bucket; the table as saved is unchanged."""
+    tokens = {1: 1.0, 64: 2.0, 256: 4.0, 2048: 9.0}
+    widths = {1: {1: 1.0, 64: 1.5, 256: 2.0}, 8: {1: 1.2, 64: 2.6, 256: 6.0}}
+    rounds = {0: {1: 1.0, 64: 1.5, 256: 2.0}, 7: {1: 1.5, 64: 3.0, 256: 8.0}}
+    cost = CostModel(tokens, draft_len_ms={7: {1: 0.3, 256: 1.3}}, padded=True, verify_width_ms=widths,
+                     round_len_ms=rounds)  # fmt: skip
+    engine = cost.at_engine_rows([256, 1, 64])
+    for live, runs in [(1, 1), (2, 64), (64, 64), (65, 256), (150, 256), (256, 256), (300, 300)]:
+        assert engine.round_times(live, 7).tolist() == cost.round_times(runs, 7).tolist()
+        assert engine.verify_rows_ms(live, 8) == cost.verify_rows_ms(runs, 8)
+        assert engine.fixed_ms(live, 7) == cost.fixed_ms(runs, 7)
+    assert cost.round_time(150, 7) < engine.round_time(150, 7) == pytest.approx(8e-3)
+    # 150 live rows of the 256-row graph: drafting looked worth it read at 150 rows, not at 256
+    acceptance = np.full(7, 0.6)
+    assert np.argmax(expected_rates(acceptance, 150, cost)) > 0
+    assert np.argmax(expected_rates(acceptance, 150, engine)) == 0
+    assert engine.to_dict() == cost.to_dict() and engine == cost
+    with pytest.raises(ValueError, match="positive"):
+        cost.at_engine_rows([0, 8])
 
 
 def test_padded_round_time_and_walk_use_the_width_table():

@@ -2,23 +2,26 @@
 
     python -m dspark.bench.e2e --drafter-dir <checkpoint> target=smollm2_135m target.device=cuda \\
         [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
-        [--concurrency 1,64,256] [--max-new-tokens 128] [--temperature 0[,1]] \\
+        [--concurrency 1,64,256] [--waves 1] [--max-new-tokens 128] [--temperature 0[,1]] \\
         [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
         [--repeats 3] [--no-compile] [--out e2e.json]
 
-For each temperature and concurrency R the same prompts (repeated to fill R slots) run target-only
-and with the drafter under each policy, each timed run after an untimed warm-up of R short
-requests, ``--repeats`` times from the same seed: the run of median throughput is the point, every
-run's speeds are listed with it, so one run's one-off stall neither sets nor hides in the numbers.
-Reported per point, from the engine's own round timings (prefill excluded, as in
-``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean
-tokens/s per user, τ, the mean round's time on the device's timeline (and its median and slowest
-round, with the one-off work counted around it: graph captures, compiles, GC passes), the device's
-work, the host's own work, its waits for a read-back of the verify width, the device's idle gap
-before the round, and the drafted positions; the drafter's
-speed-up over target-only at the same R; and per R the best policy against target-only and whether
-hardware_aware beats every fixed length (``goals``). The fast engine compiles the target and the
-drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
+For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k
+queues k · R requests behind them, continuous batching: a request that ends hands its slot on) run
+target-only and with the drafter under each policy, each timed run after an untimed warm-up of R
+short requests, ``--repeats`` times from the same seed: the run of median throughput
+is the point, every run's speeds are listed with it, so one run's one-off stall neither sets nor
+hides in the numbers. Reported per point, from the engine's own round timings (prefill excluded, as
+in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the
+mean round's time on the device's timeline (and its median and slowest round, with the one-off work
+counted around it: graph captures, compiles, GC passes), the device's work, the host's own work,
+its waits for a read-back of the verify width, the device's idle gap before the round, and the
+drafted positions; the drafter's speed-up over target-only at the same R; and per R the best policy
+against target-only and whether hardware_aware beats every fixed length (``goals``). Each point
+also keeps its rounds by rows bucket and drafted length, measured against the cost table's price
+(``by_length``), the acceptance per draft position the rounds realised and the scheduler's
+estimate of it: where a choice went wrong. The fast engine compiles the target and the drafter on
+CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
 draws the measured frontier from it.
 """
 
@@ -40,6 +43,12 @@ def _parse(argv):
     ap.add_argument("--benchmark-dir", default=PACKAGED_BENCHMARKS, help="default: the suites dspark ships")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument(
+        "--waves", type=int, default=1,
+        help="requests per slot: each R runs max(prompts, waves·R) requests; 1 (the default) is one "
+        "batch, whose drain (its last rows finishing alone) weighs on every speculative point; more "
+        "keep the load at R longer, each finished request's slot refilled by a prefill of its own",
+    )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", default="0", help="one or more, comma-separated")
     ap.add_argument("--policies", default="fixed")
@@ -84,6 +93,8 @@ def _main(argv, watch) -> dict:
     temperatures = _temperatures(args.temperature)
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats}: give at least 1 timed run per point (default 3)")
+    if args.waves < 1:
+        raise ConfigError(f"--waves {args.waves}: give at least 1 request per slot (default 1)")
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
     priced = None if cost is None else cost.meta.get("temperature")  # engine_sps --temperature
@@ -113,6 +124,7 @@ def _main(argv, watch) -> dict:
         "prompts": len(prompts),
         "temperature": temperatures[0] if len(temperatures) == 1 else temperatures,
         "max_new_tokens": args.max_new_tokens,
+        "waves": args.waves,
         "repeats": args.repeats,
         "gamma": gamma,
         "cost_table": None if cost is None else cost.to_dict(),
@@ -127,7 +139,7 @@ def _main(argv, watch) -> dict:
         for R in conc:
             rows, _ = compare(
                 target, drafter, names, [R], prompts, [temperature], cost=cost, calibration=calibration,
-                max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats, waves=args.waves,
                 engine_kind=args.engine, engine_kw=engine_kw,
             )  # fmt: skip
             these += rows
@@ -150,6 +162,14 @@ def _main(argv, watch) -> dict:
             for row in rows
         ],
     )  # fmt: skip
+    print("\nrounds by rows bucket and drafted length: count, measured/priced ms, tokens/verified per row")
+    for row in rows:
+        parts = [
+            f"b{g['rows_bucket']} γ{g['drafted']}: {g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}, "
+            f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
+            for g in row.get("by_length", [])
+        ]
+        print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))
     for temperature, checks in goals.items():
         for c in checks:
             print(

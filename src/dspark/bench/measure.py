@@ -14,7 +14,7 @@ from ..core.progress import progress_bar
 from ..decoding.engine import Request
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
-from ..scheduling.policies import Fixed, Policy, build_policy
+from ..scheduling.policies import Fixed, Policy, build_policy, position_counts, rows_bucket
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def measure(
     temperature: float = 1.0,
     max_new_tokens: int = 64,
     seed: int = 0,
+    waves: int = 1,
     warmup: bool = True,
     repeats: int = 1,
     progress: bool = False,
@@ -43,10 +44,13 @@ def measure(
 ) -> dict[str, list[dict]]:
     """Run the engine per policy and concurrency; time its decode rounds.
 
-    Prompts are repeated to fill at least R slots. Throughput = tokens emitted by decode rounds /
-    their summed wall time (prefill is excluded: no policy changes it, and the analytical mode does
-    not model it); tok/s/user = mean over requests of its tokens / the time of the rounds it was in
-    (the tail, when fewer than R requests remain, counts: that is how a finite job behaves).
+    Prompts are repeated to fill at least ``waves`` · R requests: with ``waves`` > 1 a request that
+    ends hands its slot to the next in the queue (continuous batching), so the rounds run at the
+    load R until the queue runs dry and the final drain weighs about 1 / ``waves`` of the run.
+    Throughput = tokens emitted by decode rounds / their summed wall time (prefill is excluded: no
+    policy changes it, and the analytical mode does not model it); tok/s/user = mean over requests
+    of its tokens / the time of the rounds it was in (the drain, when fewer than R requests remain,
+    counts: that is how a finite job behaves).
     ``warmup``: one tiny run first, then before each timed run an untimed one of R requests of
     ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it).
     ``repeats``: timed runs per point, each from the same seed (a stateless policy replays the same
@@ -55,8 +59,8 @@ def measure(
     one-off stall neither sets the point nor goes unseen."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
-    if int(repeats) < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if int(repeats) < 1 or int(waves) < 1:
+        raise ValueError(f"repeats and waves must be >= 1, got {repeats} and {waves}")
     first = next(iter(policies.values()))
 
     def engine(R: int, n_new: int):
@@ -82,7 +86,7 @@ def measure(
         R = int(R)
         eng = None  # drop the previous R's caches (and graphs) before building this one's
         eng = engine(R, max_new_tokens)  # one engine serves every policy: a fast engine keeps its graphs
-        n = max(len(prompts), R)
+        n = max(len(prompts), int(waves) * R)
         reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
         for name, pol in policies.items():
             eng.set_policy(pol)
@@ -93,7 +97,7 @@ def measure(
             runs = []
             for _ in range(int(repeats)):  # the same seed each time: the same draws
                 eng.generator.manual_seed(seed)
-                runs.append(_point(R, eng.generate(reqs)))
+                runs.append(_point(R, eng.generate(reqs), eng.cost, pol if drafter is not None else None))
             out[name].append(_median_run(runs))
             log.info("%s R=%d: %s", name, R, out[name][-1])
             if bar is not None:
@@ -103,8 +107,11 @@ def measure(
     return out
 
 
-def _point(R: int, res) -> dict:
-    """One timed run's point: throughput, per-user speed, τ, verify budget and round means."""
+def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = None) -> dict:
+    """One timed run's point: throughput, per-user speed, τ, verify budget, round means, the rounds
+    by drafted length (``by_length``), the acceptance per draft position the rounds realised
+    (``acceptance``) and, for a policy that keeps one, its estimate of it after the run
+    (``acceptance_estimate``): what a scheduler's choices are judged against."""
     step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
     total_s = sum(step_s.values())
     toks: dict = {}
@@ -122,7 +129,48 @@ def _point(R: int, res) -> dict:
         "budget": sum(r.proposed for r in res.rounds) / rounds,
         "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
         **_round_means(res.steps),
+        "by_length": _by_length(res.steps, cost),
+        "acceptance": _realised_acceptance(res.rounds),
+        "acceptance_estimate": _estimate(policy, res.rounds),
     }
+
+
+def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
+    """Per rows bucket and drafted length (0: plain rounds), largest bucket first: the rounds, their
+    mean time, the tokens they emitted and the positions they verified per live row (the anchor
+    included: below 1 + drafted where a walk cut the draft), and the cost table's price of them as
+    the engine prices them (``priced_ms``, the whole draft verified; None without a table). Measured
+    against priced, rate against rate, it shows where a scheduler's model of the rounds was wrong."""
+    groups: dict[tuple[int, int], np.ndarray] = {}
+    for s in steps:
+        if s.get("ms") is None or not s.get("batch"):
+            continue
+        priced = 1e3 * cost.round_times(s["batch"], s["drafted"])[s["drafted"]] if cost is not None else 0.0
+        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(6))
+        g += (1, s["ms"], s["tokens"], s["verified"], s["batch"], priced)
+    return [
+        {"rows_bucket": b, "drafted": d, "rounds": int(n), "ms": ms / n, "tokens_per_row": tokens / rows,
+         "verified_per_row": verified / rows, "priced_ms": priced / n if cost is not None else None}
+        for (b, d), (n, ms, tokens, verified, rows, priced) in sorted(groups.items(),
+                                                                     key=lambda g: (-g[0][0], g[0][1]))
+    ]  # fmt: skip
+
+
+def _realised_acceptance(rounds) -> list[float | None]:
+    """Per draft position: the share of the rows that reached it which accepted it (None where
+    no row did); empty for target-only."""
+    lengths = np.array([r.proposed for r in rounds], dtype=np.int64)
+    n = int(lengths.max(initial=0))
+    hits, tries = position_counts(lengths, np.array([r.accepted for r in rounds], dtype=np.int64), n)
+    return [float(h / t) if t else None for h, t in zip(hits, tries)]
+
+
+def _estimate(policy: Policy | None, rounds) -> list[float] | None:
+    """A policy's estimate of the acceptance per drafted position (``DraftAware``,
+    ``HardwareAware``), over the longest draft the run verified; None for the others."""
+    acceptance = getattr(policy.base, "acceptance", None) if policy is not None else None
+    n = max((r.proposed for r in rounds), default=0)
+    return None if acceptance is None or n == 0 else [float(c) for c in acceptance(n)]
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -300,7 +348,7 @@ def compare(
     gamma = int(drafter.gamma)
     for temperature in temperatures:
         policies = {n: build_policy(n, gamma=gamma, defaults={"check": False}) for n in names}
-        base = measure(target, None, {"target_only": Fixed(None)}, concurrency, prompts,
+        base = measure(target, None, {"target_only": Fixed(None)}, concurrency, prompts, cost=cost,
                        temperature=temperature, **common)["target_only"]  # fmt: skip
         spec = measure(target, drafter, policies, concurrency, prompts, cost=cost, calibration=calibration,
                        temperature=temperature, **common)  # fmt: skip

@@ -39,10 +39,12 @@ read-back of the verify width, a bubble on the device); ``events`` counts the on
 the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
 a round far slower than its median finds its cause. A round that drafts nothing runs
 ``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
-such rounds and writes it in one batch before the next draft). While ``generate`` runs, the
-objects alive before it are frozen out of Python's cyclic garbage collector (``gc.freeze``): a
-full collection over the process's heap (the model, torch.compile's caches) would stall a round
-for a large part of a second, and only the rounds' own objects can be garbage.
+such rounds and writes it in one batch before the next draft). While ``generate`` runs, Python's
+cyclic garbage collector is off and the objects alive before it are frozen out of it
+(``gc.freeze``): the rounds leave no cyclic garbage (a test holds them to it), so a collection
+could only stall them; a pass over the process's heap (the model, torch.compile's caches) takes a
+large part of a second, and on the H200 a single pass inside a run still took 0.44-0.57 s in 11 of
+144 timed runs with the heap frozen (session 2026-12-04-c).
 
 Randomness comes from one ``torch.Generator`` (CPU by default) in a fixed order per round: the
 drafter's uniforms [R, γ] (only when it drafts), then verify's ``u_accept [R, γ_d]`` (cut to the
@@ -362,13 +364,17 @@ class Engine:
                     on_result(item.index, gen)
 
         freeze = gc.get_freeze_count() == 0  # a caller that froze its heap keeps it frozen
+        collecting = gc.isenabled()
         if freeze:
             gc.freeze()
+        gc.disable()
         try:
             with StallWatch() as self._watch:
                 self._rounds_loop(reqs, queue, live, rounds, steps, finished, bar)
         finally:
             self._watch = None
+            if collecting:
+                gc.enable()
             if freeze:
                 gc.unfreeze()
         if bar is not None:

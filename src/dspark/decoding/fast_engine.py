@@ -60,7 +60,8 @@ class FastEngine(Engine):
             bucket >= R. The largest bucket must cover ``concurrency``.
         capacity: positions per request row; None sizes it from each ``generate`` call's
             longest prompt + budget (rounded up to 128).
-        graphs: capture CUDA graphs (default: when the target is on CUDA).
+        graphs: capture CUDA graphs (default: when the target is on CUDA). The cost model then
+            prices a round at its bucket's rows (``CostModel.at_engine_rows``), the rows it runs.
         prefill_chunk: prompts prefilled together (bounds the prefill's attention mask).
         max_width: the widest verification step (default γ + 1; the SPS benchmark asks for more).
         verify_impl: rejection-sampling backend: ``auto`` (the Triton kernel on CUDA, its
@@ -113,6 +114,8 @@ class FastEngine(Engine):
         self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA target: set graphs=false on this device")
+        if self.use_graphs and self.cost is not None:  # a round runs its bucket's rows: price those
+            self.cost = self.cost.at_engine_rows(self.buckets)
         self.prefill_chunk = int(prefill_chunk)
         self.max_width = int(max_width or self._gamma + 1)
         self.verify_impl = verify_impl

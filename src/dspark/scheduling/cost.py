@@ -193,6 +193,7 @@ class CostModel:
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``, ``depth_table``)
         self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
         self._widths_at: dict = {}  # verify_width_ms read at R, per R
+        self._buckets: np.ndarray | None = None  # the rows an engine pads a round to (at_engine_rows)
 
     # ---- tables -------------------------------------------------------------------------
     @property
@@ -222,6 +223,28 @@ class CostModel:
         if self._vw is None:
             return None
         return {w: {int(r): float(t) for r, t in zip(*xy)} for w, xy in self._vw.items()}
+
+    def at_engine_rows(self, buckets: Iterable[int]) -> CostModel:
+        """This table pricing a round of R live rows as an engine that pads them to ``buckets``
+        runs it (the fast engine replays graphs captured per rows bucket): at the smallest bucket
+        >= R, at R itself past the largest. Read at the live rows, a round of 150 rows in the
+        256-row graph would be priced between the 64- and 256-row points, well below what it costs.
+        The buckets belong to the engine, not the table: ``to_dict`` leaves them out."""
+        rows = sorted({int(b) for b in buckets})
+        if not rows or rows[0] < 1:
+            raise ValueError(f"engine row buckets must be positive row counts, got {rows}")
+        priced = CostModel.from_dict(self.to_dict())
+        priced._buckets = np.array(rows, dtype=np.float64)
+        return priced
+
+    def _engine_rows(self, R):
+        """The rows a round of ``R`` live rows runs (``at_engine_rows``); ``R`` without buckets."""
+        if self._buckets is None:
+            return R
+        r = np.asarray(R, dtype=np.float64)
+        at = self._buckets[np.minimum(np.searchsorted(self._buckets, r), self._buckets.size - 1)]
+        out = np.where(r <= self._buckets[-1], at, r)
+        return float(out) if np.ndim(R) == 0 else out
 
     # ---- lookups ------------------------------------------------------------------------
     def step_time(self, B, R=None):
@@ -258,6 +281,7 @@ class CostModel:
         measured width's curve read at R, linear in the width between them, the last two widths'
         slope beyond, floored at 0 like ``_interp``), else the token curve at ``R·w``."""
         w = np.asarray(widths, dtype=np.float64)
+        R = self._engine_rows(R)
         if self._vw is None:
             out = _interp(self._vx, self._vy, R * w)
         else:
@@ -289,6 +313,7 @@ class CostModel:
         r = np.asarray(R, dtype=np.float64)
         if np.any(r <= 0):
             raise ValueError(f"concurrency R must be positive, got {R!r}")
+        r = np.asarray(self._engine_rows(r))
         if drafted is None and self._d is not None or self._dl is None:
             return 0.0 if self._d is None else _interp(*self._d, r)
         if drafted is None:  # the whole block: the longest profiled length
@@ -309,7 +334,7 @@ class CostModel:
         if R <= 0 or drafted < 0:
             raise ValueError(f"need R > 0 and drafted >= 0, got R={R}, drafted={drafted}")
         if B is None and self._rl is not None and drafted in self._rl:
-            return float(_interp(*self._rl[drafted], np.float64(R))) * 1e-3
+            return float(_interp(*self._rl[drafted], np.float64(self._engine_rows(R)))) * 1e-3
         if B is None:  # every row verifies its whole draft: R rows, drafted + 1 wide
             ms = float(self.verify_rows_ms(R, drafted + 1))
         else:

@@ -243,8 +243,17 @@ class AcceptanceEstimate:
         # Position j is reached when the row verified it and accepted the j - 1 before it, and
         # accepted when also accepted itself: counts of min(ℓ, n + 1) >= j and min(ℓ, n) >= j,
         # from one histogram each (no [R, γ] table: this runs on the host every round).
-        self._tries += _at_least(np.minimum(lengths, accepted + 1), self._tries.size)
-        self._hits += _at_least(np.minimum(lengths, accepted), self._hits.size)
+        hits, tries = position_counts(lengths, accepted, self._hits.size)
+        self._hits += hits
+        self._tries += tries
+
+
+def position_counts(lengths: np.ndarray, accepted: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per draft position ``j = 1..n`` over rows that verified ``lengths`` drafts and accepted
+    ``accepted`` of them: how many accepted it, and how many reached it (verified it and accepted
+    the ``j - 1`` before it), as (hits, tries)."""
+    lengths, accepted = np.asarray(lengths), np.asarray(accepted)
+    return _at_least(np.minimum(lengths, accepted), n), _at_least(np.minimum(lengths, accepted + 1), n)
 
 
 def _at_least(values: np.ndarray, n: int) -> np.ndarray:
