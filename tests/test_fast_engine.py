@@ -392,9 +392,10 @@ def _spied(engine):
 def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     """A round that drafts nothing runs the width-1 plain step (no draft, no drafter layers); the
     context of those rounds reaches the drafter in one write of the ring (3 rounds here) before
-    the next draft, when the ring is full, or before rows move or join. Tokens, acceptance and
-    every round's confidences (which read the whole context) equal the plain engine's, with
-    requests joining and leaving two at a time; skipping the deferred writes breaks them."""
+    the next draft, when the ring is full, or before rows join; rows that move when requests leave
+    take their ring entries along. Tokens, acceptance and every round's confidences (which read the
+    whole context) equal the plain engine's, with requests joining and leaving two at a time;
+    skipping the deferred writes breaks them."""
     t = small_target
     drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
     prompts = prompts_for(t, 7, seed=23)
@@ -403,6 +404,8 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     plain.set_policy(Bursts())
     fast.set_policy(Bursts())
     calls = _spied(fast)
+    keep_rows, stashed_at_moves = fast._keep_rows, []
+    fast._keep_rows = lambda index, order: stashed_at_moves.append(fast._stashed) or keep_rows(index, order)
     writes = []
     write = drafter.write_context
     drafter.write_context = lambda cache, taps, pos, rows: (
@@ -421,6 +424,7 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     # The ring was flushed full (3), part-full before drafts and row changes, never empty.
     flushed = [w for kind, w in calls if kind == "flush" and w]
     assert 3 in flushed and {1, 2} & set(flushed)
+    assert any(stashed_at_moves)  # rows moved with entries in the ring, and kept them
     # The drafter's context layers ran in prefills (prompt width), drafting rounds' target steps
     # (width 5) and flushes (width 3): never at width 1, a plain round's.
     assert 1 not in writes and 3 in writes and 5 in writes

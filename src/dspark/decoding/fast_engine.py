@@ -22,9 +22,10 @@ What changes against the plain engine (``engine.py``), and nothing else:
     default (``compile``), inside the captured graphs;
   * a round that drafts nothing runs target-only decoding's width-1 step; the tap features of its
     committed anchors go to a small ring (``deferred_context`` rounds) instead of the drafter, and
-    the drafter's context gets them in one write before the next draft step, before rows move or
-    join, or when the ring is full. Until then no draft step reads the context (its ``length``
-    already counts them; the slots past what was written are never read).
+    the drafter's context gets them in one write before the next draft step, before rows join, or
+    when the ring is full (rows that move when requests leave take their ring entries along). Until
+    then no draft step reads the context (its ``length`` already counts them; the slots past what
+    was written are never read).
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
 fast engine reproduces the plain one token for token (tested; at T = 0 nothing random is read). A
 round reads nothing back (the engine's ``_launch`` / ``_complete``), except the verify width under
@@ -395,12 +396,16 @@ class FastEngine(Engine):
             self.dcache.length[:r] += kept
 
     def _keep_rows(self, index: Tensor, order: list[int]) -> None:
-        self._flush_context()  # the ring's entries are by row
+        # The ring's entries are by row: they move with their rows (a flush here would write the whole
+        # ring, every entry, each time a request ends), and the next flush covers the rows that stay.
+        self._stash_rows = len(order)
         moves = [(new, old) for new, old in enumerate(order) if new != old]
         if not moves:
             return
         dst, src = (self._to_device(torch.tensor(rows, dtype=torch.long)) for rows in zip(*moves))
         self.static.move_rows(dst, src)
+        if self._stashed:
+            move_rows([self.ring_taps, self.ring_pos], dst, src, dim=1)
         if self.drafter is not None:
             kv = stacked_kv(self.dcache)  # as new_cache allocates it: all layers in one buffer
             if kv is None:
