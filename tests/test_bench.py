@@ -385,15 +385,15 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     from dspark.scheduling.policies import DraftAware, Truncated
 
     steps = [
-        {"ms": 2.0, "batch": 3, "drafted": 2, "tokens": 6, "verified": 9},
-        {"ms": 4.0, "batch": 3, "drafted": 2, "tokens": 3, "verified": 6},  # a walk cut the draft
-        {"ms": 1.0, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},
+        {"ms": 2.0, "host_ms": 1.0, "batch": 3, "drafted": 2, "tokens": 6, "verified": 9},
+        {"ms": 4.0, "host_ms": 2.0, "batch": 3, "drafted": 2, "tokens": 3, "verified": 6},  # a walk cut it
+        {"ms": 1.0, "host_ms": 0.5, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},
         {"ms": None, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},  # no clock: left out
     ]
     cost = CostModel({1: 1.0, 16: 4.0}, draft_ms={1: 0.5, 16: 1.0})
     by = _by_length(steps, cost)
     assert [(g["rows_bucket"], g["drafted"], g["rounds"]) for g in by] == [(4, 2, 2), (1, 0, 1)]
-    assert (by[0]["ms"], by[0]["tokens_per_row"], by[0]["verified_per_row"]) == (3.0, 1.5, 2.5)
+    assert [by[0][k] for k in ("ms", "host_ms", "tokens_per_row", "verified_per_row")] == [3.0, 1.5, 1.5, 2.5]
     assert by[1]["tokens_per_row"] == by[1]["verified_per_row"] == 1.0
     assert by[0]["priced_ms"] == pytest.approx(1e3 * cost.round_time(3, 2))
     assert by[1]["priced_ms"] == pytest.approx(1.0) and _by_length(steps, None)[0]["priced_ms"] is None

@@ -162,11 +162,11 @@ def _main(argv, watch) -> dict:
             for row in rows
         ],
     )  # fmt: skip
-    print("\nrounds by rows bucket and drafted length: count, measured/priced ms, tokens/verified per row")
+    print("\nrounds by rows bucket and drafted length: count, measured/priced/host ms, tokens/verified a row")
     for row in rows:
         parts = [
-            f"b{g['rows_bucket']} γ{g['drafted']}: {g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}, "
-            f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
+            f"b{g['rows_bucket']} γ{g['drafted']}: {g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/"
+            f"{g['host_ms']:.2f}, {g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
             for g in row.get("by_length", [])
         ]
         print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))

@@ -137,22 +137,24 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
 
 def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     """Per rows bucket and drafted length (0: plain rounds), largest bucket first: the rounds, their
-    mean time, the tokens they emitted and the positions they verified per live row (the anchor
-    included: below 1 + drafted where a walk cut the draft), and the cost table's price of them as
-    the engine prices them (``priced_ms``, the whole draft verified; None without a table). Measured
-    against priced, rate against rate, it shows where a scheduler's model of the rounds was wrong."""
+    mean time and the host's own work in them (``host_ms``: above ``ms`` the host set the pace), the
+    tokens they emitted and the positions they verified per live row (the anchor included: below
+    1 + drafted where a walk cut the draft), and the cost table's price of them as the engine prices
+    them (``priced_ms``, the whole draft verified; None without a table). Measured against priced,
+    rate against rate, it shows where a scheduler's model of the rounds was wrong."""
     groups: dict[tuple[int, int], np.ndarray] = {}
     for s in steps:
         if s.get("ms") is None or not s.get("batch"):
             continue
         priced = 1e3 * cost.round_times(s["batch"], s["drafted"])[s["drafted"]] if cost is not None else 0.0
-        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(6))
-        g += (1, s["ms"], s["tokens"], s["verified"], s["batch"], priced)
+        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(7))
+        g += (1, s["ms"], s.get("host_ms") or 0.0, s["tokens"], s["verified"], s["batch"], priced)
     return [
-        {"rows_bucket": b, "drafted": d, "rounds": int(n), "ms": ms / n, "tokens_per_row": tokens / rows,
-         "verified_per_row": verified / rows, "priced_ms": priced / n if cost is not None else None}
-        for (b, d), (n, ms, tokens, verified, rows, priced) in sorted(groups.items(),
-                                                                     key=lambda g: (-g[0][0], g[0][1]))
+        {"rows_bucket": b, "drafted": d, "rounds": int(n), "ms": ms / n, "host_ms": host / n,
+         "tokens_per_row": tokens / rows, "verified_per_row": verified / rows,
+         "priced_ms": priced / n if cost is not None else None}
+        for (b, d), (n, ms, host, tokens, verified, rows, priced) in sorted(groups.items(),
+                                                                           key=lambda g: (-g[0][0], g[0][1]))
     ]  # fmt: skip
 
 
