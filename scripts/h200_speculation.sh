@@ -76,7 +76,7 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" \
     --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
-    --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -64
+    --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -80
 done
 
 stage "measured frontier"
