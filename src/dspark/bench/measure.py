@@ -54,9 +54,9 @@ def measure(
     ``warmup``: one tiny run first, then before each timed run an untimed one of R requests of
     ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it).
     ``repeats``: timed runs per point, each from the same seed (a stateless policy replays the same
-    rounds, so only their timing differs; an adaptive one starts each from what it learnt); the
-    point is the run of median throughput and lists every run's speeds (``repeats``), so one run's
-    one-off stall neither sets the point nor goes unseen."""
+    rounds, so only their timing differs; an adaptive one starts each from what it learnt), taken in
+    turns across the policies; the point is the run of median throughput and lists every run's
+    speeds (``repeats``), so one run's one-off stall neither sets the point nor goes unseen."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
     if int(repeats) < 1 or int(waves) < 1:
@@ -81,27 +81,31 @@ def measure(
     if warmup:  # one-off costs (allocator growth, lazy kernels) stay out of the first point
         engine(1, 2).generate([list(prompts[0])])
     out: dict[str, list[dict]] = {name: [] for name in policies}
-    bar = progress_bar(len(concurrency) * len(policies), "measure", progress)
+    bar = progress_bar(len(concurrency) * len(policies) * int(repeats), "measure", progress)
     for R in concurrency:
         R = int(R)
         eng = None  # drop the previous R's caches (and graphs) before building this one's
         eng = engine(R, max_new_tokens)  # one engine serves every policy: a fast engine keeps its graphs
         n = max(len(prompts), int(waves) * R)
         reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
-        for name, pol in policies.items():
-            eng.set_policy(pol)
-            if hasattr(eng, "prepare"):
-                eng.prepare(reqs)  # sizes the caches for the timed run and captures its CUDA graphs
-            if warmup:  # this policy's first-use costs at this R (lazy inits, kernels) stay untimed
-                eng.generate([Request(prompt=r.prompt, max_new_tokens=WARMUP_TOKENS) for r in reqs[:R]])
-            runs = []
-            for _ in range(int(repeats)):  # the same seed each time: the same draws
-                eng.generator.manual_seed(seed)
-                runs.append(_point(R, eng.generate(reqs), eng.cost, pol if drafter is not None else None))
-            out[name].append(_median_run(runs))
+        runs: dict[str, list[dict]] = {name: [] for name in policies}
+        # Repeats interleaved across the policies (each policy's run k after every policy's run
+        # k - 1): a drift of the device's clocks over the minutes of a sweep lands on all alike.
+        for k in range(int(repeats)):
+            for name, pol in policies.items():
+                eng.set_policy(pol)
+                if k == 0 and hasattr(eng, "prepare"):
+                    eng.prepare(reqs)  # sizes the caches for the timed run and captures its CUDA graphs
+                if k == 0 and warmup:  # this policy's first-use costs at this R stay untimed
+                    eng.generate([Request(prompt=r.prompt, max_new_tokens=WARMUP_TOKENS) for r in reqs[:R]])
+                eng.generator.manual_seed(seed)  # the same seed each time: the same draws
+                learner = pol if drafter is not None else None  # whose acceptance estimate to report
+                runs[name].append(_point(R, eng.generate(reqs), eng.cost, learner))
+                if bar is not None:
+                    bar.update(1)
+        for name in policies:
+            out[name].append(_median_run(runs[name]))
             log.info("%s R=%d: %s", name, R, out[name][-1])
-            if bar is not None:
-                bar.update(1)
     if bar is not None:
         bar.close()
     return out
