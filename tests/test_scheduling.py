@@ -27,6 +27,7 @@ from dspark.scheduling.policies import (
     Threshold,
     Truncated,
     admission_order,
+    best_length,
     build_policy,
     expected_rates,
     expected_tokens,
@@ -660,6 +661,36 @@ def test_draft_aware_drafts_what_pays_at_this_load():
     assert measured.round_time(16, 3) == pytest.approx(6e-3) and measured.round_time(16, 0) == pytest.approx(
         4e-3
     )
+
+
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_load_aware_policies_draft_only_past_a_margin_over_plain_decoding(policy):
+    """A round drafts only where the model expects the draft to beat a plain round by
+    ``plain_margin`` (default 5 %): near break-even the gain is within the model's error. One
+    position accepted half the time (1.5 tokens a row) in a 2.9 ms round against 2.0 ms plain: +3.4 %,
+    a plain round; in 2.7 ms: +11 %, a draft; with no margin the bare argmax."""
+
+    def cost(drafting_ms):
+        return CostModel(
+            {1: 1.0, 4096: 1.0}, round_len_ms={0: {1: 2.0, 256: 2.0}, 1: {1: drafting_ms, 256: drafting_ms}}
+        )
+
+    def plan(drafting_ms, **kw):
+        pol = build_policy(policy, defaults={"check": False, "round_clock": False, **kw})
+        pol.observe_round(np.full(1000, 1), np.resize([0, 1], 1000))  # accepted half the time
+        return pol.draft_length(256, 1, cost(drafting_ms))
+
+    assert (plan(2.9), plan(2.7)) == (0, 1)
+    assert plan(2.9, plain_margin=0.0) == 1 and plan(2.7, plain_margin=0.2) == 0
+    assert (
+        best_length(np.array([1.0, 1.2, 1.3]), 0.25) == 2 and best_length(np.array([1.0, 1.2, 1.3]), 0.4) == 0
+    )
+    with pytest.raises(ValueError, match="plain_margin"):
+        build_policy(policy, defaults={"plain_margin": -0.1})
+    # The rounds' clock applies the same rule to the rates it prices.
+    clock = RoundClock()
+    assert clock.choose(np.array([256.0, 384.0]), 256, cost(2.9), 0.05) == 0
+    assert clock.choose(np.array([256.0, 384.0]), 256, cost(2.9)) == 1
 
 
 # Whole rounds priced flat in R: a plain round 2.0 ms, one drafted position 2.4, two 2.6. With every

@@ -42,6 +42,7 @@ callers ask it, never its name. ``build_policy`` is the one way to make one from
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections import deque
 from collections.abc import Mapping
@@ -348,11 +349,12 @@ class RoundClock:
         stats[:2, m] = self.decay * stats[:2, m] + (1e-3 * ms / priced, 1.0)
         stats[2, m] += 1
 
-    def choose(self, tokens: np.ndarray, rows: int, cost: CostModel) -> int:
-        """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``)."""
+    def choose(self, tokens: np.ndarray, rows: int, cost: CostModel, margin: float = 0.0) -> int:
+        """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``); a draft only
+        where its rate beats a plain round's by ``margin`` (``best_length``)."""
         gamma = tokens.size - 1
         rates = tokens / self.times(rows, gamma, cost)
-        best = int(np.argmax(rates))  # the first max: the fewest drafts
+        best = best_length(rates, margin)
         if not self.timed(rows, best):
             return best
         self._since_explore += 1
@@ -366,12 +368,35 @@ class RoundClock:
         return int(np.argmax(np.where(untimed, rates, -np.inf)))
 
 
-def plan_draft(acceptance: np.ndarray, rows: int, cost: CostModel, clock: RoundClock | None) -> int:
-    """``γ_d`` of the best expected rate (the first max: the fewest drafts), the rounds priced by the
-    table, or by ``clock`` (which also explores) where the policy keeps one."""
+# A load-aware policy drafts only where the model expects a draft to beat plain decoding by this
+# share. Near break-even the expected gain is within the model's error (session 2026-12-04-c:
+# draft_aware at T = 1, R = 256 drafted where the table promised a few per cent and lost 10 % per
+# user), and a draft spreads the rows' finishing times, which a batch pays for in its drain.
+PLAIN_MARGIN = 0.05
+
+
+def _margin(value: float) -> float:
+    if not (math.isfinite(float(value)) and float(value) >= 0):
+        raise ValueError(f"plain_margin must be a finite share >= 0 (0.05: 5 %), got {value}")
+    return float(value)
+
+
+def best_length(rates: np.ndarray, margin: float = 0.0) -> int:
+    """The drafted length of the best rate (the first max: the fewest drafts), 0 (a plain round)
+    unless that rate beats the plain round's by ``margin`` (a share of it)."""
+    best = int(np.argmax(rates))
+    return best if best == 0 or rates[best] >= (1.0 + margin) * rates[0] else 0
+
+
+def plan_draft(
+    acceptance: np.ndarray, rows: int, cost: CostModel, clock: RoundClock | None, margin: float = 0.0
+) -> int:
+    """``γ_d`` of the best expected rate, a draft only where it beats plain decoding by ``margin``
+    (``best_length``), the rounds priced by the table, or by ``clock`` (which also explores) where the
+    policy keeps one."""
     if clock is None:
-        return int(np.argmax(expected_rates(acceptance, rows, cost)))
-    return clock.choose(expected_tokens(acceptance, rows), rows, cost)
+        return best_length(expected_rates(acceptance, rows, cost), margin)
+    return clock.choose(expected_tokens(acceptance, rows), rows, cost, margin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +549,8 @@ class HardwareAware(Policy):
     Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected
     rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
-    verify width) when speculation cannot pay at this load; the same choice as ``DraftAware``, its
+    verify width) when speculation cannot pay at this load by ``plain_margin``; the same choice as
+    ``DraftAware``, its
     cost table corrected by the rounds' clock (``RoundClock``; ``round_clock=False``: the table
     alone). Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks
     the round's confidences (the engine reads the width back); otherwise every row verifies its
@@ -564,11 +590,13 @@ class HardwareAware(Policy):
         explore_every: int = 32,
         min_timed: int = 4,
         round_clock: bool = True,
+        plain_margin: float = PLAIN_MARGIN,
     ) -> None:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         if min_timed < 1:
             raise ValueError(f"min_timed must be >= 1, got {min_timed}")
+        self.plain_margin = _margin(plain_margin)
         self.check = check
         self.explore_every = int(explore_every)
         self.min_timed = int(min_timed)
@@ -607,7 +635,7 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = plan_draft(self._acceptance.rates(gamma), rows, cost, self._rounds)
+        drafted = plan_draft(self._acceptance.rates(gamma), rows, cost, self._rounds, self.plain_margin)
         largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
         could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
         walk, shadow, clocked = False, False, self._clocked_walk(rows)
@@ -792,7 +820,8 @@ class DraftAware(Policy):
         Θ(γ_d) = R · (1 + Σ_{j<=γ_d} â_j) / T(R, γ_d),
         T(R, γ_d) = T_draft(R, γ_d) + T_verify(R · (γ_d + 1)) + overhead,   T(R, 0) = T_verify(R),
 
-    a global search over ``γ + 1`` values (``expected_rates``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
+    a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the
+    plain round's by ``plain_margin`` (``PLAIN_MARGIN``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
     the acceptance of completed rounds (``AcceptanceEstimate``: decaying weights, one optimistic
     pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
     outcomes the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's,
@@ -810,7 +839,10 @@ class DraftAware(Policy):
     needs_confidence = False
     needs_cost = True
 
-    def __init__(self, decay: float = 0.9, round_clock: bool = True) -> None:
+    def __init__(
+        self, decay: float = 0.9, round_clock: bool = True, plain_margin: float = PLAIN_MARGIN
+    ) -> None:
+        self.plain_margin = _margin(plain_margin)
         self._acceptance = AcceptanceEstimate(decay)
         self.decay = self._acceptance.decay
         self.clock = RoundClock(self.decay) if round_clock else None
@@ -843,7 +875,7 @@ class DraftAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = plan_draft(self.acceptance(gamma), rows, cost, self.clock)
+        drafted = plan_draft(self.acceptance(gamma), rows, cost, self.clock, self.plain_margin)
         self._plans.append((rows, drafted, cost))
         return drafted
 
