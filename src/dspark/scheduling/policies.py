@@ -550,15 +550,15 @@ class HardwareAware(Policy):
     rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
     verify width) when speculation cannot pay at this load by ``plain_margin``; the same choice as
-    ``DraftAware``, its
-    cost table corrected by the rounds' clock (``RoundClock``; ``round_clock=False``: the table
-    alone). Then, if the verification it expects to save exceeds ``cost.readback_ms``, it walks
-    the round's confidences (the engine reads the width back); otherwise every row verifies its
-    whole draft (width known, nothing read back). The expected saving is the largest one (``T_verify`` of R
-    rows 1 + γ_d wide minus 1 wide, ``CostModel.verify_rows_ms``) times the share of it that completed
-    walked rounds realised (an average that halves the weight of older walks, each a whole batch's
-    evidence; all of it before any walk): at a high τ the walk keeps nearly every block whole and stops
-    paying for its read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
+    ``DraftAware``, its cost table corrected by the rounds' clock (``RoundClock``;
+    ``round_clock=False``: the table alone). Then, if the verification it expects to save exceeds
+    ``cost.readback_ms``, it walks the round's confidences (the engine reads the width back);
+    otherwise every row verifies its whole draft (width known, nothing read back). The expected
+    saving is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide,
+    ``CostModel.verify_rows_ms``) times the share of it that completed walked rounds realised (an
+    average that halves the weight of older walks, each a whole batch's evidence; all of it before
+    any walk): at a high τ the walk keeps nearly every block whole and stops paying for its
+    read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
     the round verifies its whole draft like the others (nothing read back, the same cost as fixed
     γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
     with the round's outcome to update the estimate, so it follows the workload for free.
