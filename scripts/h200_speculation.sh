@@ -16,7 +16,7 @@
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
-#      dspark.schedule mode=e2e);
+#      dspark.schedule mode=e2e), and its check of the rounds against the cost table (cost_check);
 #   5. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
 #      and the draft step's LM head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
 #      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
@@ -24,9 +24,9 @@
 #      layer_compile.json).
 # Needs /root/stage (SmolLM2 and the wheels, staged beforehand) and a trained drafter:
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
-# Writes 17 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json, layer_compile.json,
+# Writes 21 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json, layer_compile.json,
 # engine_sps_T{0,1}.json, cost_table_T{0,1}.json, e2e_T{0,1}.json, fig7_T{0,1}.png/.json,
-# fig8_T{0,1}.png/.json. Each stage has its own time limit (120 + 270 + 260 + 180 + 320 +
+# fig8_T{0,1}.png/.json, cost_check_T{0,1}.png/.json. Each stage has its own time limit (120 + 270 + 260 + 180 + 320 +
 # 2 x 60 + 120 + 150 s at most: each e2e point is the median of
 # E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
@@ -86,7 +86,9 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
     cp "$WORK/frontier_T$t/fig7_frontier.json" "$OUT/fig7_T$t.json" &&
     cp "$WORK/frontier_T$t/fig8_budget.png" "$OUT/fig8_T$t.png" &&
-    cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json"
+    cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json" &&
+    cp "$WORK/frontier_T$t/fig_cost_check.png" "$OUT/cost_check_T$t.png" &&
+    cp "$WORK/frontier_T$t/fig_cost_check.json" "$OUT/cost_check_T$t.json"
 done
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
 if [ "${SPEC_KERNELS:-1}" = 1 ]; then

@@ -398,8 +398,12 @@ def test_e2e_mode_draws_the_measured_frontier(tmp_path):
     cost = CostModel({1: 4.0, 64: 5.0}, draft_ms={1: 1.0})
 
     def row(run_, R, t, thr, user):
+        drafted = {"target_only": 0, "dspark/mtp1": 1}.get(run_, 4)  # the rounds by drafted length
+        by_length = [{"rows_bucket": R, "drafted": drafted, "rounds": 10, "ms": 2.0 + drafted, "host_ms": 1.0,
+                      "tokens_per_row": 1.0 + drafted / 2, "verified_per_row": 1.0 + drafted,
+                      "priced_ms": 2.0}]  # fmt: skip
         return {"run": run_, "concurrency": R, "temperature": t, "throughput": thr, "tps_per_user": user,
-                "budget": 1.0, "tau": 2.0}  # fmt: skip
+                "budget": 1.0, "tau": 2.0, "by_length": by_length}  # fmt: skip
 
     rows = []
     for t in (0.0, 1.0):
@@ -427,3 +431,9 @@ def test_e2e_mode_draws_the_measured_frontier(tmp_path):
     assert fig7["temperature"] == 1.0 and fig7["goals"] == [{"x": 1}]
     for f in FILES:
         assert (out / f).stat().st_size > 0, f
+    # the measured rounds against the table's price, per run and R (e2e points carry them)
+    check = json.loads((out / "fig_cost_check.json").read_text())
+    assert list(check["policies"]) == list(res["policies"])
+    assert (out / "fig_cost_check.png").stat().st_size > 0
+    mtp1 = next(r for r in rows if (r["run"], r["concurrency"], r["temperature"]) == ("dspark/mtp1", 16, 1.0))
+    assert check["policies"]["mtp1"][1] == {"concurrency": 16, "by_length": mtp1["by_length"]}

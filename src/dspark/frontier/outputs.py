@@ -1,6 +1,7 @@
 """What the schedule stage writes into its FrontierFolder: frontier.json (points per policy and the
 cost table they were priced with), the Fig. 7 frontier with the check whether hardware_aware's
-points dominate every fixed-length policy's, the Fig. 8 budget plot, and meta.json."""
+points dominate every fixed-length policy's, the Fig. 8 budget plot, for measured points that
+carry their rounds by drafted length (e2e) the cost check (fig_cost_check), and meta.json."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..artifacts import FrontierFolder
 from ..core.provenance import provenance
-from ..reporting.frontier_plots import budget_plot, frontier_plot
+from ..reporting.frontier_plots import budget_plot, cost_check_plot, frontier_plot
 from ..scheduling.policies import Fixed, HardwareAware
 from ..scheduling.replay import dominance
 
@@ -73,6 +74,17 @@ def write_outputs(
             **info,
         },
     )
+    rounds = {
+        name: [{k: p[k] for k in ("concurrency", "by_length")} for p in pts if p.get("by_length")]
+        for name, pts in frontier.items()
+    }
+    if any(rounds.values()):
+        cost_check_plot(
+            rounds,
+            folder.file("fig_cost_check.png"),
+            title=f"Measured rounds against the cost table — {tag}",
+            data={"mode": str(cfg.mode), "policies": rounds, **info},
+        )
     folder.write_meta(
         {
             **provenance("dspark.schedule"),

@@ -1,5 +1,6 @@
-"""Serving figures: the throughput / interactivity frontier (paper Fig. 7) and throughput and
-verification budget against concurrency (Fig. 8). Each writes a PNG and the JSON it plots."""
+"""Serving figures: the throughput / interactivity frontier (paper Fig. 7), throughput and
+verification budget against concurrency (Fig. 8), and the measured rounds against the cost table's
+price of them (the scheduler's model, checked). Each writes a PNG and the JSON it plots."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from .plots import plt, save_figure
 
-__all__ = ["budget_plot", "frontier_plot"]
+__all__ = ["budget_plot", "cost_check_plot", "frontier_plot"]
 
 
 def _finite(xs):
@@ -94,4 +95,40 @@ def budget_plot(
     for ax in (top, bottom):
         ax.grid(True, which="both", alpha=0.3)
     top.legend(fontsize=7)
+    return save_figure(fig, path, data if data is not None else {"policies": dict(policies)}, dpi=150)
+
+
+def cost_check_plot(
+    policies: Mapping[str, list[dict]], path: str | os.PathLike, title: str = "", data: dict | None = None
+) -> Path:
+    """The rounds an e2e run measured against the cost table's price of them, from each point's
+    ``by_length`` (per rows bucket and drafted length; marker area grows with the rounds): measured
+    against priced ms, on the diagonal where the table was right, and their ratio by drafted length,
+    where a bias that separates plain rounds (0) from drafting ones shows as a slope."""
+    path = Path(path)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 4.4))
+    groups = [(name, g) for name, pts in policies.items() for p in pts for g in p.get("by_length") or ()]
+    most = max((g["rounds"] for _, g in groups if g.get("priced_ms")), default=1)
+    xs = []
+    for i, name in enumerate(policies):
+        mine = [g for n, g in groups if n == name and g.get("priced_ms")]
+        if not mine:
+            continue
+        size = [8 + 60 * g["rounds"] / most for g in mine]
+        style = {"marker": _MARKERS[i % len(_MARKERS)], "s": size, "alpha": 0.7, "label": name}
+        left.scatter([g["priced_ms"] for g in mine], [g["ms"] for g in mine], **style)
+        right.scatter([g["drafted"] for g in mine], [g["ms"] / g["priced_ms"] for g in mine], **style)
+        xs += [g["priced_ms"] for g in mine] + [g["ms"] for g in mine]
+    if _finite(xs):
+        lo, hi = min(_finite(xs)), max(_finite(xs))
+        left.plot([lo, hi], [lo, hi], color="grey", lw=1, ls="--")
+    right.axhline(1.0, color="grey", lw=1, ls="--")
+    left.set_xlabel("priced round (ms, cost table at the engine's rows)")
+    left.set_ylabel("measured round (ms, device timeline)")
+    right.set_xlabel("drafted positions γ_d (0: plain round)")
+    right.set_ylabel("measured / priced")
+    fig.suptitle(title or "Measured rounds against the cost table", fontsize=9, wrap=True)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=7)
     return save_figure(fig, path, data if data is not None else {"policies": dict(policies)}, dpi=150)
