@@ -627,6 +627,29 @@ def test_refill_streaming_and_no_round_records(small_target):
     assert min(s["batch"] for s in lazy.steps[:10]) < 4
 
 
+def test_round_records_are_built_after_the_last_round(small_target, monkeypatch):
+    """A round keeps only what its records need (``_RoundRows``); the per-row ``RoundRecord``s are
+    built after the last round, off the rounds' clock, and say what the rounds did: one per live
+    row and round, in round order, their tokens the generations' tokens after each prefill's first."""
+    from dspark.decoding.engine import _RoundRows
+
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=3)[0]  # with confidences
+    eng = Engine(t, drafter, temperature=1.0, concurrency=2, eos_token_ids=(), seed=2)
+    events, loop, build = [], eng._rounds_loop, _RoundRows.records
+    eng._rounds_loop = lambda *args: (loop(*args), events.append("last round"))
+    monkeypatch.setattr(_RoundRows, "records", lambda rows: events.append("records") or build(rows))
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts_for(t, 3, seed=5), [6, 11, 4])]
+    res = eng.generate(reqs)
+    assert events[0] == "last round" and events.count("records") == len(res.steps)
+    assert len(res.rounds) == sum(s["batch"] for s in res.steps)
+    assert [r.step for r in res.rounds] == sorted(r.step for r in res.rounds)
+    assert sum(r.emitted for r in res.rounds) == res.new_tokens - 3 == 6 + 11 + 4 - 3  # prefill's first
+    for r in res.rounds:
+        assert r.drafted == 3 and r.accept_flags == [True] * r.accepted + [False] * (r.proposed - r.accepted)
+        assert len(r.confidence_logits) == len(r.confidence) == 3
+
+
 def test_retire_order_moves_only_the_rows_that_must():
     """Rows below the new batch size keep their place; each finished one takes the next running
     row from above (a 256-row cache losing one request moves one row, not all of them)."""
