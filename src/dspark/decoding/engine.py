@@ -13,10 +13,10 @@ One round for the R running requests:
 Steps 0-4 are launched without reading anything back (``_launch``); the host reads a round's
 outcome (tokens, EOS, budgets, the policy's feedback: ``_complete``) after launching the next one,
 so on CUDA the host's work hides behind the device's; the per-row ``RoundRecord``s are built from
-what it kept after the last round. The price: a request that ended in
-round t rides along in round t + 1 (its tokens there are void) before its row is freed. Requests
-stop at EOS or max_new_tokens; waiting prompts join as others finish (continuous batching:
-finished rows are dropped from both caches, new rows are prefilled and appended).
+what it kept after the last round. The price: a request that ended in round t rides along in round
+t + 1 (its tokens there are void) before its row is freed. Requests stop at EOS or max_new_tokens;
+waiting prompts join as others finish (continuous batching: finished rows are dropped from both
+caches, new rows are prefilled and appended).
 Without a drafter the same loop is target-only decoding (ℓ = 0: the verifier samples from p_t),
 which is the baseline and the reference of the losslessness tests. p_t is softmax(logits / T),
 filtered by top-k / top-p when asked (``decoding.sampling``), for sampling and verification alike.
