@@ -712,7 +712,8 @@ class Engine:
             emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
             if item.finish is not None:
                 ended.append(item)
-            kept.append((i, item.req.id, item.rounds, emitted))
+            if self.record_rounds:
+                kept.append((i, item.req.id, item.rounds, emitted))
             item.rounds += 1
             item.accepted += n_l[i]
         recs = _RoundRows(rnd.step, batch, self._gamma, host, kept) if self.record_rounds else None

@@ -107,11 +107,11 @@ def cost_check_plot(
     where a bias that separates plain rounds (0) from drafting ones shows as a slope."""
     path = Path(path)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 4.4))
-    groups = [(name, g) for name, pts in policies.items() for p in pts for g in p.get("by_length") or ()]
-    most = max((g["rounds"] for _, g in groups if g.get("priced_ms")), default=1)
+    priced = {name: [g for p in pts for g in p.get("by_length") or () if g.get("priced_ms")]
+              for name, pts in policies.items()}  # fmt: skip
+    most = max((g["rounds"] for mine in priced.values() for g in mine), default=1)
     xs = []
-    for i, name in enumerate(policies):
-        mine = [g for n, g in groups if n == name and g.get("priced_ms")]
+    for i, (name, mine) in enumerate(priced.items()):
         if not mine:
             continue
         size = [8 + 60 * g["rounds"] / most for g in mine]
