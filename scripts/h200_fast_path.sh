@@ -31,7 +31,7 @@ e2e() {  # the drafter in the target's precision; in float32 if that fails
 }
 if [ "${1:-1}" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/machine.txt
-  python3 -m pytest -p no:cacheprovider -m gpu -q tests/test_fast_engine.py tests/test_kernels.py \
+  python3 -m pytest -p no:cacheprovider -m gpu tests/test_fast_engine.py tests/test_kernels.py \
     2>&1 | tee $R/gpu_tests.log | tail -5
   python3 -m dspark.bench.engine_sps $T target.dtype=bfloat16 --context 512 --temperature 0 \
     --out $R/engine_sps.json --cost-table $R/cost_table.json 2>&1 | tee $R/engine_sps.log | tail -24
