@@ -353,23 +353,27 @@ def test_measure_repeats_keep_the_median_run_and_list_every_run(tiny_target, mon
 
 def test_measure_takes_the_repeats_in_turns_across_policies(tiny_target, monkeypatch):
     """With repeats, each policy's k-th timed run follows every policy's (k - 1)-th, so a drift of the
-    device over a sweep lands on all policies alike; each policy is warmed once, before its first."""
+    device over a sweep lands on all policies alike, and the k-th turn starts at the k-th policy, so
+    none always runs first or last; each policy is warmed once, before its first."""
     from dspark.scheduling.policies import Mtp1
 
+    policies = {"fixed": Fixed(None), "mtp1": Mtp1(), "fixed_2": Fixed(2)}
+    key = {id(pol): name for name, pol in policies.items()}
     order, inner = [], Engine.generate
 
     def generate(self, reqs, *args, **kw):
         warm = all(getattr(r, "max_new_tokens", None) == WARMUP_TOKENS for r in reqs)
-        order.append(("warm " if warm else "") + self.policy.name)
+        order.append(("warm " if warm else "") + key.get(id(self.policy), "first"))
         return inner(self, reqs, *args, **kw)
 
     monkeypatch.setattr(Engine, "generate", generate)
-    out = measure(tiny_target, Oracle(tiny_target, gamma=3), {"fixed": Fixed(None), "mtp1": Mtp1()}, [2],
-                  prompts_for(tiny_target, 2, seed=4), temperature=1.0, max_new_tokens=6, seed=5,
-                  repeats=2)  # fmt: skip
+    prompts = prompts_for(tiny_target, 2, seed=4)
+    out = measure(tiny_target, Oracle(tiny_target, gamma=3), policies, [2], prompts, temperature=1.0,
+                  max_new_tokens=6, seed=5, repeats=3)  # fmt: skip
     # the first: the one tiny run before any point
-    assert order[1:] == ["warm fixed", "fixed", "warm mtp1", "mtp1", "fixed", "mtp1"]
-    assert [len(out[name][0]["repeats"]) for name in ("fixed", "mtp1")] == [2, 2]
+    assert order[1:] == ["warm fixed", "fixed", "warm mtp1", "mtp1", "warm fixed_2", "fixed_2",
+                         "mtp1", "fixed_2", "fixed", "fixed_2", "fixed", "mtp1"]  # fmt: skip
+    assert [len(out[name][0]["repeats"]) for name in policies] == [3, 3, 3]
 
 
 def test_measure_waves_queue_requests_behind_the_slots(tiny_target, monkeypatch):

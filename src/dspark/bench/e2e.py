@@ -9,11 +9,11 @@
 For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k
 queues k · R requests behind them, continuous batching: a request that ends hands its slot on) run
 target-only and with the drafter under each policy, each timed run after an untimed warm-up of R
-short requests, ``--repeats`` times from the same seed (in turns across the policies, so a drift of
-the device lands on all alike): the run of median throughput is the point, every run's speeds are
-listed with it, so one run's one-off stall neither sets nor hides in the numbers. Reported per
-point, from the engine's own round timings (prefill excluded, as in ``python -m dspark.schedule
-mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the
+short requests, ``--repeats`` times from the same seed (in turns across the policies, each turn
+starting one policy later, so a drift of the device lands on all alike): the run of median throughput
+is the point, every run's speeds are listed with it, so one run's one-off stall neither sets nor hides
+in the numbers. Reported per point, from the engine's own round timings (prefill excluded, as in
+``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the
 mean round's time on the device's timeline (and its median and slowest round, with the one-off work
 counted around it: graph captures, compiles, GC passes), the device's work, the host's own work,
 its waits for a read-back of the verify width, the device's idle gap before the round, and the

@@ -55,8 +55,9 @@ def measure(
     ``WARMUP_TOKENS`` with the same policy (the random stream is re-seeded after it).
     ``repeats``: timed runs per point, each from the same seed (a stateless policy replays the same
     rounds, so only their timing differs; an adaptive one starts each from what it learnt), taken in
-    turns across the policies; the point is the run of median throughput and lists every run's
-    speeds (``repeats``), so one run's one-off stall neither sets the point nor goes unseen."""
+    turns across the policies, each turn starting one policy later; the point is the run of median
+    throughput and lists every run's speeds (``repeats``), so one run's one-off stall neither sets the
+    point nor goes unseen."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
     if int(repeats) < 1 or int(waves) < 1:
@@ -90,9 +91,12 @@ def measure(
         reqs = [Request(prompt=list(prompts[i % len(prompts)]), id=i) for i in range(n)]
         runs: dict[str, list[dict]] = {name: [] for name in policies}
         # Repeats interleaved across the policies (each policy's run k after every policy's run
-        # k - 1): a drift of the device's clocks over the minutes of a sweep lands on all alike.
+        # k - 1): a drift of the device's clocks over the minutes of a sweep lands on all alike. Run k
+        # starts the turn at the k-th policy, so no policy always runs in the same place of it.
+        names = list(policies)
         for k in range(int(repeats)):
-            for name, pol in policies.items():
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                pol = policies[name]
                 eng.set_policy(pol)
                 if k == 0 and hasattr(eng, "prepare"):
                     eng.prepare(reqs)  # sizes the caches for the timed run and captures its CUDA graphs
