@@ -23,12 +23,18 @@
 #           share the GPU with them: put its profile window later, PROFILE_START=4000); before a
 #           data stage that generates, the generation shares the GPU with them and skips its own
 #   keep    the trained drafter folder (NAME) as <= 15 MiB pieces that `wait` brings back as files of
-#           their own (drafter_NAME.tar.xz.aa, .ab ...; a call brings back 60 MiB: a 5-layer SmolLM2
-#           DSpark-Markov, 178 MB, takes three), to study it on the CPU or stage it again
+#           their own (drafter_NAME.tar.xz.aa, .ab ...; PACK_PER_CALL, default 3, new pieces a call: a
+#           5-layer SmolLM2 DSpark-Markov, 178 MB, takes four calls), to study it on the CPU or stage it again
 #   restore with DRAFTER_PACK=<path prefix of such pieces, staged>: unpacked as NAME's drafter instead
 #           of training (only where the pieces outlive the session: weights stay out of the repository);
 #           before a train stage with TRAIN_EXTRA="init_from=outputs/h200/NAME/drafter ...", the weights
 #           that training goes on from (a warm start: fresh data with DATA_EXTRA="data.seed=1", say)
+#   cachekeep  the compiler's cache (every stage compiles into outputs/h200/compile_cache: Inductor's
+#           FX graphs, AOTAutograd's joint graphs, Triton's kernels) as <= 15 MiB pieces
+#           (compile_cache.tar.xz.aa …) that `wait` brings back; a later session stages them and sets
+#           COMPILE_CACHE_PACK=<their path prefix>, unpacked before the first stage, so its training and
+#           engines load the kernels instead of compiling them (PyTorch checks its own version, Triton's
+#           and the GPU before it reuses one). Put it last: the spec stage's engines compile the most
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
@@ -76,7 +82,15 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
     [ -f "$log" ] && tr '\r' '\n' < "$log" | tail -300 > "outputs/h200/out/logs/$(basename "$log")"
   done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
-  cp outputs/h200/pack/* "$OUT/" 2>/dev/null || true  # PACK_DATA: the data's pieces, each its own file
+  # The pieces (PACK_DATA, keep, cachekeep), each its own file: PACK_PER_CALL (3, 45 MiB) not sent by an
+  # earlier call, as a call brings back at most 64 MiB (sent ones are listed in pack/.sent).
+  local piece sent=0
+  mkdir -p outputs/h200/pack && touch outputs/h200/pack/.sent
+  for piece in outputs/h200/pack/*; do
+    [ -f "$piece" ] && [ $sent -lt "${PACK_PER_CALL:-3}" ] || continue
+    grep -qxF "$(basename "$piece")" outputs/h200/pack/.sent && continue
+    cp "$piece" "$OUT/" && basename "$piece" >> outputs/h200/pack/.sent && sent=$((sent + 1))
+  done
   # rounds.jsonl / generations.jsonl: 10-20 MB per evaluation, over the 16 MiB a file may bring back.
   (cd outputs/h200 && ls -d eval_* 2>/dev/null |
     tar -czf "$OUT/evals.tgz" --exclude=rounds.jsonl --exclude=generations.jsonl -T - 2>/dev/null)
@@ -107,6 +121,7 @@ pipeline)
   echo $$ > $S/pid
   export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DSPARK_INSTALLED=1
   export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/outputs/h200/compile_cache  # every stage's; cachekeep packs it
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
   name=${NAME:-dspark}
   minutes=${TRAIN_MINUTES:-10}
@@ -122,6 +137,14 @@ pipeline)
     # 240 s beyond the clock: compilation, the last validation, calibration and the export.
     CALL_LIMIT=$((minutes * 60 + 240)) bash scripts/h200_drafter.sh train "$name" "$minutes" \
       drafter=dspark head=markov ${TRAIN_EXTRA:-}
+  }
+  pack() {  # pack PARENT DIR NAME: PARENT/DIR as NAME.tar.xz.aa, .ab … (<= 15 MiB each, unpacked
+    # under a PARENT) in outputs/h200/pack, moved there whole: `wait` never sends a piece being written
+    local tmp=outputs/h200/pack.tmp
+    rm -rf "$tmp" && mkdir -p "$tmp" outputs/h200/pack
+    tar -C "$1" -cf - "$2" | xz -T0 -3 | split -b 15M - "$tmp/$3.tar.xz." || return 1
+    du -ch "$tmp"/* | tail -1
+    mv "$tmp"/* outputs/h200/pack/ && rmdir "$tmp"
   }
   unpack_data() {  # unpack_data PREFIX: PREFIX.aa, PREFIX.ab ... -> outputs/h200/data/, checked
     mkdir -p outputs/h200/data
@@ -186,6 +209,10 @@ pipeline)
     grep -a -e "^|" -e "^== " "$dest/log.txt" | tail -45  # the table (and where a cut-off run stopped)
     return $status
   }
+  if [ -n "${COMPILE_CACHE_PACK:-}" ]; then  # an earlier session's cachekeep pieces, staged
+    run cache_restore bash -c "cat '$COMPILE_CACHE_PACK'.* | xz -d | tar -x -C outputs/h200 &&
+      du -sh outputs/h200/compile_cache" || echo "no compile cache restored: the stages compile afresh"
+  fi
   for stage in ${STAGES:-data train eval0 spec eval1}; do
     case $stage in
     data)
@@ -195,7 +222,8 @@ pipeline)
         # after gputests_bg the tests run already, beside the generation: the data stage skips them
         run data env SKIP_GPU_TESTS=${gpu_tested:-} bash scripts/h200_drafter.sh data "${N:-30000}" || break
         gpu_tested=1
-        [ -z "${PACK_DATA:-}" ] || run data_pack bash scripts/h200_drafter.sh pack outputs/h200/pack
+        [ -z "${PACK_DATA:-}" ] || run data_pack bash -c "bash scripts/h200_drafter.sh pack outputs/h200/pack.tmp &&
+          mkdir -p outputs/h200/pack && mv outputs/h200/pack.tmp/* outputs/h200/pack/ && rmdir outputs/h200/pack.tmp"
       fi
       ;;
     train)
@@ -205,11 +233,8 @@ pipeline)
         run train_fallback train || break
       fi
       ;;
-    keep)
-      mkdir -p outputs/h200/pack
-      run keep bash -c "tar -C outputs/h200/$name -cf - drafter | xz -T0 -3 |
-        split -b 15M - outputs/h200/pack/drafter_$name.tar.xz."
-      ;;
+    keep) run keep pack "outputs/h200/$name" drafter "drafter_$name" ;;
+    cachekeep) run cachekeep pack outputs/h200 compile_cache compile_cache ;;
     restore)
       mkdir -p "outputs/h200/$name"
       run restore bash -c "cat '${DRAFTER_PACK:?DRAFTER_PACK: the drafter pieces to restore}'.* |

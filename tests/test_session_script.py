@@ -1,0 +1,66 @@
+"""scripts/h200_session.sh on the CPU: the compiler's cache packed into pieces and unpacked by a
+later session's pipeline, and `wait` bringing the pieces back a few per call, each once, never one
+still being written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "h200_session.sh"
+
+
+def _session(cwd, *args, **env):
+    # No python3 on PATH: the pipeline's editable install fails fast and the run goes on.
+    full = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), **{k: str(v) for k, v in env.items()}}
+    proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=full, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_compile_cache_round_trip_and_pieces_sent_a_few_per_call(tmp_path):
+    first, later = tmp_path / "first", tmp_path / "later"
+    cache = first / "outputs/h200/compile_cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_bytes(os.urandom(31 << 20))  # incompressible: three 15 MiB pieces
+    (cache / "triton.json").write_text('{"kernel": 1}')
+    (first / "outputs/h200/session").mkdir(parents=True)
+
+    _session(first, "pipeline", STAGES="cachekeep")
+    pieces = sorted(p.name for p in (first / "outputs/h200/pack").iterdir() if not p.name.startswith("."))
+    assert pieces == ["compile_cache.tar.xz.aa", "compile_cache.tar.xz.ab", "compile_cache.tar.xz.ac"]
+    assert "cachekeep 0" in (first / "outputs/h200/session/stages.txt").read_text()
+    assert not (first / "outputs/h200/pack.tmp").exists()
+    # a piece still being written stays behind
+    (first / "outputs/h200/pack.tmp").mkdir()
+    (first / "outputs/h200/pack.tmp/drafter_x.tar.xz.aa").write_text("partial")
+
+    sent = []
+    for call in range(3):
+        out = tmp_path / f"out{call}"
+        _session(first, "wait", "0", OUT=out, PACK_PER_CALL=2)
+        assert (out / "bundle.tgz").is_file()
+        sent.append(sorted(p.name for p in out.iterdir() if p.name.startswith(("compile", "drafter"))))
+    assert sent == [pieces[:2], pieces[2:], []]
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for call in range(2):
+        for piece in (tmp_path / f"out{call}").glob("compile_cache.tar.xz.*"):
+            (staged / piece.name).write_bytes(piece.read_bytes())
+    (later / "outputs/h200/session").mkdir(parents=True)
+    _session(later, "pipeline", STAGES="", COMPILE_CACHE_PACK=staged / "compile_cache.tar.xz")
+    restored = later / "outputs/h200/compile_cache"
+    assert (restored / "fxgraph" / "entry").read_bytes() == (cache / "fxgraph" / "entry").read_bytes()
+    assert (restored / "triton.json").read_text() == '{"kernel": 1}'
+    assert "cache_restore 0" in (later / "outputs/h200/session/stages.txt").read_text()
+
+
+def test_a_missing_cache_pack_leaves_the_stages_to_compile(tmp_path):
+    (tmp_path / "outputs/h200/session").mkdir(parents=True)
+    log = _session(tmp_path, "pipeline", STAGES="", COMPILE_CACHE_PACK=tmp_path / "nothing.tar.xz")
+    assert "no compile cache restored" in log
+    assert (tmp_path / "outputs/h200/session/done").is_file()
