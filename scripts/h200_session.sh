@@ -30,7 +30,7 @@
 #           before a train stage with TRAIN_EXTRA="init_from=outputs/h200/NAME/drafter ...", the weights
 #           that training goes on from (a warm start: fresh data with DATA_EXTRA="data.seed=1", say)
 #   cachekeep  the compiler's cache (every stage compiles into outputs/h200/compile_cache: Inductor's
-#           FX graphs, AOTAutograd's joint graphs, Triton's kernels) as <= 15 MiB pieces
+#           FX graphs, AOTAutograd's joint graphs, the Triton kernels) as <= 15 MiB pieces
 #           (compile_cache.tar.xz.aa …) that `wait` brings back; a later session stages them and sets
 #           COMPILE_CACHE_PACK=<their path prefix>, unpacked before the first stage, so its training and
 #           engines load the kernels instead of compiling them (PyTorch checks its own version, Triton's
@@ -121,7 +121,10 @@ pipeline)
   echo $$ > $S/pid
   export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DSPARK_INSTALLED=1
   export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  export TORCHINDUCTOR_CACHE_DIR=$PWD/outputs/h200/compile_cache  # every stage's; cachekeep packs it
+  # Every stage compiles into one folder (cachekeep packs it): Inductor's graphs and kernels, and the
+  # Triton kernels of dspark.kernels, which Triton would otherwise cache under ~/.triton.
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/outputs/h200/compile_cache
+  export TRITON_CACHE_DIR=$TORCHINDUCTOR_CACHE_DIR/triton
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
   name=${NAME:-dspark}
   minutes=${TRAIN_MINUTES:-10}
