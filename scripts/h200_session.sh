@@ -34,7 +34,9 @@
 #           (compile_cache.tar.xz.aa …) that `wait` brings back; a later session stages them and sets
 #           COMPILE_CACHE_PACK=<their path prefix>, unpacked before the first stage, so its training and
 #           engines load the kernels instead of compiling them (PyTorch checks its own version, Triton's
-#           and the GPU before it reuses one). Put it last: the spec stage's engines compile the most
+#           and the GPU before it reuses one). It keeps what the stages before it compiled: right after
+#           train, its pieces still come back in the session's later calls; last, it also holds the spec
+#           stage's engines
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for

@@ -13,7 +13,8 @@ SCRIPT = ROOT / "scripts" / "h200_session.sh"
 
 
 def _session(cwd, *args, **env):
-    # No python3 on PATH: the pipeline's editable install fails fast and the run goes on.
+    # The project's environment is not on PATH: the pipeline's editable install fails fast and the run
+    # goes on, as on a machine without the staged wheels.
     full = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), **{k: str(v) for k, v in env.items()}}
     proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=full, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
