@@ -10,6 +10,8 @@
 #     compilation; PROFILE=false leaves it out) and copies it as $OUT/NAME/step_profile.{json,md} (+ the
 #     Chrome trace step_profile_trace.json.gz when it is at most TRACE_MAX_MB, default 0: a 7 MB trace
 #     rides in every later `h200_session.sh wait` bundle, and a machine went back while one came back).
+#   bash scripts/h200_drafter.sh sweep PATTERN MINUTES JOBS [overrides…]   # a Hydra multirun, JOBS runs at once:
+#     e.g. sweep 'DSpark-L${drafter.num_layers}' 12 3 drafter=dspark head=markov drafter.num_layers=1,2,3
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
 #     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
 #     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
@@ -31,38 +33,21 @@ DIR=outputs/h200/data/$DATA_NAME
 # target answering a staged prompt set: DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
 DATA="data=full data.num_prompts=$N data.dir=$DIR ${DATA_EXTRA:-}"
 OUTDIR=${OUT:-outputs/h200/out}
-step=${1:?data | train | eval}
+step=${1:?data | train | sweep | eval | pack | probe}
 shift
-case $step in
-data)
-  N=${1:-$N} bash scripts/h200_data.sh
-  mkdir -p "$OUTDIR/data" && cp outputs/h200/data/summary_*.txt "$OUTDIR/data/"
-  [ ! -f outputs/h200/data/gpu_tests.log ] || cp outputs/h200/data/gpu_tests.log "$OUTDIR/data/"  # SKIP_GPU_TESTS: none
-  cp "outputs/h200/data/${TARGET%%_*}_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
-  ;;
-train)
-  name=$1 minutes=$2
-  shift 2
-  run=outputs/h200/$name
-  status=0
-  # SIGINT: finish the step, save, exit; SIGKILL 60 s later if it has not (a call must end in time).
-  # Dynamo's recompile log says why a compiled function compiled again (recompiles.txt): two runs on
-  # the 90 k data stalled ~50 s between steps 579 and 589.
-  TORCH_LOGS=recompiles timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA \
-    data.anchors_per_sequence=128 trainer=gpu \
+train_flags() {  # train_flags MINUTES: every training run's settings here (the clock bounds it)
+  local minutes=$1
+  echo data.anchors_per_sequence=128 trainer=gpu \
     trainer.max_time=00:$(printf %02d $((minutes / 60))):$(printf %02d $((minutes % 60))):00 \
     trainer.max_steps=10000000 trainer.val_check_interval=500 trainer.limit_val_batches=40 \
-    callbacks.checkpoint_every_n_steps=1000 callbacks.profile.enabled=${PROFILE:-true} \
-    callbacks.profile.start_step=${PROFILE_START:-200} hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
-  if [ $status = 124 ]; then
-    echo "stopped after ${CALL_LIMIT:-540} s: run the same command again to resume"
-  elif [ $status != 0 ]; then
-    tr '\r' '\n' < $run.log | tail -40
-    exit 1
-  fi
-  tr '\r' '\n' < $run.log | grep -a -v Warning | tail -4
+    callbacks.checkpoint_every_n_steps=1000 callbacks.profile.enabled="${PROFILE:-true}" \
+    callbacks.profile.start_step="${PROFILE_START:-200}"
+}
+collect() {  # collect NAME LOG: what the run in outputs/h200/NAME left worth keeping, under $OUTDIR/NAME
+  # (LOG: its output, for the recompile log)
+  local name=$1 log=$2 run=outputs/h200/$1 recompiles f part trace
   mkdir -p "$OUTDIR/$name"
-  recompiles=$(tr '\r' '\n' < $run.log | grep -a -A8 "Recompiling function" || true)
+  recompiles=$(tr '\r' '\n' < "$log" | grep -a -A8 "Recompiling function" || true)
   if [ -n "$recompiles" ]; then
     echo "$recompiles" > "$OUTDIR/$name/recompiles.txt"
     echo "recompiles: $(grep -c "Recompiling function" <<< "$recompiles") (recompiles.txt)"
@@ -100,6 +85,53 @@ if ms:
     print(f"ms per step: median {ms['median']:.1f}, slowest {slow['ms_per_step']:.1f} "
           f"(steps {slow['from_step']}-{slow['to_step']})")
 EOF
+}
+
+case $step in
+data)
+  N=${1:-$N} bash scripts/h200_data.sh
+  mkdir -p "$OUTDIR/data" && cp outputs/h200/data/summary_*.txt "$OUTDIR/data/"
+  [ ! -f outputs/h200/data/gpu_tests.log ] || cp outputs/h200/data/gpu_tests.log "$OUTDIR/data/"  # SKIP_GPU_TESTS: none
+  cp "outputs/h200/data/${TARGET%%_*}_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
+  ;;
+train)
+  name=$1 minutes=$2
+  shift 2
+  run=outputs/h200/$name
+  status=0
+  # SIGINT: finish the step, save, exit; SIGKILL 60 s later if it has not (a call must end in time).
+  # Dynamo's recompile log says why a compiled function compiled again (recompiles.txt): two runs on
+  # the 90 k data stalled ~50 s between steps 579 and 589.
+  # shellcheck disable=SC2046
+  TORCH_LOGS=recompiles timeout -k 60 -s INT "${CALL_LIMIT:-540}" python3 -m dspark.train $T $DATA \
+    $(train_flags "$minutes") hydra.run.dir=$run "$@" >> $run.log 2>&1 || status=$?
+  if [ $status = 124 ]; then
+    echo "stopped after ${CALL_LIMIT:-540} s: run the same command again to resume"
+  elif [ $status != 0 ]; then
+    tr '\r' '\n' < $run.log | tail -40
+    exit 1
+  fi
+  tr '\r' '\n' < $run.log | grep -a -v Warning | tail -4
+  collect "$name" $run.log
+  ;;
+sweep)
+  # A Hydra multirun of the overrides' grid (their comma lists), JOBS runs at once on the shared GPU
+  # (hydra-joblib-launcher, staged with the wheels), each MINUTES on the clock with train's settings,
+  # run k in outputs/h200/<PATTERN as run k resolves it>, then collected like a train run. Every run's
+  # output goes to outputs/h200/sweep.log (the session bundle keeps its tail; Hydra writes each run's
+  # own log as <run>/train.log).
+  pattern=$1 minutes=$2 jobs=$3
+  shift 3
+  status=0
+  # shellcheck disable=SC2046
+  TORCH_LOGS=recompiles timeout -k 60 "${CALL_LIMIT:-540}" python3 -m dspark.train -m hydra/launcher=joblib \
+    hydra.launcher.n_jobs="$jobs" $T $DATA $(train_flags "$minutes") hydra.sweep.dir=outputs/h200 \
+    "hydra.sweep.subdir=$pattern" "$@" >> outputs/h200/sweep.log 2>&1 || status=$?
+  tr '\r' '\n' < outputs/h200/sweep.log | grep -a -e "Launching jobs" -e "#[0-9]* :" -e "done:" | tail -20 || true
+  for run in outputs/h200/$(sed 's/\${[^}]*}/*/g' <<< "$pattern"); do  # the pattern's keys as wildcards
+    [ -f "$run/config.yaml" ] && collect "$(basename "$run")" "$run/train.log"
+  done
+  [ $status = 0 ] || { tr '\r' '\n' < outputs/h200/sweep.log | tail -40; exit 1; }
   ;;
 probe)
   # Where a real step's time goes, before a long run: `python -m dspark.bench.train_step --data` on
@@ -163,7 +195,7 @@ eval)
   cp $ev/results.json "$OUTDIR/$name/eval_t$t.json"
   ;;
 *)
-  echo "unknown step '$step': data | train | eval" >&2
+  echo "unknown step '$step': data | train | sweep | eval | pack | probe" >&2
   exit 2
   ;;
 esac

@@ -52,6 +52,11 @@
 #           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
 #           learning-rate schedule follows whichever of steps and clock is further along), so rows
 #           trained in different sessions, alone or side by side, had the same budget.
+#           SWEEP instead of RUNS: the runs are one Hydra multirun (an ablation grid, as a user runs it) of
+#           the overrides in SWEEP (comma lists: the grid), SWEEP_JOBS (3) at once (the joblib launcher:
+#           stage hydra-joblib-launcher and joblib with the wheels), each run in outputs/h200/<SWEEP_RUNS
+#           resolved for it>, e.g. SWEEP="drafter=dspark head=markov drafter.num_layers=1,2,3"
+#           SWEEP_RUNS='DSpark-L${drafter.num_layers}'; evaluated and reported as RUNS are.
 #   headlat issue 19, Fig. 4's latency panel (python -m dspark.bench.head_latency): freshly built DFlash,
 #           DSpark-Markov and DSpark-RNN drafters (5 layers, no training needed) at block sizes 4, 7, 10, 16,
 #           R = 1 and 128, context 512: the sequential head's cost, the draft step, whole rounds and the
@@ -162,17 +167,27 @@ pipeline)
     local tgt=${TARGET:-smollm2_135m}
     local data=outputs/h200/data/${tgt%%_*}_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
     local dest=outputs/h200/out/table1 specs n o t sources=()
-    IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage}"
-    specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
     if [ -z "${CAL_FILE:-}" ]; then
       python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
         > /dev/null || return 2
     fi
-    while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
-      run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
-        bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1 &
-    done <<< "$specs"
-    wait
+    if [ -n "${SWEEP:-}" ]; then  # one Hydra multirun: its runs at once, the GPU shared
+      # shellcheck disable=SC2086
+      run sweep env CALL_LIMIT=$((minutes * 60 + 300)) bash scripts/h200_drafter.sh sweep \
+        "${SWEEP_RUNS:?SWEEP_RUNS: the pattern of the runs folder names, with SWEEP}" "$minutes" \
+        "${SWEEP_JOBS:-3}" $SWEEP ${TRAIN_EXTRA:-} > "$S/sweep.txt" 2>&1
+      specs=$(for r in outputs/h200/$(sed 's/\${[^}]*}/*/g' <<< "$SWEEP_RUNS"); do
+        [ -f "$r/config.yaml" ] && printf '%s\t\n' "$(basename "$r")"; done)
+    else
+      IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage (or SWEEP)}"
+      specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
+      while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
+        run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
+          bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1 &
+      done <<< "$specs"
+      wait
+    fi
+    [ -n "$specs" ] || return 1
     for t in 0 1; do  # τ does not depend on timing: the evaluations run at once too
       while IFS=$'\t' read -r n o; do
         [ -f "outputs/h200/$n/drafter/config.json" ] || continue

@@ -105,3 +105,35 @@ def test_docs_show_launch_and_multirun_lines(path):
     docs = (ROOT / "docs" / "sweeps.md").read_text()
     assert f"wandb sweep sweeps/{path.name}" in docs
     assert multirun_line(path.stem, load(path)) in docs, multirun_line(path.stem, load(path))
+
+
+def test_a_grid_runs_at_once_as_one_multirun_and_reports_as_a_sweep(tmp_path):
+    """The parallel twin of a sweep (what the H200 sessions run): one Hydra multirun, its two grid points
+    trained at once by the joblib launcher, each in the folder `hydra.sweep.subdir` names from its own
+    config; the dashboard then reads the folders as a sweep over the swept key."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    smoke = ["data.num_prompts=12", "data.max_new_tokens=12", "data.val_fraction=0.25", f"data.dir={data}"]
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    # Parallel runs must not race to build the data (a data.dir lock refuses the second): prepare it first.
+    run("dspark.prepare", "target=tiny", "data=smoke", *smoke)
+    sweep = tmp_path / "rank"
+    run("dspark.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "experiment=cpu_smoke",
+        *smoke, "data.batch_size=2", "trainer.max_steps=3", "trainer.limit_val_batches=1",
+        f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=r${head.rank}", "head.rank=8,16")  # fmt: skip
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["r16", "r8"]
+    for rank in (8, 16):
+        assert json.loads((sweep / f"r{rank}" / "summary.json").read_text())["global_step"] == 3
+        assert (sweep / f"r{rank}" / "drafter" / "config.json").is_file()
+    run("dspark.report", f"runs={sweep}", f"hydra.run.dir={tmp_path / 'dashboard'}")
+    dashboard = json.loads((tmp_path / "dashboard" / "dashboard.json").read_text())
+    assert dashboard["axis"] == "head.rank" and [r["axis_value"] for r in dashboard["runs"]] == [8, 16]
