@@ -148,13 +148,18 @@ pipeline)
     CALL_LIMIT=$((minutes * 60 + 240)) bash scripts/h200_drafter.sh train "$name" "$minutes" \
       drafter=dspark head=markov ${TRAIN_EXTRA:-}
   }
-  pack() {  # pack PARENT DIR NAME: PARENT/DIR as NAME.tar.xz.aa, .ab … (<= 15 MiB each, unpacked
-    # under a PARENT) in outputs/h200/pack, moved there whole: `wait` never sends a piece being written
-    local tmp=outputs/h200/pack.tmp
-    rm -rf "$tmp" && mkdir -p "$tmp" outputs/h200/pack
-    tar -C "$1" -cf - "$2" | xz -T0 -3 | split -b 15M - "$tmp/$3.tar.xz." || return 1
-    du -ch "$tmp"/* | tail -1
-    mv "$tmp"/* outputs/h200/pack/ && rmdir "$tmp"
+  # Pieces are written into outputs/h200/pack.tmp and moved into outputs/h200/pack when all are
+  # there: `wait` sends what is in pack/, never a piece still being written.
+  arrive() {
+    du -ch outputs/h200/pack.tmp/* | tail -1
+    mkdir -p outputs/h200/pack && mv outputs/h200/pack.tmp/* outputs/h200/pack/ && rmdir outputs/h200/pack.tmp
+  }
+  pack() {  # pack PARENT DIR NAME: PARENT/DIR as NAME.tar.xz.aa, .ab … (<= 15 MiB each, unpacked under a PARENT)
+    rm -rf outputs/h200/pack.tmp && mkdir -p outputs/h200/pack.tmp
+    tar -C "$1" -cf - "$2" | xz -T0 -3 | split -b 15M - "outputs/h200/pack.tmp/$3.tar.xz." && arrive
+  }
+  pack_data() {  # PACK_DATA: what training and evaluation read of the data (h200_drafter.sh pack)
+    rm -rf outputs/h200/pack.tmp && bash scripts/h200_drafter.sh pack outputs/h200/pack.tmp && arrive
   }
   unpack_data() {  # unpack_data PREFIX: PREFIX.aa, PREFIX.ab ... -> outputs/h200/data/, checked
     mkdir -p outputs/h200/data
@@ -242,8 +247,7 @@ pipeline)
         # after gputests_bg the tests run already, beside the generation: the data stage skips them
         run data env SKIP_GPU_TESTS=${gpu_tested:-} bash scripts/h200_drafter.sh data "${N:-30000}" || break
         gpu_tested=1
-        [ -z "${PACK_DATA:-}" ] || run data_pack bash -c "bash scripts/h200_drafter.sh pack outputs/h200/pack.tmp &&
-          mkdir -p outputs/h200/pack && mv outputs/h200/pack.tmp/* outputs/h200/pack/ && rmdir outputs/h200/pack.tmp"
+        [ -z "${PACK_DATA:-}" ] || run data_pack pack_data
       fi
       ;;
     train)
