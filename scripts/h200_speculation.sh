@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200, issue 18 (speculation that pays at every load), in about 8 minutes (15 at most):
+# H200, issue 18 (speculation that pays at every load), in about 11 minutes (29 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
 #   2. per temperature (E2E_TEMPERATURES, default "0 1"; greedy rounds at T = 0 build no
@@ -14,7 +14,8 @@
 #      target-only, fixed γ = 7, 5, 3 and 1 (mtp1), threshold, hardware_aware and draft_aware
 #      (E2E_POLICIES: fewer, when minutes are short; E2E_CONCURRENCY: fewer R, e.g. the headline
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
-#      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA);
+#      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA; E2E_WAVES · R requests
+#      through the R slots, default 4: the load stays R until the queue runs dry);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e), and its check of the rounds against the cost table (cost_check);
 #   5. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
@@ -26,9 +27,9 @@
 #   bash scripts/h200_speculation.sh [drafter folder]     # default outputs/h200/dspark/drafter
 # Writes 21 files into $OUT (default outputs/h200/speculation): log.txt, decode_kernels.json, layer_compile.json,
 # engine_sps_T{0,1}.json, cost_table_T{0,1}.json, e2e_T{0,1}.json, fig7_T{0,1}.png/.json,
-# fig8_T{0,1}.png/.json, cost_check_T{0,1}.png/.json. Each stage has its own time limit (120 + 270 + 260 + 180 + 320 +
-# 2 x 60 + 120 + 150 s at most: each e2e point is the median of
-# E2E_REPEATS timed runs, default 3; without repeats the two e2e runs took 89 and 145 s)
+# fig8_T{0,1}.png/.json, cost_check_T{0,1}.png/.json. Each stage has its own time limit (120 + 270 + 360 + 180 + 420 +
+# 2 x 60 + 120 + 150 s at most: each e2e point is the median of E2E_REPEATS timed runs, default 3;
+# with one wave the two e2e runs took ~150 and 215 s, 2026-12-04-e)
 # and writes what it measured as it goes, so a slow stage never costs the next ones their time.
 set -uo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -75,9 +76,9 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     quiet | tail -60
 
   stage "end to end, T = $t"
-  timeout $([ $t = 0 ] && echo 260 || echo 320) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
+  timeout $([ $t = 0 ] && echo 360 || echo 420) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
-    --repeats "${E2E_REPEATS:-3}" \
+    --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-4}" \
     --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -80
 done

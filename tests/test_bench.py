@@ -12,6 +12,7 @@ from test_engine import Oracle, prompts_for
 from test_evaluate import _bench, _save
 
 from dspark.bench import e2e, engine_sps
+from dspark.bench import measure as measure_mod
 from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, run_noise
 from dspark.decoding.engine import Engine
 from dspark.scheduling.cost import CostModel
@@ -117,7 +118,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
          "target=tiny"]
     )  # fmt: skip
     report = json.loads(out.read_text())
-    assert report["waves"] == 1  # the default: one batch of R requests
+    assert report["waves"] == 4  # the default: 4 · R requests through the R slots
     assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     for r in report["rows"]:  # each repeat says where its slowest round was
@@ -146,8 +147,14 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
         assert {g["drafted"] for g in r["by_length"]} == {want}
         assert all(g["priced_ms"] > 0 for g in r["by_length"])
+        load = r["at_load"]  # the rounds with R's rows: all of them at R = 1, the queue's at R = 2
+        assert 0 < load["rounds"] <= r["rounds"] and 0 < load["share"] <= 1 and load["throughput"] > 0
+        assert r["concurrency"] > 1 or (load["rounds"] == r["rounds"] and load["share"] == pytest.approx(1))
+        if r["run"] != "target_only":
+            assert r["speedup_per_user_at_load"] > 0 and r["speedup_throughput_at_load"] > 0
     assert report["cost_table"] == CostModel.load(cost).to_dict()
     assert set(report["goals"]) == {"0", "1"} and [g["concurrency"] for g in report["goals"]["0"]] == [1, 2]
+    assert all(g["at_load"]["best_on_both"] in {"fixed", "mtp1", "draft_aware"} for g in report["goals"]["1"])
     assert "cost table was measured at T = 1 and prices runs at T = 0,1" in caplog.text
 
 
@@ -175,6 +182,39 @@ def test_goal_checks_tell_a_tie_within_the_runs_noise_from_a_loss():
         assert check["hardware_aware_beats_fixed"] == (ha >= 1)
     stalled = point("x", 100, 1000, (1.0, 1.001, 0.2))  # one repeat hit a stall
     assert run_noise(stalled) == pytest.approx(0.001) and run_noise(point("x", 1, 1, (1.0,))) == 0
+
+
+def test_at_load_keeps_the_rounds_of_the_loads_bucket_and_weighs_users_by_time():
+    """A run at R = 4 whose last rows drain alone: the rounds with 3 or 4 live rows (R's bucket, the
+    graphs of that load) are the load's, the 2- and 1-row rounds of the drain are not."""
+    steps = [{"ms": 2.0, "batch": 4, "tokens": 8}, {"ms": 2.0, "batch": 3, "tokens": 9},
+             {"ms": 1.0, "batch": 2, "tokens": 2}, {"ms": 1.0, "batch": 1, "tokens": 3},
+             {"ms": None, "batch": 4, "tokens": 4}]  # fmt: skip
+    load = measure_mod._at_load(steps, 4)
+    assert load["rounds"] == 2 and load["share"] == pytest.approx(4 / 6)
+    assert load["throughput"] == pytest.approx(1e3 * 17 / 4)  # tokens per second of those rounds
+    assert load["tps_per_user"] == pytest.approx(1e3 * 17 / (2 * 4 + 2 * 3))  # per second a live row spent
+    assert measure_mod._at_load(steps[2:4], 4) == {"rounds": 0, "share": 0.0, "throughput": None,
+                                                   "tps_per_user": None}  # fmt: skip
+
+
+def test_goal_checks_judge_the_load_apart_from_the_drain():
+    """A policy that keeps the floor at the load R but not over a run with its drain: ``floor_met``
+    says the run's, ``at_load`` the load's; without at-load speeds on every point, no verdict."""
+
+    def point(run, user, agg, user_at, agg_at):
+        return {"run": run, "concurrency": 256, "tps_per_user": user, "throughput": agg,
+                "speedup_per_user": user, "speedup_throughput": agg,
+                "speedup_per_user_at_load": user_at, "speedup_throughput_at_load": agg_at,
+                "at_load": {"tps_per_user": user_at, "throughput": agg_at}}  # fmt: skip
+
+    rows = [point("d/draft_aware", 0.99, 0.84, 1.01, 1.02), point("d/mtp1", 0.97, 0.83, 0.96, 0.97)]
+    (check,) = goal_checks(rows)
+    assert check["best_on_both"] == "draft_aware" and not check["floor_met"]
+    assert check["at_load"]["best_on_both"] == "draft_aware" and check["at_load"]["floor_met"]
+    assert check["at_load"]["best_on_both_speedup"] == pytest.approx(1.01)
+    rows[1]["speedup_per_user_at_load"] = None
+    assert goal_checks(rows)[0]["at_load"] is None
 
 
 def test_e2e_keeps_the_points_of_a_run_cut_short(tiny_target, tmp_path, monkeypatch):

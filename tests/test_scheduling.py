@@ -862,6 +862,30 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
         HardwareAware(explore_every=0)
 
 
+def test_hardware_aware_prices_a_draft_length_by_its_whole_rounds_only():
+    """A walk verifies less than the draft, so its round is cheaper than the whole draft's and
+    emits fewer tokens. The planner counts the whole draft's tokens, so only rounds that verified
+    the whole draft may time γ_d (the H200, T = 0, R = 256: walked rounds of 7 read as cheap made
+    the plan draft 7 where 4 paid). Rounds of 200 live rows and of 256 share the 256 bucket."""
+    cost = CostModel({1: 2.0, 64: 2.4, 256: 2.6, 512: 3.3, 2048: 6.0}, draft_ms={256: 1.5}, padded=True,
+                     readback_ms=0.2)  # fmt: skip
+    pol = HardwareAware(explore_every=4, min_timed=2)
+    for _ in range(10):
+        pol.observe_round(np.full(256, 7), np.full(256, 7))
+    walked = []
+    for i in range(12):
+        rows = 256 if i % 2 else 200
+        m = pol.draft_length(rows, 7, cost)
+        walked.append(pol.width(m) is None)
+        verified = 2 if walked[-1] else m
+        pol.observe_round(np.full(rows, verified), np.full(rows, verified))
+        pol.observe_time(0.5 if walked[-1] else 5.0)
+    assert any(walked) and not all(walked)
+    timed = pol._rounds._counts(256, 7)[2]
+    assert timed[7] == walked.count(False)  # the whole rounds only, both row counts in one bucket
+    assert pol._clocked_walk(256) is not None and pol._clocked_walk(129) == pol._clocked_walk(256)
+
+
 def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
     """The cost table says the walk pays at R = 64 (0.9 ms to save, 0.2 ms to read back) but the
     rounds say otherwise (issue 18's H200 run: walked rounds slower than whole ones). Once the

@@ -137,9 +137,33 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
         "budget": sum(r.proposed for r in res.rounds) / rounds,
         "tau": sum(r.accepted + 1 for r in res.rounds) / rounds,
         **_round_means(res.steps),
+        "at_load": _at_load(res.steps, R),
         "by_length": _by_length(res.steps, cost),
         "acceptance": _realised_acceptance(res.rounds),
         "acceptance_estimate": _estimate(policy, res.rounds),
+    }
+
+
+def _at_load(steps: list[dict], R: int) -> dict:
+    """The run's speeds at the load R: over the rounds whose live rows fill R's bucket (the rounds
+    that run R's graphs: with ``waves`` > 1 every round until the queue runs dry), leaving out the
+    drain, where fewer rows than R's bucket remain and a round serves a smaller load. ``throughput``:
+    their tokens / their time; ``tps_per_user``: their tokens / the time the live rows spent in them
+    (each row of a round spends the round), the users' mean speed weighted by time; ``share``: their
+    part of the run's round time. The points to compare at a load, as a server holding R requests
+    at once sees them (§5.3: then throughput and speed per user move together)."""
+    bucket = rows_bucket(R)
+    timed = [s for s in steps if s.get("ms") is not None and s.get("batch")]
+    full = [s for s in timed if rows_bucket(s["batch"]) == bucket]
+    ms = sum(s["ms"] for s in full)
+    if not full or ms <= 0:
+        return {"rounds": 0, "share": 0.0, "throughput": None, "tps_per_user": None}
+    tokens = sum(s["tokens"] for s in full)
+    return {
+        "rounds": len(full),
+        "share": ms / sum(s["ms"] for s in timed),
+        "throughput": 1e3 * tokens / ms,
+        "tps_per_user": 1e3 * tokens / sum(s["ms"] * s["batch"] for s in full),
     }
 
 
@@ -255,21 +279,25 @@ def _slowest(steps: list[dict]) -> dict | None:
 
 def speedup_rows(base: list[dict], runs: dict[str, list[dict]], label: str) -> list[dict]:
     """Per concurrency: the target-only point, then each policy's (``<label>/<policy>``) with its
-    speed-up over target-only at the same R, per user and in aggregate."""
+    speed-up over target-only at the same R, per user and in aggregate, over the whole run and at
+    the load R (``_at_load``; None where either point has no round at it)."""
     rows = []
     for i, b in enumerate(base):
         rows.append({"run": "target_only", **b})
         for name, points in runs.items():
             p = points[i]
-            rows.append(
-                {
-                    "run": f"{label}/{name}",
-                    **p,
-                    "speedup_per_user": p["tps_per_user"] / b["tps_per_user"],
-                    "speedup_throughput": p["throughput"] / b["throughput"],
-                }
-            )
+            rows.append({"run": f"{label}/{name}", **p, **_speedups(p, b)})
     return rows
+
+
+def _speedups(point: dict, base: dict) -> dict:
+    out = {}
+    for axis in ("per_user", "throughput"):
+        key = "tps_per_user" if axis == "per_user" else "throughput"
+        out[f"speedup_{axis}"] = point[key] / base[key]
+        mine, theirs = (point.get("at_load") or {}).get(key), (base.get("at_load") or {}).get(key)
+        out[f"speedup_{axis}_at_load"] = mine / theirs if mine and theirs else None
+    return out
 
 
 def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
@@ -278,7 +306,8 @@ def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
     ``hardware_aware`` matches or beats every fixed-length policy (``fixed``, ``fixed_<g>``,
     ``mtp1``) in both: ``hardware_aware_vs_fixed`` its worst ratio over them and both axes, and
     ``hardware_aware_verdict`` "beats" (>= 1), "ties" (short by less than ``run_noise``, how
-    far the compared points' own timed repeats stray) or "loses"."""
+    far the compared points' own timed repeats stray) or "loses". Judged over the whole runs, and
+    the same at the load R under ``at_load`` (None where a point has no round at it)."""
     out = []
     for R in sorted({r["concurrency"] for r in rows}):
         runs = {
@@ -286,38 +315,44 @@ def goal_checks(rows: list[dict], floor: float = 0.98) -> list[dict]:
         }
         if not runs:
             continue
-
-        worse = {
-            n: min(r["speedup_per_user"], r["speedup_throughput"]) for n, r in runs.items()
-        }  # weaker axis
-        user = max(runs, key=lambda n: runs[n]["speedup_per_user"])
-        agg = max(runs, key=lambda n: runs[n]["speedup_throughput"])
-        both = max(worse, key=worse.get)
-        check = {
-            "concurrency": R,
-            "best_per_user": user,
-            "best_speedup_per_user": runs[user]["speedup_per_user"],
-            "best_throughput": agg,
-            "best_speedup_throughput": runs[agg]["speedup_throughput"],
-            "best_on_both": both,
-            "best_on_both_speedup": worse[both],
-            "floor_met": worse[both] >= floor,  # one policy at >= floor x per user and in aggregate
-        }
-        fixed = [n for n in runs if n == "fixed" or n == "mtp1" or n.startswith("fixed_")]
-        if "hardware_aware" in runs and fixed:
-            ha = runs["hardware_aware"]
-            check["hardware_aware_beats_fixed"] = all(
-                ha["tps_per_user"] >= runs[n]["tps_per_user"] and ha["throughput"] >= runs[n]["throughput"]
-                for n in fixed
-            )
-            ratio = min(ha[k] / runs[n][k] for n in fixed for k in ("tps_per_user", "throughput"))
-            noise = max(run_noise(runs[n]) for n in ["hardware_aware", *fixed])
-            check["hardware_aware_vs_fixed"] = ratio
-            check["run_noise"] = noise
-            verdict = "beats" if ratio >= 1 else "ties" if ratio >= 1 - noise else "loses"
-            check["hardware_aware_verdict"] = verdict
+        check = {"concurrency": R, **_judge(runs, "", floor)}
+        loaded = all(r.get("speedup_per_user_at_load") and r.get("speedup_throughput_at_load")
+                     for r in runs.values())  # fmt: skip
+        check["at_load"] = _judge(runs, "_at_load", floor) if loaded else None
         out.append(check)
     return out
+
+
+def _judge(runs: dict[str, dict], at: str, floor: float) -> dict:
+    """``goal_checks``' verdicts on one pair of speed-ups (``at``: "" the whole run, "_at_load")."""
+
+    def speed(run: dict, key: str) -> float:  # a point's own speed, whole run or at load
+        return run[key] if not at else run["at_load"][key]
+
+    user_of = {n: r[f"speedup_per_user{at}"] for n, r in runs.items()}
+    agg_of = {n: r[f"speedup_throughput{at}"] for n, r in runs.items()}
+    worse = {n: min(user_of[n], agg_of[n]) for n in runs}  # the weaker axis
+    user, agg, both = (max(d, key=d.get) for d in (user_of, agg_of, worse))
+    check = {
+        "best_per_user": user,
+        "best_speedup_per_user": user_of[user],
+        "best_throughput": agg,
+        "best_speedup_throughput": agg_of[agg],
+        "best_on_both": both,
+        "best_on_both_speedup": worse[both],
+        "floor_met": worse[both] >= floor,  # one policy at >= floor x per user and in aggregate
+    }
+    fixed = [n for n in runs if n == "fixed" or n == "mtp1" or n.startswith("fixed_")]
+    if "hardware_aware" in runs and fixed:
+        ha = runs["hardware_aware"]
+        keys = ("tps_per_user", "throughput")
+        ratio = min(speed(ha, k) / speed(runs[n], k) for n in fixed for k in keys)
+        check["hardware_aware_beats_fixed"] = ratio >= 1
+        noise = max(run_noise(runs[n]) for n in ["hardware_aware", *fixed])
+        check["hardware_aware_vs_fixed"] = ratio
+        check["run_noise"] = noise
+        check["hardware_aware_verdict"] = "beats" if ratio >= 1 else "ties" if ratio >= 1 - noise else "loses"
+    return check
 
 
 def run_noise(point: dict) -> float:

@@ -562,8 +562,8 @@ class HardwareAware(Policy):
     the round verifies its whole draft like the others (nothing read back, the same cost as fixed
     γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
     with the round's outcome to update the estimate, so it follows the workload for free.
-    The estimate prices the walk with the cost table; the clock has the last word: at each row
-    count it times completed rounds that walked and rounds that verified the whole draft (tokens
+    The estimate prices the walk with the cost table; the clock has the last word: per rows
+    bucket it times completed rounds that walked and rounds that verified the whole draft (tokens
     per ms on the device's timeline, ``observe_time``; an average that decays like the acceptance)
     and, once it has ``min_timed`` of each, walks only where walking was faster. To keep both
     clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
@@ -606,7 +606,7 @@ class HardwareAware(Policy):
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
         self._since_explore = 0
-        # (rows, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
+        # (rows bucket, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
         self._clock: dict[tuple[int, bool], np.ndarray] = {}
         self._tokens = 0  # the tokens of the round observe_round just completed
         # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
@@ -653,7 +653,8 @@ class HardwareAware(Policy):
     def _clocked_walk(self, rows: int) -> bool | None:
         """Whether walked rounds at ``rows`` emitted more tokens per ms than whole-draft ones;
         None until the clock has ``min_timed`` of each."""
-        walked, whole = self._clock.get((rows, True)), self._clock.get((rows, False))
+        bucket = rows_bucket(rows)
+        walked, whole = self._clock.get((bucket, True)), self._clock.get((bucket, False))
         if walked is None or whole is None or min(walked[2], whole[2]) < self.min_timed:
             return None
         return bool(walked[0] / walked[1] > whole[0] / whole[1])
@@ -696,13 +697,19 @@ class HardwareAware(Policy):
             self._learn(lengths)
 
     def observe_time(self, ms: float) -> None:
-        if self._observed is not None and self._rounds is not None:
+        if self._observed is not None and self._rounds is not None and not self._observed[2]:
+            # Only rounds that verified their whole draft time γ_d: the plan counts the whole
+            # draft's tokens, and a walk's shorter verify would make γ_d look cheap without the
+            # tokens it cut (the H200, T = 0, R = 256: walked γ_d = 7 rounds 6 % under the table's
+            # price, emitting 3.1 tokens a row where whole ones emit 3.6, so the plan drafted 7
+            # in half the rounds and lost 11 % to fixed γ = 3 at that load).
             rows, drafted, _, cost = self._observed
             self._rounds.observe(rows, drafted, ms, cost)
         if self._observed is None or not self._observed[1] or not ms > 0:  # unplanned or plain
             return
         rows, _, walked, _ = self._observed
-        sums = self._clock.setdefault((rows, walked), np.zeros(3))  # tokens and ms decay, rounds count
+        key = (rows_bucket(rows), walked)  # the rows bucket: the engine's graphs, as RoundClock keys
+        sums = self._clock.setdefault(key, np.zeros(3))  # tokens and ms decay, rounds count
         sums[:2] = self._acceptance.decay * sums[:2] + (self._tokens, ms)
         sums[2] += 1
 
