@@ -441,6 +441,62 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     )
 
 
+class PlainFirst(Cycling):
+    """Plain rounds for the first ``plain`` launches of a generate, then the whole block."""
+
+    name = "plain_first"
+
+    def __init__(self, plain: int) -> None:
+        super().__init__()
+        self.plain = plain
+
+    def draft_length(self, rows, gamma, cost=None):
+        self.seen += 1
+        return 0 if self.seen <= self.plain else gamma
+
+    def observe_round(self, lengths, accepted):
+        pass
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_joining_rows_need_no_flush_of_the_ring(small_target, temperature):
+    """A short request ends after two plain rounds, their taps still in the ring, and a long prompt
+    takes its row. The join writes nothing to the drafter (it used to flush the ring first); the
+    new row's ring entries point at its own first position, so the flush before its first draft
+    rewrites what its prefill wrote instead of the departed request's taps at positions inside the
+    new prompt: the confidences equal the plain engine's, and when the flush covers the new row
+    without its entries parked they do not."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
+    short, long = prompts_for(t, 1, seed=31, lo=3, hi=4)[0], prompts_for(t, 1, seed=32, lo=20, hi=21)[0]
+    reqs = [Request(prompt=short, max_new_tokens=3), Request(prompt=long, max_new_tokens=6)]
+
+    def run(park=True):
+        plain, fast = _engines(t, drafter, temperature, concurrency=1, seed=6)
+        parked = []
+
+        def spy(taps, positions, row0):
+            parked.append(fast._stashed)
+            if park:
+                return real(taps, positions, row0)
+            fast._stash_rows = max(fast._stash_rows, row0 + taps.shape[0])  # the flush covers the row
+
+        real, fast._park_ring = fast._park_ring, spy
+        calls = _spied(fast)
+        for eng in (plain, fast):
+            eng.set_policy(PlainFirst(2))
+        return plain.generate(reqs), fast.generate(reqs), parked, calls
+
+    a, b, parked, calls = run()
+    assert_same_rounds(b, a)
+    assert parked == [2]  # the long prompt joined with the short one's two plain rounds in the ring
+    kinds = [kind for kind, width in calls if kind != "flush" or width]
+    assert kinds[:5] == ["plain", "plain", "propose", "flush", "target"]  # no flush at the join
+    a, b, *_ = run(park=False)
+    assert any(not torch.allclose(torch.tensor(ra.confidence_logits), torch.tensor(rb.confidence_logits))
+               for ra, rb in zip(a.rounds, b.rounds) if ra.confidence_logits is not None)  # fmt: skip
+
+
 def test_hardware_aware_runs_target_only_rounds_at_saturation(small_target):
     """Issue 18 at R = 256: hardware_aware chose to verify nothing yet drafted every round. On a
     table where drafting cannot pay it now plans no draft at all: every round is the width-1

@@ -22,8 +22,9 @@ What changes against the plain engine (``engine.py``), and nothing else:
     default (``compile``), inside the captured graphs;
   * a round that drafts nothing runs target-only decoding's width-1 step; the tap features of its
     committed anchors go to a small ring (``deferred_context`` rounds) instead of the drafter, and
-    the drafter's context gets them in one write before the next draft step, before rows join, or
-    when the ring is full (rows that move when requests leave take their ring entries along). Until
+    the drafter's context gets them in one write before the next draft step or when the ring is
+    full (rows that move when requests leave take their ring entries along; rows that join point
+    theirs at what their prefill writes, so a join needs no write: ``_park_ring``). Until
     then no draft step reads the context (its ``length`` already counts them; the slots past what
     was written are never read).
 Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
@@ -243,7 +244,6 @@ class FastEngine(Engine):
 
     # ---- Engine's cache hooks --------------------------------------------------------------
     def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
-        self._flush_context()  # before new rows take free rows the ring's padding entries point at
         n, width = ids.shape
         with_taps = self.drafter is not None  # the drafter's context takes every row at full width
         spans = lens.tolist()
@@ -255,7 +255,22 @@ class FastEngine(Engine):
             last.append(h[torch.arange(e - s, device=self.device), lens[s:e] - 1])
             taps.append(t)
         self.static.lengths[row0 : row0 + n] = lens
-        return torch.cat(last), torch.cat(taps) if with_taps else None
+        taps = torch.cat(taps) if with_taps else None
+        if self._stashed:
+            self._park_ring(taps[:, 0], positions[:, 0], row0)
+        return torch.cat(last), taps
+
+    def _park_ring(self, taps: Tensor, positions: Tensor, row0: int) -> None:
+        """New rows take free rows whose ring entries still hold a departed request's taps: point
+        every entry of theirs at their first prompt position with its taps, which the prefill
+        writes too, so the next flush rewrites the same values (the flush's own padding trick).
+        Joining rows then cost no flush: with requests queued, rows join almost every round at a
+        high load, and flushing at each join made every plain round pay the drafter's context write
+        that deferring it saves."""
+        rows = slice(row0, row0 + taps.shape[0])
+        self.ring_taps[:, rows] = taps.to(self.ring_taps.dtype)
+        self.ring_pos[:, rows] = positions
+        self._stash_rows = max(self._stash_rows, rows.stop)
 
     def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
         self._write_context(taps, positions, row0)
