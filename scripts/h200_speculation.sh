@@ -15,7 +15,7 @@
 #      (E2E_POLICIES: fewer, when minutes are short; E2E_CONCURRENCY: fewer R, e.g. the headline
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA; E2E_WAVES · R requests
-#      through the R slots, default 4: the load stays R until the queue runs dry);
+#      through the R slots, default 1: one batch, its speeds at the load R reported apart from its drain);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e), and its check of the rounds against the cost table (cost_check);
 #   5. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
@@ -78,7 +78,7 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
   stage "end to end, T = $t"
   timeout $([ $t = 0 ] && echo 360 || echo 420) python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
-    --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-4}" \
+    --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-1}" \
     --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -80
 done

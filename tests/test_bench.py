@@ -118,7 +118,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
          "target=tiny"]
     )  # fmt: skip
     report = json.loads(out.read_text())
-    assert report["waves"] == 4  # the default: 4 · R requests through the R slots
+    assert report["waves"] == 1  # the default: one batch of R requests
     assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     for r in report["rows"]:  # each repeat says where its slowest round was
@@ -147,7 +147,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
         assert {g["drafted"] for g in r["by_length"]} == {want}
         assert all(g["priced_ms"] > 0 for g in r["by_length"])
-        load = r["at_load"]  # the rounds with R's rows: all of them at R = 1, the queue's at R = 2
+        load = r["at_load"]  # the rounds with R's rows: all at R = 1, those before the drain at R = 2
         assert 0 < load["rounds"] <= r["rounds"] and 0 < load["share"] <= 1 and load["throughput"] > 0
         assert r["concurrency"] > 1 or (load["rounds"] == r["rounds"] and load["share"] == pytest.approx(1))
         if r["run"] != "target_only":

@@ -2,7 +2,7 @@
 
     python -m dspark.bench.e2e --drafter-dir <checkpoint> target=smollm2_135m target.device=cuda \\
         [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
-        [--concurrency 1,64,256] [--waves 4] [--max-new-tokens 128] [--temperature 0[,1]] \\
+        [--concurrency 1,64,256] [--waves 1] [--max-new-tokens 128] [--temperature 0[,1]] \\
         [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
         [--repeats 3] [--no-compile] [--out e2e.json]
 
@@ -47,10 +47,11 @@ def _parse(argv):
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument(
-        "--waves", type=int, default=4,
-        help="requests per slot: each R runs max(prompts, waves·R) requests, each finished request's "
-        "slot refilled by a prefill of its own, so the load stays R until the queue runs dry; 1 is one "
-        "batch, whose drain (its last rows finishing alone) weighs on every speculative point",
+        "--waves", type=int, default=1,
+        help="requests per slot: each R runs max(prompts, waves·R) requests; 1 (the default) is one "
+        "batch, whose drain (its last rows finishing alone) the whole-run speeds include and the "
+        "at-load ones leave out; more keep the load at R longer, each finished request's slot "
+        "refilled by a prefill of its own (which today waits for the device: a bubble per join)",
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", default="0", help="one or more, comma-separated")
@@ -97,7 +98,7 @@ def _main(argv, watch) -> dict:
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats}: give at least 1 timed run per point (default 3)")
     if args.waves < 1:
-        raise ConfigError(f"--waves {args.waves}: give at least 1 request per slot (default 4)")
+        raise ConfigError(f"--waves {args.waves}: give at least 1 request per slot (default 1)")
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
     priced = None if cost is None else cost.meta.get("temperature")  # engine_sps --temperature
