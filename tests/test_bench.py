@@ -130,6 +130,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     ]
     for r in rows:
         assert r["throughput"] > 0 and r["tau"] >= 1 and r["rounds"] > 0 and r["ms_per_round"] > 0
+        assert r["tau_se"] >= 0 and (r["run"] != "target_only" or r["tau_se"] == 0)  # τ = 1 for all
         assert r["median_ms_per_round"] > 0 and r["max_ms_round"] >= r["median_ms_per_round"]
         slow = r["slowest_round"]  # the record of the round behind max_ms_round
         assert slow["ms"] == r["max_ms_round"] and 0 <= slow["index"] < slow["of"] == r["rounds"]
@@ -185,6 +186,38 @@ def test_goal_checks_tell_a_tie_within_the_runs_noise_from_a_loss():
         assert check["hardware_aware_beats_fixed"] == (ha >= 1)
     stalled = point("x", 100, 1000, (1.0, 1.001, 0.2))  # one repeat hit a stall
     assert run_noise(stalled) == pytest.approx(0.001) and run_noise(point("x", 1, 1, (1.0,))) == 0
+
+
+def test_a_sampled_comparison_ties_within_twice_its_tau_error():
+    """At T > 0 each policy samples texts of its own: a shortfall within twice the relative error
+    of the τ ratio is a tie; the same shortfall at T = 0 (one greedy text for all) is a loss."""
+
+    def point(run, ratio, temperature, tau_se):
+        reps = [{"tps_per_user": 100 * ratio, "throughput": 1000 * ratio}] * 3
+        return {"run": run, "concurrency": 1, "temperature": temperature, "tps_per_user": 100 * ratio,
+                "throughput": 1000 * ratio, "speedup_per_user": ratio, "speedup_throughput": ratio,
+                "tau": 2.0, "tau_se": tau_se, "repeats": reps}  # fmt: skip
+
+    for temperature, verdict in [(1.0, "ties"), (0.0, "loses")]:
+        rows = [point("d/fixed", 1.5, temperature, 0.06),
+                point("d/hardware_aware", 1.5 * 0.95, temperature, 0.06)]  # fmt: skip
+        (check,) = goal_checks(rows)
+        assert check["tau_noise"] == pytest.approx(0.03 * 2**0.5 if temperature else 0.0)
+        assert check["hardware_aware_verdict"] == verdict and not check["hardware_aware_beats_fixed"]
+
+
+def test_tau_standard_error_is_over_requests():
+    """τ's error counts requests, not rounds: two requests that each keep one rate give a τ with
+    no error however many rounds they ran, two that differ give the ratio estimator's."""
+    from types import SimpleNamespace as Rec
+
+    def rounds(request, accepted, n):
+        return [Rec(request=request, accepted=accepted) for _ in range(n)]
+
+    assert measure_mod.tau_standard_error(rounds(0, 2, 40) + rounds(1, 2, 10)) == pytest.approx(0)
+    assert measure_mod.tau_standard_error(rounds(0, 2, 40)) is None  # one request: no error to tell
+    recs = rounds(0, 1, 10) + rounds(1, 3, 10)  # τ 2 and 4: the mean 3, residuals ∓10 over 20 rounds
+    assert measure_mod.tau_standard_error(recs) == pytest.approx((2 * 200) ** 0.5 / 20)
 
 
 def test_at_load_keeps_the_rounds_of_the_loads_bucket_and_weighs_users_by_time():

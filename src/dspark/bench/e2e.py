@@ -158,7 +158,7 @@ def _main(argv, watch) -> dict:
          "drafted", "round ms", "median ms", "max ms", "gpu ms", "host ms", "read-back ms", "gap ms"],
         [
             [f"{row['temperature']:g}", row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}",
-             f"{row['throughput']:.0f}", f"{row['tau']:.2f}", f"{row.get('speedup_per_user', 1.0):.2f}x",
+             f"{row['throughput']:.0f}", _tau(row), f"{row.get('speedup_per_user', 1.0):.2f}x",
              f"{row.get('speedup_throughput', 1.0):.2f}x", f"{row.get('drafted_per_round') or 0:.2f}",
              *(f"{_num(row, k):.2f}" for k in ("ms_per_round", "median_ms_per_round", "max_ms_round",
                                                 "gpu_ms_per_round", "host_ms_per_round",
@@ -199,8 +199,15 @@ def _verdict(check: dict) -> str:
         return "n/a"
     return (
         f"{check['hardware_aware_verdict']} ({check['hardware_aware_vs_fixed']:.3f}x, "
-        f"run-to-run spread {100 * check['run_noise']:.1f} %)"
+        f"run-to-run spread {100 * check['run_noise']:.1f} %, τ sampling error "
+        f"{100 * check.get('tau_noise', 0):.1f} %)"
     )
+
+
+def _tau(row: dict) -> str:
+    """τ, ± its error over requests where the run sampled (T > 0: each run its own texts)."""
+    se = row.get("tau_se")
+    return f"{row['tau']:.2f} ± {se:.2f}" if row["temperature"] and se else f"{row['tau']:.2f}"
 
 
 def _num(row: dict, key: str) -> float:
