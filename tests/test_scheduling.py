@@ -585,24 +585,43 @@ def test_async_topk_delay_zero_is_retrospective():
 
 
 def test_draft_aware_estimates_acceptance_from_completed_rounds():
-    pol = DraftAware(decay=0.5)
+    pol = DraftAware(memory=2)  # each try a position gets halves the weight of its older ones
     assert pol.acceptance(3).tolist() == [1.0, 1.0, 1.0]  # optimistic before any round
     # Four rows verified 3 drafts: accepted 0, 1, 3, 3. Position 1 reached by 4, accepted by 3;
     # position 2 reached by 3, accepted by 2; position 3 reached by 2, accepted by 2.
     pol.observe_round(np.array([3, 3, 3, 3]), np.array([0, 1, 3, 3]))
     np.testing.assert_allclose(pol.acceptance(4), [(3 + 1) / (4 + 1), (2 + 1) / (3 + 1), 1.0, 1.0])
-    # Older rounds weigh less (decay); a plain round (nothing verified) says nothing about
-    # acceptance and leaves the estimate alone: a load that declined to draft does not drift
-    # back to optimism and redraft for nothing (issue 18: R = 256 kept re-measuring).
+    # Older tries weigh less, position by position: two new tries of position 1 leave its old
+    # evidence a quarter of its weight, and positions 2 and 3, not reached, keep theirs. A plain
+    # round (nothing verified) says nothing about acceptance and leaves the estimate alone: a load
+    # that declined to draft does not drift back to optimism and redraft for nothing (issue 18:
+    # R = 256 kept re-measuring).
     pol.observe_round(np.array([1, 1]), np.array([0, 0]))
-    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    want = [(0.75 + 1) / (1 + 2 + 1), (2 + 1) / (3 + 1), (2 + 1) / (2 + 1)]
+    np.testing.assert_allclose(pol.acceptance(3), want)
     for _ in range(50):
         pol.observe_round(np.array([0, 0]), np.array([0, 0]))
-    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    np.testing.assert_allclose(pol.acceptance(3), want)
     pol.reset()  # a new generate: what it learned about the drafter stays
-    np.testing.assert_allclose(pol.acceptance(1), [(1.5 + 1) / (2 + 2 + 1)])
+    np.testing.assert_allclose(pol.acceptance(3), want)
     pol.forget()
     assert pol.acceptance(2).tolist() == [1.0, 1.0]
+
+
+def test_acceptance_memory_counts_tries_not_rounds():
+    """A deep position reached in one round of ten keeps its evidence over the rounds that do not
+    reach it: after 2 000 rounds of one row accepting each position with probability 0.6, every
+    position's estimate is within a few points of 0.6. A per-round decay kept ~1 try of position 5
+    there, and its estimate strayed with each one."""
+    rng = np.random.default_rng(0)
+    est = AcceptanceEstimate(memory=256)
+    for _ in range(2000):
+        accepted = np.minimum(rng.geometric(0.4, 1) - 1, 5)
+        est.observe(np.array([5]), accepted)
+    assert est._tries[4] > 100  # position 5: reached in 0.6 ** 4 ≈ 13 % of the rounds
+    np.testing.assert_allclose(est.rates(5), 0.6, atol=0.06)
+    with pytest.raises(ValueError, match="memory"):
+        AcceptanceEstimate(memory=0.5)
 
 
 def test_acceptance_counts_match_the_per_position_table():
@@ -613,7 +632,7 @@ def test_acceptance_counts_match_the_per_position_table():
         rows, gamma = int(rng.integers(1, 40)), int(rng.integers(1, 9))
         lengths = rng.integers(0, gamma + 1, rows)
         accepted = np.minimum(rng.integers(0, gamma + 1, rows), lengths)
-        est = AcceptanceEstimate(decay=0.0)  # this round alone
+        est = AcceptanceEstimate(memory=1)  # this round alone
         est.observe(lengths, accepted)
         j = np.arange(1, gamma + 1)[None, :]
         reached = (j <= lengths[:, None]) & (accepted[:, None] >= j - 1)

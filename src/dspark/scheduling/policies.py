@@ -209,15 +209,19 @@ def _leading_run(theta: Tensor) -> Tensor:
 
 class AcceptanceEstimate:
     """``ĉ_j``: the rate at which draft position ``j`` was accepted when reached, over completed
-    rounds with exponentially decaying weights (``decay`` per round that verified something) and
-    one optimistic pseudo-acceptance, so a position never measured looks worth drafting and gets
-    measured. A round that verified nothing (plain decoding) says nothing about acceptance and
-    leaves the estimate as it is: it neither fades the evidence nor brings drafting back."""
+    rounds, each position remembering about its last ``memory`` tries (every try it is reached
+    keeps ``1 - 1/memory`` of the older weight), with one optimistic pseudo-acceptance, so a position
+    never measured looks worth drafting and gets measured. Memory counted in tries, not rounds: at
+    R = 1 a deep position is reached in a few rounds of a hundred, and a per-round decay left it
+    ~1 try of evidence (the H200, T = 1, R = 1: estimates of 0.72-0.91 for positions accepted at
+    0.34-0.56, so hardware_aware drafted 7 where 5 paid); at R = 256 position 1 renews its memory
+    every round or two. A round that verified nothing (plain decoding) reaches no position: it
+    leaves the estimate as it is, neither fading the evidence nor bringing drafting back."""
 
-    def __init__(self, decay: float = 0.9) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = float(decay)
+    def __init__(self, memory: float = 256.0) -> None:
+        if not (math.isfinite(float(memory)) and float(memory) >= 1.0):
+            raise ValueError(f"memory must be a finite number of tries >= 1, got {memory}")
+        self.memory = float(memory)
         self.reset()
 
     def reset(self) -> None:
@@ -239,14 +243,13 @@ class AcceptanceEstimate:
         if longest > self._hits.size:
             self._hits = np.concatenate([self._hits, np.zeros(longest - self._hits.size)])
             self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
-        self._hits *= self.decay
-        self._tries *= self.decay
         # Position j is reached when the row verified it and accepted the j - 1 before it, and
         # accepted when also accepted itself: counts of min(ℓ, n + 1) >= j and min(ℓ, n) >= j,
         # from one histogram each (no [R, γ] table: this runs on the host every round).
         hits, tries = position_counts(lengths, accepted, self._hits.size)
-        self._hits += hits
-        self._tries += tries
+        keep = (1.0 - 1.0 / self.memory) ** tries  # each try a position gets fades its older tries
+        self._hits = keep * self._hits + hits
+        self._tries = keep * self._tries + tries
 
 
 def position_counts(lengths: np.ndarray, accepted: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -564,7 +567,7 @@ class HardwareAware(Policy):
     with the round's outcome to update the estimate, so it follows the workload for free.
     The estimate prices the walk with the cost table; the clock has the last word: per rows
     bucket it times completed rounds that walked and rounds that verified the whole draft (tokens
-    per ms on the device's timeline, ``observe_time``; an average that decays like the acceptance)
+    per ms on the device's timeline, ``observe_time``; an average that decays by ``decay`` a round)
     and, once it has ``min_timed`` of each, walks only where walking was faster. To keep both
     clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
     whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
@@ -587,6 +590,7 @@ class HardwareAware(Policy):
         self,
         check: bool = True,
         decay: float = 0.9,
+        memory: float = 256.0,
         explore_every: int = 32,
         min_timed: int = 4,
         round_clock: bool = True,
@@ -600,7 +604,8 @@ class HardwareAware(Policy):
         self.check = check
         self.explore_every = int(explore_every)
         self.min_timed = int(min_timed)
-        self._acceptance = AcceptanceEstimate(decay)
+        self.decay = float(decay)  # the clocks' weight of a round one round later
+        self._acceptance = AcceptanceEstimate(memory)
         self._rounds = RoundClock(decay) if round_clock else None  # what rounds of each γ_d really cost
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
@@ -710,7 +715,7 @@ class HardwareAware(Policy):
         rows, _, walked, _ = self._observed
         key = (rows_bucket(rows), walked)  # the rows bucket: the engine's graphs, as RoundClock keys
         sums = self._clock.setdefault(key, np.zeros(3))  # tokens and ms decay, rounds count
-        sums[:2] = self._acceptance.decay * sums[:2] + (self._tokens, ms)
+        sums[:2] = self.decay * sums[:2] + (self._tokens, ms)
         sums[2] += 1
 
     def observe_shadow(self, lengths: np.ndarray) -> None:
@@ -829,11 +834,12 @@ class DraftAware(Policy):
 
     a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the
     plain round's by ``plain_margin`` (``PLAIN_MARGIN``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
-    the acceptance of completed rounds (``AcceptanceEstimate``: decaying weights, one optimistic
-    pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
-    outcomes the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's,
-    corrected by what the engine's completed rounds took (``RoundClock``, ``observe_time``; off with
-    ``round_clock=False``, for choices that must not depend on timing). Every row then
+    the acceptance of completed rounds (``AcceptanceEstimate``: the last ``memory`` tries of each
+    position, one optimistic pseudo-acceptance, so the first rounds draft the whole block and
+    measure it). These are the outcomes the confidences predict, observed exactly, for any
+    drafter. ``T`` is the cost table's, corrected by what the engine's completed rounds took
+    (``RoundClock``, ``observe_time``; off with ``round_clock=False``, for choices that must not
+    depend on timing). Every row then
     verifies its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row
     would save nothing.
 
@@ -847,11 +853,16 @@ class DraftAware(Policy):
     needs_cost = True
 
     def __init__(
-        self, decay: float = 0.9, round_clock: bool = True, plain_margin: float = PLAIN_MARGIN
+        self,
+        decay: float = 0.9,
+        memory: float = 256.0,
+        round_clock: bool = True,
+        plain_margin: float = PLAIN_MARGIN,
     ) -> None:
         self.plain_margin = _margin(plain_margin)
-        self._acceptance = AcceptanceEstimate(decay)
-        self.decay = self._acceptance.decay
+        self._acceptance = AcceptanceEstimate(memory)
+        self.memory = self._acceptance.memory
+        self.decay = float(decay)  # the rounds clock's weight of a round one round later
         self.clock = RoundClock(self.decay) if round_clock else None
         self._plans: deque = deque(maxlen=8)  # (rows, γ_d, cost) of launched rounds, oldest first
         self._observed = None  # the plan observe_round just completed
