@@ -839,9 +839,8 @@ class DraftAware(Policy):
     measure it). These are the outcomes the confidences predict, observed exactly, for any
     drafter. ``T`` is the cost table's, corrected by what the engine's completed rounds took
     (``RoundClock``, ``observe_time``; off with ``round_clock=False``, for choices that must not
-    depend on timing). Every row then
-    verifies its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row
-    would save nothing.
+    depend on timing). Every row then verifies its ``γ_d`` drafts: the engines verify rows
+    padded to the longest, so a shorter row would save nothing.
 
     Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
     report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
