@@ -137,6 +137,10 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert slow["batch"] >= 1 and slow["host_ms"] > 0
         assert isinstance(slow["events_near"], dict) and isinstance(r["events"], dict)
         assert r["host_ms_per_round"] > 0 and r["wait_ms_per_round"] >= 0
+        # the policy's calls are part of the host's work, and there are none without a drafter
+        assert 0 <= r["policy_ms_per_round"] < r["host_ms_per_round"]
+        assert (r["policy_ms_per_round"] > 0) == (r["run"] != "target_only")
+        assert all(0 <= g["policy_ms"] < g["host_ms"] for g in r["by_length"])
         assert r["readback_ms_per_round"] == 0  # no policy here reads its width back
         assert r["gpu_ms_per_round"] is None and r["gap_ms_per_round"] is None  # no device clock
         if r["run"] == "target_only":

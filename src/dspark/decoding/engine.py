@@ -214,6 +214,7 @@ class _Round:
     stamp: tuple | None  # its CUDA events (``_Clock``)
     host_s: float  # host time spent launching it, waits excluded
     readback_s: float = 0.0  # host time blocked on the verify width's read-back
+    policy_s: float = 0.0  # of host_s, the policy's calls (its choices and their device work)
 
 
 class _Clock:
@@ -636,8 +637,11 @@ class Engine:
         r = len(live)
         device = self.device
         drafted = 0
+        policy_s = 0.0
         if self.drafter is not None:
+            tp = time.perf_counter()
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
+            policy_s = time.perf_counter() - tp
         conf_logits = conf = shadow = None
         if drafted:
             prop = self._propose(anchors, anchor_pos, drafted)
@@ -645,11 +649,13 @@ class Engine:
                 conf_logits = prop.confidence_logits.float()
                 conf = self._calibrated(conf_logits)
             scores = conf if conf is not None else torch.ones(r, drafted, device=device)
+            tp = time.perf_counter()
             lengths = (
                 self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, drafted)
             )
             shadow = self.policy.shadow_lengths(scores, self.cost)  # read back with the outcome, unused here
             g = self.policy.width(drafted)
+            policy_s += time.perf_counter() - tp
             if g is None:
                 t1 = time.perf_counter()
                 g = int(lengths.max())  # the one read-back of a confidence-dependent width
@@ -692,7 +698,7 @@ class Engine:
         copies = {k: self._to_host(v) for k, v in out.items()}
         stamp = self._clock.end()  # after the copies: reading them waits for this event
         host_s = time.perf_counter() - t0 - readback_s
-        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s)
+        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s, policy_s)
         return rnd, next_anchors, next_pos
 
     def _complete(self, rnd: _Round) -> tuple[_RoundRows | None, list[_Live], dict]:
@@ -717,10 +723,13 @@ class Engine:
             item.rounds += 1
             item.accepted += n_l[i]
         recs = _RoundRows(rnd.step, batch, self._gamma, host, kept) if self.record_rounds else None
+        policy_s = rnd.policy_s
         if self.drafter is not None:
+            tp = time.perf_counter()
             self.policy.observe_round(np.array([len_l[i] for i in rows]), np.array([n_l[i] for i in rows]))
             if "shadow" in host:
                 self.policy.observe_shadow(np.array([host["shadow"][i] for i in rows]))
+            policy_s += time.perf_counter() - tp
         wait_s = t1 - t0
         host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t1)
         info = {
@@ -731,6 +740,7 @@ class Engine:
             "tokens": sum(n_l[i] + 1 for i in rows),
             "ms": timing.get("ms", 1e3 * (rnd.host_s + rnd.readback_s + time.perf_counter() - t0)),
             "host_ms": host_ms,
+            "policy_ms": 1e3 * policy_s,  # of host_ms
             "wait_ms": 1e3 * wait_s,
             "readback_ms": 1e3 * rnd.readback_s,
             "gpu_ms": timing.get("gpu_ms"),
