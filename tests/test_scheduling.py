@@ -1175,6 +1175,9 @@ def test_verify_rows_ms_prices_r_rows_at_a_width():
     assert cost.verify_rows_ms(64, 4) == pytest.approx(2.0 + 0.6 * 3 / 7)
     assert cost.verify_rows_ms(64, 15) == pytest.approx(2.6 + 0.6)  # slope 0.6 per 7 widths
     np.testing.assert_allclose(cost.verify_rows_ms(64, np.array([1, 8])), [2.0, 2.6])
+    # a width asked again is read from what the first call kept: the same price, a float
+    assert cost.verify_rows_ms(64, 4) == pytest.approx(cost.verify_rows_ms(64, np.array([4]))[0])
+    assert isinstance(cost.verify_rows_ms(64, 4), float)
     # 64 rows 8 wide is what the engine runs; the token curve at 512 tokens was 4.0 ms, and 64 rows
     # 4 wide read at 256 tokens would have been priced as 32 rows 8 wide
     old = CostModel(tokens, padded=True)

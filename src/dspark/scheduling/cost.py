@@ -193,6 +193,7 @@ class CostModel:
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``, ``depth_table``)
         self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
         self._widths_at: dict = {}  # verify_width_ms read at R, per R
+        self._widths_ms: dict = {}  # verify_rows_ms of one width, per (R, width)
         self._buckets: np.ndarray | None = None  # the rows an engine pads a round to (at_engine_rows)
 
     # ---- tables -------------------------------------------------------------------------
@@ -280,7 +281,11 @@ class CostModel:
         widths >= 1): the padded step the engine runs. From ``verify_width_ms`` when measured (each
         measured width's curve read at R, linear in the width between them, the last two widths'
         slope beyond, floored at 0 like ``_interp``), else the token curve at ``R·w``."""
+        scalar = np.ndim(widths) == 0
+        if scalar and (R, widths) in self._widths_ms:  # a policy asks the same few every round
+            return self._widths_ms[R, widths]
         w = np.asarray(widths, dtype=np.float64)
+        rows = R
         R = self._engine_rows(R)
         if self._vw is None:
             out = _interp(self._vx, self._vy, R * w)
@@ -291,7 +296,9 @@ class CostModel:
                 ys = np.array([_interp(*self._vw[int(x)], np.float64(R)) for x in xs])
                 at = self._widths_at[R] = (xs, ys)
             out = _interp(*at, w)
-        return float(out) if np.ndim(widths) == 0 else out
+        if scalar:
+            out = self._widths_ms[rows, widths] = float(out)
+        return out
 
     def depth_table(self, R: int, depth: int, device) -> torch.Tensor:
         """``verify_rows_ms(R, 1 + d)`` for ``d = 0..depth`` as a float64 tensor on ``device``: a

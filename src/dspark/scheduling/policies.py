@@ -262,7 +262,8 @@ def position_counts(lengths: np.ndarray, accepted: np.ndarray, n: int) -> tuple[
 
 def _at_least(values: np.ndarray, n: int) -> np.ndarray:
     """``#(values >= j)`` for ``j = 1..n`` (non-negative integers)."""
-    counts = np.bincount(np.clip(values, 0, n).astype(np.int64), minlength=n + 1)
+    # np.minimum, not np.clip: clip costs a few µs a call, and this runs twice every round
+    counts = np.bincount(np.minimum(values, n).astype(np.int64, copy=False), minlength=n + 1)
     return counts[::-1].cumsum()[::-1][1:]
 
 
