@@ -155,25 +155,26 @@ def _main(argv, watch) -> dict:
         args.out,
         report,
         ["T", "run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate",
-         "drafted", "round ms", "median ms", "max ms", "gpu ms", "host ms", "policy ms", "read-back ms",
-         "gap ms"],
+         "drafted", "round ms", "median ms", "max ms", "gpu ms", "host ms", "launch ms", "policy ms",
+         "read-back ms", "gap ms"],
         [
             [f"{row['temperature']:g}", row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}",
              f"{row['throughput']:.0f}", _tau(row), f"{row.get('speedup_per_user', 1.0):.2f}x",
              f"{row.get('speedup_throughput', 1.0):.2f}x", f"{row.get('drafted_per_round') or 0:.2f}",
              *(f"{_num(row, k):.2f}" for k in ("ms_per_round", "median_ms_per_round", "max_ms_round",
                                                 "gpu_ms_per_round", "host_ms_per_round",
-                                                "policy_ms_per_round", "readback_ms_per_round",
+                                                "launch_ms_per_round", "policy_ms_per_round",
+                                                "readback_ms_per_round",
                                                 "gap_ms_per_round"))]
             for row in rows
         ],
     )  # fmt: skip
-    print("\nrounds by rows bucket and drafted length: count, measured/priced/host/policy ms, "
+    print("\nrounds by rows bucket and drafted length: count, measured/priced/host/launch/policy ms, "
           "tokens/verified a row")  # fmt: skip
     for row in rows:
         parts = [
             f"b{g['rows_bucket']} γ{g['drafted']}: {g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/"
-            f"{g['host_ms']:.2f}/{g.get('policy_ms', 0.0):.2f}, "
+            f"{g['host_ms']:.2f}/{g.get('launch_ms', 0.0):.2f}/{g.get('policy_ms', 0.0):.2f}, "
             f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
             for g in row.get("by_length", [])
         ]

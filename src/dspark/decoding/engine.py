@@ -740,7 +740,8 @@ class Engine:
             "tokens": sum(n_l[i] + 1 for i in rows),
             "ms": timing.get("ms", 1e3 * (rnd.host_s + rnd.readback_s + time.perf_counter() - t0)),
             "host_ms": host_ms,
-            "policy_ms": 1e3 * policy_s,  # of host_ms
+            "launch_ms": 1e3 * rnd.host_s,  # of host_ms: putting the round on the device
+            "policy_ms": 1e3 * policy_s,  # of host_ms: the policy's calls, in both halves
             "wait_ms": 1e3 * wait_s,
             "readback_ms": 1e3 * rnd.readback_s,
             "gpu_ms": timing.get("gpu_ms"),
