@@ -648,6 +648,13 @@ def test_round_records_are_built_after_the_last_round(small_target, monkeypatch)
     for r in res.rounds:
         assert r.drafted == 3 and r.accept_flags == [True] * r.accepted + [False] * (r.proposed - r.accepted)
         assert len(r.confidence_logits) == len(r.confidence) == 3
+    # record_confidence=False (e2e's timed runs): the same rounds and tokens, no confidences read back
+    lean = Engine(
+        t, drafter, temperature=1.0, concurrency=2, eos_token_ids=(), seed=2, record_confidence=False
+    ).generate(reqs)
+    assert [g.tokens for g in lean.generations] == [g.tokens for g in res.generations]
+    assert [(r.accepted, r.proposed) for r in lean.rounds] == [(r.accepted, r.proposed) for r in res.rounds]
+    assert all(r.confidence_logits is None and r.confidence is None for r in lean.rounds)
 
 
 def test_retire_order_moves_only_the_rows_that_must():

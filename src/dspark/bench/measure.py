@@ -76,6 +76,7 @@ def measure(
             calibration=calibration,
             cost=cost,
             seed=seed,
+            record_confidence=False,  # the points need tokens and acceptance: no confidences read back
             **(engine_kw or {}),
         )
 

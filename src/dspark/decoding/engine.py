@@ -282,6 +282,9 @@ class Engine:
         refill: finished rows leave the batch (and waiting requests join) once at least this
             many are finished; until then they idle in their rows (1: at once).
         record_rounds: keep a ``RoundRecord`` per request per round (``EngineResult.rounds``).
+        record_confidence: with ``record_rounds``, keep each round's confidences in its records
+            (the calibration's evidence); False copies none back (2 · R · γ floats a round read on
+            the host: timed runs that only need the tokens and acceptance).
     """
 
     _static_sampling = False  # top-p by candidates with host syncs; FastEngine sorts statically
@@ -306,6 +309,7 @@ class Engine:
         desc: str = "decode",
         refill: int = 1,
         record_rounds: bool = True,
+        record_confidence: bool = True,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -320,6 +324,7 @@ class Engine:
         self.concurrency = int(concurrency)
         self.refill = max(1, min(int(refill), self.concurrency))
         self.record_rounds = bool(record_rounds)
+        self.record_confidence = bool(record_confidence)
         self.max_new_tokens = int(max_new_tokens)
         self.eos = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.generator = generator or torch.Generator().manual_seed(int(seed))
@@ -690,7 +695,7 @@ class Engine:
             next_anchors = torch.where(mask, anchors, next_anchors)
         self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
         out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
-        if self.record_rounds and conf_logits is not None:
+        if self.record_rounds and self.record_confidence and conf_logits is not None:
             out.update(conf_logits=conf_logits, conf=conf)
         if shadow is not None:
             out["shadow"] = shadow
