@@ -213,7 +213,7 @@ class AcceptanceEstimate:
     keeps ``1 - 1/memory`` of the older weight), with one optimistic pseudo-acceptance, so a position
     never measured looks worth drafting and gets measured. Memory counted in tries, not rounds: at
     R = 1 a deep position is reached in a few rounds of a hundred, and a per-round decay left it
-    ~1 try of evidence (the H200, T = 1, R = 1: estimates of 0.72-0.91 for positions accepted at
+    ~1 try of evidence (the H200, T = 1, R = 1: estimates of 0.62-0.91 for positions accepted at
     0.34-0.56, so hardware_aware drafted 7 where 5 paid); at R = 256 position 1 renews its memory
     every round or two. A round that verified nothing (plain decoding) reaches no position: it
     leaves the estimate as it is, neither fading the evidence nor bringing drafting back."""
