@@ -485,10 +485,10 @@ class Engine:
         self._kv: RaggedKV | None = None
         self._dcache = None
 
-    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
-        """Prompts [n, P] (right-padded to P; real lengths ``lens``) into new cache rows
-        row0..row0+n-1. Returns the final hidden state at each prompt's last token [n, d] and
-        the tap features [n, P, m·d] for the drafter's context (None without a drafter)."""
+    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int, spans: list[int]):
+        """Prompts [n, P] (right-padded to P; real lengths ``lens``, ``spans`` on the host) into
+        new cache rows row0..row0+n-1. Returns the final hidden state at each prompt's last token
+        [n, d] and the tap features [n, P, m·d] for the drafter's context (None without a drafter)."""
         n, width = ids.shape
         kv = RaggedKV.empty(
             self.target.model.config, n, width + self._gamma + 2, self.target.dtype, self.device
@@ -598,14 +598,15 @@ class Engine:
         and seed their drafter context with the prompt features. Returns the new live requests,
         their first tokens (the next anchors) and the anchors' positions."""
         n = len(reqs)
-        width = max(len(r.prompt) for r in reqs)
+        spans = [len(r.prompt) for r in reqs]
+        width = max(spans)
         ids = torch.zeros(n, width, dtype=torch.long)  # built on the host, moved once
         for i, r in enumerate(reqs):
-            ids[i, : len(r.prompt)] = torch.as_tensor(list(r.prompt), dtype=torch.long)
-        ids = ids.to(self.device)
-        lens = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
+            ids[i, : spans[i]] = torch.as_tensor(list(r.prompt), dtype=torch.long)
+        # Pinned copies: a pageable one would wait for the device to finish all it was given.
+        ids, lens = self._to_device(ids), self._to_device(torch.tensor(spans))
         positions = torch.arange(width, device=self.device).expand(n, -1)
-        last, taps = self._prefill_forward(ids, positions, lens, row0)
+        last, taps = self._prefill_forward(ids, positions, lens, row0, spans)
         rows = torch.arange(n, device=self.device)
         first = sample_from(self._target_probs(self.target.lm_head(last)), self._uniform(n))
         if self.drafter is not None:

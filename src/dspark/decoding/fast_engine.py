@@ -243,10 +243,9 @@ class FastEngine(Engine):
         self.drafter.write_context(self.dcache, taps, positions, rows)
 
     # ---- Engine's cache hooks --------------------------------------------------------------
-    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int):
+    def _prefill_forward(self, ids: Tensor, positions: Tensor, lens: Tensor, row0: int, spans: list[int]):
         n, width = ids.shape
         with_taps = self.drafter is not None  # the drafter's context takes every row at full width
-        spans = lens.tolist()
         last, taps = [], []
         for s in range(0, n, self.prefill_chunk):
             e = min(s + self.prefill_chunk, n)
