@@ -36,6 +36,7 @@ from dspark.decoding.engine import (
     retire_order,
     threshold_sweep,
 )
+from dspark.decoding.fast_engine import build_engine
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.verify import VerifyResult
 from dspark.drafters import Drafter, build_drafter
@@ -589,6 +590,41 @@ def test_batched_equals_one_by_one_and_continuous_batching(small_target, kind):
     target_only = Engine(t, None, temperature=0, concurrency=4, eos_token_ids=()).generate(reqs)
     for b, s, ref, budget in zip(batched.generations, single, target_only.generations, budgets):
         assert b.tokens == s.tokens == ref.tokens and len(b.tokens) == budget
+
+
+def test_the_prefills_token_is_read_with_the_next_round(small_target, monkeypatch):
+    """A prefill reads nothing back: each request's first token is emitted when the first round
+    after its prefill completes, before that round's own tokens. Budgets of 0, 1 and 2 and a first
+    token that is EOS end as if it were read at once (a row that ended on it rides along in that
+    round, its tokens void), with a queue refilling the rows, with and without a drafter. The fast
+    engine's prefill reads no tensor back (each read would wait for the device on CUDA; the plain
+    engine's growing cache plans its masks on the host)."""
+    t = small_target
+    prompts = prompts_for(t, 5, seed=21)
+    free = Engine(t, None, temperature=0, max_new_tokens=6, eos_token_ids=()).generate(prompts)
+    eos = free.generations[2].tokens[0]  # request 2 ends on its first token
+    budgets = [0, 1, 6, 2, 6]
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    dspark = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
+    for kind, drafter in [("plain", None), ("plain", Oracle(t, gamma=3)), ("fast", None), ("fast", dspark)]:
+        eng = build_engine(kind, t, drafter, temperature=0, concurrency=2, eos_token_ids=[eos], seed=1)
+
+        def reads_nothing_back(*args, prefill=eng._prefill):
+            with monkeypatch.context() as m:
+                for name in ("tolist", "item", "__int__", "__float__"):
+                    m.setattr(torch.Tensor, name, lambda *a: pytest.fail("the prefill read a tensor back"))
+                return prefill(*args)
+
+        if kind == "fast":
+            eng._prefill = reads_nothing_back
+        res = eng.generate(reqs)
+        for g, ref, budget in zip(res.generations, free.generations, budgets):
+            want = ref.tokens[:budget]
+            want = want[: want.index(eos) + 1] if eos in want else want
+            assert g.tokens == want
+            assert g.finish == ("eos" if eos in want else "length")
+        assert res.generations[2].tokens == [eos] and res.generations[2].rounds == 0
+        assert sum(r.emitted for r in res.rounds) == res.new_tokens - 4  # four prefills' first tokens
 
 
 def test_eos_stops_requests(small_target):

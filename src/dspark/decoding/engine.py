@@ -30,11 +30,14 @@ is handed over the moment it finishes).
 ``FastEngine`` (fast_engine.py) runs the same rounds over static caches with CUDA graphs: it
 overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commit``,
 ``_keep_rows``, ``_propose``, ``_verify`` ...). A round reads back only ``max ℓ`` (the verify
-width) and only under a policy whose width depends on the confidences (``Policy.width``); joining
-requests (the prefill) wait for the device. ``EngineResult.steps`` times each round: ``ms`` (its
-span on the device's timeline, or the host's clock on the CPU), ``gpu_ms`` (the device's work
+width) and only under a policy whose width depends on the confidences (``Policy.width``). Joining
+requests wait for the round in flight to complete (the rows must be settled), but their prefill
+reads nothing back: its first tokens are emitted when the next round completes.
+``EngineResult.steps`` times each round: ``ms`` (its span on the device's timeline, or the
+host's clock on the CPU), ``gpu_ms`` (the device's work
 from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
-launching it and reading its outcome, waits excluded), ``wait_ms`` (the host blocked on the
+launching it and reading its outcome, waits excluded; of it ``launch_ms`` the launch and
+``policy_ms`` the policy's calls), ``wait_ms`` (the host blocked on the
 round's outcome: its device work was the longer) and ``readback_ms`` (the host blocked on a
 read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
 the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
@@ -159,10 +162,13 @@ class _Live:
     rounds: int = 0
     accepted: int = 0
     finish: str | None = None
+    # The prefill's token, not read yet: (its host copy, this row's index in it). The prefill reads
+    # nothing back; the first round after it does, and emits this token before its own.
+    first: tuple[Tensor, int] | None = None
 
     def due(self) -> bool:
         """The next round's token exhausts the budget."""
-        return len(self.tokens) + 1 >= self.budget
+        return len(self.tokens) + (self.first is not None) + 1 >= self.budget
 
 
 @dataclass
@@ -616,12 +622,12 @@ class Engine:
             nxt[rows, lens - 1] = first
             self._extend_new_rows(taps, positions, positions < lens[:, None], nxt, row0)
         live = []
-        first_l = first.tolist()
+        first_host = self._to_host(first)  # read by the next round's completion, not here
         for i, (r, idx) in enumerate(zip(reqs, order)):
             budget = self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
             item = _Live(index=idx, req=r, budget=budget, tokens=[])
             if budget > 0:
-                self._emit(item, [first_l[i]])
+                item.first = (first_host, i)
             else:
                 item.finish = "length"
             live.append(item)
@@ -716,6 +722,13 @@ class Engine:
         host = {k: v.tolist() for k, v in rnd.out.items()}
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
+        for item in rnd.items:  # rows that joined before this round: their prefill's token first
+            if item.first is not None:
+                copy, i = item.first
+                item.first = None
+                self._emit(item, [int(copy[i])])
+                if item.finish is not None:  # it ended there: this round's tokens are void
+                    ended.append(item)
         batch = sum(item.finish is None for item in rnd.items)
         for i, item in enumerate(rnd.items):
             if item.finish is not None:  # ended in an earlier round: this round's tokens are void
