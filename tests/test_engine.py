@@ -627,6 +627,39 @@ def test_the_prefills_token_is_read_with_the_next_round(small_target, monkeypatc
         assert sum(r.emitted for r in res.rounds) == res.new_tokens - 4  # four prefills' first tokens
 
 
+@pytest.mark.parametrize("kind", ["plain", "fast"])
+def test_requests_join_behind_the_round_in_flight(small_target, kind):
+    """A request that takes a freed row is prefilled while the round launched before is still in
+    flight (its outcome not read): the host goes on to launch the next round without waiting for
+    the device. The tokens are target-only's, greedy and with a queue that refills rows often."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=2)[0]
+    eng = build_engine(kind, t, drafter, temperature=0, concurrency=2, eos_token_ids=(), seed=0)
+    events = []
+
+    def spy(name):
+        inner = getattr(eng, name)
+
+        def call(*args):
+            events.append(name)
+            return inner(*args)
+
+        return call
+
+    for name in ("_prefill", "_launch", "_complete"):
+        setattr(eng, name, spy(name))
+    budgets = [3, 9, 4, 7, 5, 2]
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts_for(t, 6, seed=3), budgets)]
+    res = eng.generate(reqs)
+    in_flight, behind = 0, 0
+    for e in events:
+        in_flight += {"_launch": 1, "_complete": -1}.get(e, 0)
+        behind += e == "_prefill" and in_flight > 0
+    assert behind >= 2 and events.count("_prefill") > behind  # every join but the first batch's
+    base = Engine(t, None, temperature=0, concurrency=1, eos_token_ids=()).generate(reqs)
+    assert [g.tokens for g in res.generations] == [g.tokens for g in base.generations]
+
+
 def test_eos_stops_requests(small_target):
     t = small_target
     prompts = prompts_for(t, 4, seed=12)

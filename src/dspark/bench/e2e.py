@@ -51,7 +51,7 @@ def _parse(argv):
         help="requests per slot: each R runs max(prompts, waves·R) requests; 1 (the default) is one "
         "batch, whose drain (its last rows finishing alone) the whole-run speeds include and the "
         "at-load ones leave out; more keep the load at R longer, each finished request's slot "
-        "refilled by a prefill of its own (which today waits for the device: a bubble per join)",
+        "refilled by a prefill of its own, behind the round in flight",
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", default="0", help="one or more, comma-separated")

@@ -30,9 +30,10 @@ is handed over the moment it finishes).
 ``FastEngine`` (fast_engine.py) runs the same rounds over static caches with CUDA graphs: it
 overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commit``,
 ``_keep_rows``, ``_propose``, ``_verify`` ...). A round reads back only ``max ℓ`` (the verify
-width) and only under a policy whose width depends on the confidences (``Policy.width``). Joining
-requests wait for the round in flight to complete (the rows must be settled), but their prefill
-reads nothing back: its first tokens are emitted when the next round completes.
+width) and only under a policy whose width depends on the confidences (``Policy.width``).
+Joining requests are prefilled behind the round in flight (stream order keeps its rows' writes
+before the moves and the prompts' writes), and the prefill reads nothing back: its first tokens
+are emitted when the next round completes.
 ``EngineResult.steps`` times each round: ``ms`` (its span on the device's timeline, or the
 host's clock on the CPU), ``gpu_ms`` (the device's work
 from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
@@ -445,7 +446,10 @@ class Engine:
         pending: _Round | None = None  # launched, its outcome not read yet
         with torch.inference_mode():  # an on_result that raises leaves state the next run resets
             while queue or live or pending is not None:
-                if pending is None and queue and len(live) < self.concurrency:
+                # Requests join behind the round in flight: the device runs their prefill after it
+                # (its rows' moves and writes follow that round's in stream order), and nothing of
+                # the prefill is read back, so the host goes on to launch the next round at once.
+                if queue and len(live) < self.concurrency:
                     take = [queue.popleft() for _ in range(min(self.concurrency - len(live), len(queue)))]
                     new_live, first, pos = self._prefill([reqs[i] for i in take], take, len(live))
                     live += new_live
@@ -471,13 +475,6 @@ class Engine:
                     finished(ended)
                 pending = launched
                 anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
-                if pending is not None and queue and len(live) < self.concurrency:
-                    recs, ended, info = self._complete(pending)  # joiners need the rows settled
-                    steps.append(info)
-                    rounds.append(recs)
-                    finished(ended)
-                    pending = None
-                    anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                 if bar is not None and steps:  # τ over the rounds so far, from the steps' sums
                     tokens = sum(s["tokens"] for s in steps[-64:])
                     rows = sum(s["batch"] for s in steps[-64:])
