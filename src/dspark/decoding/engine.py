@@ -33,13 +33,12 @@ overrides only the cache hooks (``_prefill_forward``, ``_target_step``, ``_commi
 width) and only under a policy whose width depends on the confidences (``Policy.width``).
 Joining requests are prefilled behind the round in flight (stream order keeps its rows' writes
 before the moves and the prompts' writes), and the prefill reads nothing back: its first tokens
-are emitted when the next round completes.
-``EngineResult.steps`` times each round: ``ms`` (its span on the device's timeline, or the
-host's clock on the CPU), ``gpu_ms`` (the device's work
+are emitted when the next round completes. ``EngineResult.steps`` times each round: ``ms`` (its
+span on the device's timeline, or the host's clock on the CPU), ``gpu_ms`` (the device's work
 from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
 launching it and reading its outcome, waits excluded; of it ``launch_ms`` the launch and
-``policy_ms`` the policy's calls), ``wait_ms`` (the host blocked on the
-round's outcome: its device work was the longer) and ``readback_ms`` (the host blocked on a
+``policy_ms`` the policy's calls), ``wait_ms`` (the host blocked on the round's outcome: its
+device work was the longer) and ``readback_ms`` (the host blocked on a
 read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
 the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
 a round far slower than its median finds its cause. A round that drafts nothing runs
