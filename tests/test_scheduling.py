@@ -622,6 +622,10 @@ def test_acceptance_memory_counts_tries_not_rounds():
     np.testing.assert_allclose(est.rates(5), 0.6, atol=0.06)
     with pytest.raises(ValueError, match="memory"):
         AcceptanceEstimate(memory=0.5)
+    for policy in (DraftAware, HardwareAware):  # the clocks' decay is checked without a round clock too
+        with pytest.raises(ValueError, match="decay"):
+            policy(decay=1.0, round_clock=False)
+        assert policy(memory=64).memory == 64
 
 
 def test_acceptance_counts_match_the_per_position_table():

@@ -718,16 +718,14 @@ class Engine:
         host = {k: v.tolist() for k, v in rnd.out.items()}
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
-        for item in rnd.items:  # rows that joined before this round: their prefill's token first
-            if item.first is not None:
-                copy, i = item.first
-                item.first = None
-                self._emit(item, [int(copy[i])])
-                if item.finish is not None:  # it ended there: this round's tokens are void
-                    ended.append(item)
-        batch = sum(item.finish is None for item in rnd.items)
         for i, item in enumerate(rnd.items):
-            if item.finish is not None:  # ended in an earlier round: this round's tokens are void
+            if item.first is not None:  # joined before this round: its prefill's token comes first
+                copy, j = item.first
+                item.first = None
+                self._emit(item, [int(copy[j])])
+                if item.finish is not None:
+                    ended.append(item)
+            if item.finish is not None:  # ended before this round's tokens: they are void
                 continue
             rows.append(i)
             emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
@@ -737,6 +735,7 @@ class Engine:
                 kept.append((i, item.req.id, item.rounds, emitted))
             item.rounds += 1
             item.accepted += n_l[i]
+        batch = len(rows)  # the round's live rows
         recs = _RoundRows(rnd.step, batch, self._gamma, host, kept) if self.record_rounds else None
         policy_s = rnd.policy_s
         if self.drafter is not None:

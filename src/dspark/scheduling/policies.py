@@ -301,11 +301,9 @@ class RoundClock:
     def __init__(
         self, decay: float = 0.9, min_timed: int = 2, explore_every: int = 8, explore_share: float = 0.8
     ) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
         if min_timed < 1 or explore_every < 1:
             raise ValueError(f"min_timed and explore_every must be >= 1, got {min_timed}, {explore_every}")
-        self.decay, self.min_timed, self.explore_every = float(decay), int(min_timed), int(explore_every)
+        self.decay, self.min_timed, self.explore_every = _decay(decay), int(min_timed), int(explore_every)
         self.explore_share = float(explore_share)
         self.reset()
 
@@ -377,6 +375,13 @@ class RoundClock:
 # draft_aware at T = 1, R = 256 drafted where the table promised a few per cent and lost 10 % per
 # user), and a draft spreads the rows' finishing times, which a batch pays for in its drain.
 PLAIN_MARGIN = 0.05
+
+
+def _decay(value: float) -> float:
+    """A clock's weight of a round one round later."""
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {value}")
+    return float(value)
 
 
 def _margin(value: float) -> float:
@@ -605,8 +610,9 @@ class HardwareAware(Policy):
         self.check = check
         self.explore_every = int(explore_every)
         self.min_timed = int(min_timed)
-        self.decay = float(decay)  # the clocks' weight of a round one round later
+        self.decay = _decay(decay)  # the clocks' weight of a round one round later
         self._acceptance = AcceptanceEstimate(memory)
+        self.memory = self._acceptance.memory
         self._rounds = RoundClock(decay) if round_clock else None  # what rounds of each γ_d really cost
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
@@ -862,7 +868,7 @@ class DraftAware(Policy):
         self.plain_margin = _margin(plain_margin)
         self._acceptance = AcceptanceEstimate(memory)
         self.memory = self._acceptance.memory
-        self.decay = float(decay)  # the rounds clock's weight of a round one round later
+        self.decay = _decay(decay)  # the rounds clock's weight of a round one round later
         self.clock = RoundClock(self.decay) if round_clock else None
         self._plans: deque = deque(maxlen=8)  # (rows, γ_d, cost) of launched rounds, oldest first
         self._observed = None  # the plan observe_round just completed
