@@ -754,6 +754,37 @@ def test_round_clock_prices_lengths_by_what_their_rounds_took():
         RoundClock(decay=1.0)
 
 
+def test_round_clock_retimes_a_length_whose_timing_went_stale():
+    """A few slow rounds of a length do not rule it out for the run: once ``stale_after`` rounds of
+    its bucket passed without it, its timing is dropped, it is priced by the others' ratio again,
+    and rounds of it start a fresh timing (not one blended with the old)."""
+    clock = RoundClock(decay=0.5, min_timed=2, explore_every=100, stale_after=4)
+    tokens = expected_tokens(HALF, 256)
+    for _ in range(2):
+        clock.observe(256, 2, 3.9, CLOCK_COST)  # two slow rounds (1.5x the table)
+        clock.observe(256, 1, 2.4, CLOCK_COST)
+    assert clock.choose(tokens, 256, CLOCK_COST) == 1  # 160 tokens/ms against 115
+    for _ in range(4):  # rounds of 1 only: 2's timing ages
+        assert clock.timed(256, 2) and clock.choose(tokens, 256, CLOCK_COST) == 1
+        clock.observe(256, 1, 2.4, CLOCK_COST)
+    assert not clock.timed(256, 2) and clock.timed(256, 1)  # stale: priced by 1's ratio, 448 / 2.6
+    assert clock.times(256, 2, CLOCK_COST)[2] == pytest.approx(2.6e-3)
+    assert clock.choose(tokens, 256, CLOCK_COST) == 2
+    for _ in range(2):
+        clock.observe(256, 2, 2.6, CLOCK_COST)  # what the table says, this time
+    assert clock.timed(256, 2) and clock.times(256, 2, CLOCK_COST)[2] == pytest.approx(2.6e-3)
+    assert clock.choose(tokens, 256, CLOCK_COST) == 2
+    # Exploration tries each length once: a stale one is not explored again.
+    clock = RoundClock(min_timed=1, explore_every=1, explore_share=0.0, stale_after=2)
+    plans = []
+    for _ in range(8):
+        plans.append(clock.choose(tokens, 256, CLOCK_COST))
+        clock.observe(256, plans[-1], CLOCK_COST.round_len_ms[plans[-1]][256], CLOCK_COST)
+    assert plans == [2, 1, 0, 2, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="stale_after"):
+        RoundClock(stale_after=0)
+
+
 @pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
 def test_draft_aware_choices_follow_the_rounds_clock(policy):
     """The engine's rounds say what the table does not: drafting two positions takes 3.9 ms, not 2.6,
