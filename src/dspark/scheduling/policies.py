@@ -310,7 +310,7 @@ class RoundClock:
         min_timed: int = 2,
         explore_every: int = 8,
         explore_share: float = 0.8,
-        stale_after: int = 64,
+        stale_after: int = 32,
     ) -> None:
         if min(min_timed, explore_every, stale_after) < 1:
             raise ValueError(
