@@ -6,6 +6,9 @@
 #   bash scripts/h200_session.sh wait SECONDS      # until the pipeline ends or SECONDS pass; then
 #                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log),
 #                                                  # $OUT/evals.tgz (the evaluation folders)
+# `wait` prints the stages and the log's last WAIT_TAIL lines (default 8): short, so that whoever drives the
+# calls can send the next `wait` inside the machine's 30 s idle window (a 30-line tail of benchmark tables
+# was read while the window closed, twice: sessions 2026-12-04-f and -g lost their machine that way).
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
 # outputs/h200/out (the layout of h200_drafter.sh) and appends "stage status seconds" to
 # outputs/h200/session/stages.txt (the bundle leaves out the evaluations' rounds and generations):
@@ -120,7 +123,8 @@ wait)
   # The bundle first: a reader that closes the pipe early (`wait 60 | head`) must not cost it.
   listing=$(bundle)
   echo "== stages"; cat $S/stages.txt
-  echo "== log (last 30 lines)"; tr '\r' '\n' < $S/log.txt | grep -a -v -e Warning -e warn | tail -30
+  echo "== log (last ${WAIT_TAIL:-8} lines)"
+  tr '\r' '\n' < $S/log.txt | grep -a -v -e Warning -e warn | tail -"${WAIT_TAIL:-8}"
   [ -f $S/done ] && echo "PIPELINE DONE" || echo "pipeline still running"
   echo "$listing"
   ;;
