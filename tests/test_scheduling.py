@@ -936,7 +936,7 @@ def test_hardware_aware_prices_a_draft_length_by_its_whole_rounds_only():
         pol.observe_round(np.full(rows, verified), np.full(rows, verified))
         pol.observe_time(0.5 if walked[-1] else 5.0)
     assert any(walked) and not all(walked)
-    timed = pol._rounds._counts(256, 7)[2]
+    timed = pol._rounds._stats[256][2]  # rounds timed per drafted length
     assert timed[7] == walked.count(False)  # the whole rounds only, both row counts in one bucket
     assert pol._clocked_walk(256) is not None and pol._clocked_walk(129) == pol._clocked_walk(256)
 

@@ -329,38 +329,33 @@ class RoundClock:
         self._known: dict[int, set[int]] = {}  # rows bucket -> lengths once timed there (explored no more)
         self._since_explore = 0
 
-    def _counts(self, rows: int, gamma: int) -> np.ndarray:
-        """[3, gamma + 1] of this rows bucket: Σ w·ratio, Σ w, rounds (zeros where nothing was timed
-        or the timing went stale)."""
+    def _ratios(self, rows: int, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
+        rounds, not stale), else the mean ratio of the timed lengths (1 where none is), and which
+        are timed."""
+        ratio, timed = np.ones(gamma + 1), np.zeros(gamma + 1, dtype=bool)
         bucket = rows_bucket(rows)
         stats = self._stats.get(bucket)
-        out = np.zeros((3, gamma + 1))
-        if stats is not None:
-            n = min(gamma + 1, stats.shape[1])
-            fresh = self._bucket_rounds[bucket] - stats[3, :n] <= self.stale_after
-            out[:, :n] = np.where(fresh, stats[:3, :n], 0.0)
-        return out
+        if stats is None:
+            return ratio, timed
+        n = min(gamma + 1, stats.shape[1])
+        timed[:n] = (stats[2, :n] >= self.min_timed) & (
+            self._bucket_rounds[bucket] - stats[3, :n] <= self.stale_after
+        )
+        if timed.any():
+            own = stats[0, :n][timed[:n]] / stats[1, :n][timed[:n]]
+            ratio[:] = own.sum() / own.size  # ndarray.mean costs several µs more, every round
+            ratio[timed] = own
+        return ratio, timed
 
     def timed(self, rows: int, drafted: int) -> bool:
-        bucket = rows_bucket(rows)
-        stats = self._stats.get(bucket)
-        return (
-            stats is not None
-            and 0 <= drafted < stats.shape[1]
-            and stats[2, drafted] >= self.min_timed
-            and self._bucket_rounds[bucket] - stats[3, drafted] <= self.stale_after
-        )
+        return drafted >= 0 and bool(self._ratios(rows, drafted)[1][drafted])
 
     def times(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
         """``T(R, γ_d)`` for ``γ_d = 0..gamma`` (seconds): the table's, times the measured ratio
         where it is timed, else the mean ratio of the timed lengths of this bucket: a table off
         by one factor throughout (another machine, another load) keeps its order of the lengths."""
-        weighted, weight, rounds = self._counts(rows, gamma)
-        timed = rounds >= self.min_timed
-        if not timed.any():
-            return cost.round_times(rows, gamma)
-        ratio = np.divide(weighted, weight, out=np.ones_like(weighted), where=timed)
-        return cost.round_times(rows, gamma) * np.where(timed, ratio, ratio[timed].sum() / timed.sum())
+        return cost.round_times(rows, gamma) * self._ratios(rows, gamma)[0]
 
     def observe(self, rows: int, drafted: int, ms: float, cost: CostModel) -> None:
         """A completed round of ``rows`` rows that drafted ``drafted`` positions took ``ms``."""
@@ -387,20 +382,19 @@ class RoundClock:
         """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``); a draft only
         where its rate beats a plain round's by ``margin`` (``best_length``)."""
         gamma = tokens.size - 1
-        rates = tokens / self.times(rows, gamma, cost)
+        ratio, timed = self._ratios(rows, gamma)
+        rates = tokens / (cost.round_times(rows, gamma) * ratio)
         best = best_length(rates, margin)
-        if not self.timed(rows, best):
+        if not timed[best]:
             return best
         self._since_explore += 1
         if self._since_explore < self.explore_every:
             return best
-        worth = rates >= self.explore_share * rates[best]
-        untimed = self._counts(rows, gamma)[2] < self.min_timed
+        self._since_explore = 0
+        untimed = ~timed & (rates >= self.explore_share * rates[best])
         untimed[[m for m in self._known.get(rows_bucket(rows), ()) if m <= gamma]] = False
-        untimed &= worth
         if not untimed.any():
             return best
-        self._since_explore = 0
         return int(np.argmax(np.where(untimed, rates, -np.inf)))
 
 
