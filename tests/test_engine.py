@@ -33,6 +33,7 @@ from dspark.decoding.engine import (
     Request,
     calibration_arrays,
     conditional_acceptance,
+    packed_copies,
     retire_order,
     threshold_sweep,
 )
@@ -226,6 +227,29 @@ def assert_matches(samples: list[tuple], cells: dict, n: int, what: str) -> floa
 
 # ----------------------------------------------------------------------------------------------
 # KV cache
+
+
+def test_packed_copies_hand_back_every_tensor_from_one_copy_per_dtype():
+    """A round's outcome reaches the host as one flat copy per dtype; each tensor comes back as a
+    view of it with its own name, shape and values (empty ones too: a plain round's drafts)."""
+    tensors = {
+        "accepted": torch.tensor([0, 3, 1]),
+        "drafts": torch.arange(12).view(3, 4),
+        "conf": torch.rand(3, 4),
+        "none": torch.zeros(3, 0, dtype=torch.long),
+        "next": torch.tensor([7, 8, 9]),
+    }
+    copies = []
+
+    def copy(t):
+        copies.append(t.dtype)
+        return t.clone()
+
+    out = packed_copies(tensors, copy)
+    assert sorted(copies, key=str) == [torch.float32, torch.int64]
+    assert out.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert out[k].shape == t.shape and out[k].dtype == t.dtype and torch.equal(out[k], t), k
 
 
 def test_ragged_kv_matches_full_forward(small_target):
