@@ -281,9 +281,8 @@ class CostModel:
         widths >= 1): the padded step the engine runs. From ``verify_width_ms`` when measured (each
         measured width's curve read at R, linear in the width between them, the last two widths'
         slope beyond, floored at 0 like ``_interp``), else the token curve at ``R·w``."""
-        scalar = (
-            isinstance(widths, (int, float, np.number)) or np.ndim(widths) == 0
-        )  # the first test is cheaper
+        # isinstance first: np.ndim costs a few µs, and a policy asks every round
+        scalar = isinstance(widths, (int, float, np.number)) or np.ndim(widths) == 0
         if scalar and (R, widths) in self._widths_ms:  # a policy asks the same few every round
             return self._widths_ms[R, widths]
         w = np.asarray(widths, dtype=np.float64)
