@@ -27,7 +27,9 @@
 #           data stage that generates, the generation shares the GPU with them and skips its own
 #   keep    the trained drafter folder (NAME) as <= 15 MiB pieces that `wait` brings back as files of
 #           their own (drafter_NAME.tar.xz.aa, .ab ...; PACK_PER_CALL, default 3, new pieces a call: a
-#           5-layer SmolLM2 DSpark-Markov, 178 MB, takes four calls), to study it on the CPU or stage it again
+#           5-layer SmolLM2 DSpark-Markov, 178 MB, takes four calls), to study it on the CPU or stage it again;
+#           KEEP_DTYPE=bfloat16 keeps a bf16 copy (cast_drafter: half the pieces, serves alike on a bf16
+#           target; keep float32, the default, for a drafter that training will go on from)
 #   restore with DRAFTER_PACK=<path prefix of such pieces, staged>: unpacked as NAME's drafter instead
 #           of training (only where the pieces outlive the session: weights stay out of the repository);
 #           before a train stage with TRAIN_EXTRA="init_from=outputs/h200/NAME/drafter ...", the weights
@@ -261,7 +263,15 @@ pipeline)
         run train_fallback train || break
       fi
       ;;
-    keep) run keep pack "outputs/h200/$name" drafter "drafter_$name" ;;
+    keep)
+      from=outputs/h200/$name
+      if [ "${KEEP_DTYPE:-float32}" != float32 ]; then  # a cast copy, packed instead
+        from=outputs/h200/keep.tmp && rm -rf "$from"
+        run keep_cast python3 -c "import sys; from dspark.checkpoints import cast_drafter; cast_drafter(*sys.argv[1:])" \
+          "outputs/h200/$name/drafter" "$from/drafter" "$KEEP_DTYPE" || break
+      fi
+      run keep pack "$from" drafter "drafter_$name"
+      ;;
     cachekeep) run cachekeep pack outputs/h200 compile_cache compile_cache ;;
     restore)
       mkdir -p "outputs/h200/$name"

@@ -9,7 +9,7 @@ import torch
 from conftest import load_group
 from test_drafters import VARIANTS, make
 
-from dspark.checkpoints import read_drafter_spec, save_drafter
+from dspark.checkpoints import cast_drafter, load_drafter, read_drafter_spec, save_drafter
 from dspark.core.errors import ConfigError
 from dspark.core.types import Shared
 from dspark.drafters import Drafter, drafter_class, drafter_names, register
@@ -149,3 +149,25 @@ def test_short_draft_runs_the_lm_head_as_one_gemm(tiny_target, name, head):
         ops[n] = {e.key for e in prof.key_averages()}
     # bmm is what the strided view falls back to: absent from both, so a short draft costs no more.
     assert "aten::mm" in ops[2] and "aten::bmm" not in ops[2] - ops[drafter.gamma]
+
+
+def test_a_cast_copy_of_a_drafter_serves_the_same_weights(tiny_target, tmp_path):
+    """``cast_drafter``: the weights stored in bfloat16 (half the bytes to carry), every other file
+    copied; loaded back, each weight is the original rounded to bfloat16, so a drafter served in a
+    bf16 target's precision drafts alike from either folder."""
+    from safetensors.torch import load_file
+
+    drafter = make(tiny_target, "dspark", "markov")
+    save_drafter(drafter, tmp_path / "f32", *_cfg("dspark", "markov"), tiny_target.describe())
+    (tmp_path / "f32" / "calibration_report.json").write_text('{"ece": 0.01}')
+    out = cast_drafter(tmp_path / "f32", tmp_path / "bf16", "bfloat16")
+    assert (out / "calibration_report.json").read_text() == '{"ece": 0.01}'
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    ours, theirs = (load_drafter(tmp_path / d)[0].state_dict() for d in ("f32", "bf16"))
+    assert ours.keys() == theirs.keys()
+    for k, v in ours.items():
+        assert torch.equal(theirs[k], v.to(torch.bfloat16).to(v.dtype)), k
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        cast_drafter(tmp_path / "f32", tmp_path / "x", "int8")
+    with pytest.raises(ValueError, match="overwrite its source"):
+        cast_drafter(tmp_path / "f32", tmp_path / "f32", "bfloat16")

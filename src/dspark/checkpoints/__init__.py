@@ -3,6 +3,7 @@ through dspark.interop, and export into those formats."""
 
 from .export import export_drafter, refusal
 from .store import (
+    cast_drafter,
     check_drafter_files,
     load_drafter,
     read_drafter_config,
@@ -12,6 +13,7 @@ from .store import (
 )
 
 __all__ = [
+    "cast_drafter",
     "check_drafter_files",
     "export_drafter",
     "load_drafter",

@@ -46,6 +46,36 @@ def save_drafter(
     DrafterFolder(folder).write(config, state)
 
 
+CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cast_drafter(src: str | Path, dst: str | Path, dtype: str) -> Path:
+    """A copy of our drafter folder ``src`` at ``dst`` with its floating-point weights stored in
+    ``dtype``; its other files (config, calibration, report) copied as they are. A bfloat16 copy is
+    half the bytes to carry between machines and serves alike: the engines run a drafter in its
+    target's precision, and loading casts the weights to the model's."""
+    import shutil
+
+    if dtype not in CAST_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {tuple(CAST_DTYPES)}")
+    source, copy = DrafterFolder(src), DrafterFolder(dst)
+    if is_foreign(source.read_config()):
+        raise DrafterCheckpointError(
+            f"{source.path} is a DeepSpec/engine-format folder: cast our own checkpoints"
+        )
+    if copy.path.resolve() == source.path.resolve():
+        raise ValueError(f"cast_drafter would overwrite its source {source.path}: give another dst")
+    copy.path.mkdir(parents=True, exist_ok=True)
+    for f in source.path.iterdir():
+        if f.is_file() and f.name not in (source.WEIGHTS, source.CONFIG):
+            shutil.copy2(f, copy.path / f.name)
+    state = load_file(source.weights_path)
+    cast = CAST_DTYPES[dtype]
+    weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+    copy.write(source.read_config(), weights)  # weights first, then the config: complete once it exists
+    return copy.path
+
+
 def read_drafter_config(folder: str | Path) -> dict:
     """A drafter folder's config in our schema (drafter / head / dims / target); a DeepSpec- or
     engine-format folder (config.json with `architectures`) is translated (dspark.interop)."""
