@@ -759,9 +759,10 @@ class Engine:
         policy_s = rnd.policy_s
         if self.drafter is not None:
             tp = time.perf_counter()
-            self.policy.observe_round(np.array([len_l[i] for i in rows]), np.array([n_l[i] for i in rows]))
+            live = np.asarray(rows, dtype=np.int64)  # the host copies, indexed without a Python loop
+            self.policy.observe_round(rnd.out["lengths"].numpy()[live], rnd.out["accepted"].numpy()[live])
             if "shadow" in host:
-                self.policy.observe_shadow(np.array([host["shadow"][i] for i in rows]))
+                self.policy.observe_shadow(rnd.out["shadow"].numpy()[live])
             policy_s += time.perf_counter() - tp
         wait_s = t1 - t0
         host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t1)
