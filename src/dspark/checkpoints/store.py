@@ -4,6 +4,7 @@ target it is used with."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,8 +55,6 @@ def cast_drafter(src: str | Path, dst: str | Path, dtype: str) -> Path:
     ``dtype``; its other files (config, calibration, report) copied as they are. A bfloat16 copy is
     half the bytes to carry between machines and serves alike: the engines run a drafter in its
     target's precision, and loading casts the weights to the model's."""
-    import shutil
-
     if dtype not in CAST_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {tuple(CAST_DTYPES)}")
     source, copy = DrafterFolder(src), DrafterFolder(dst)

@@ -322,23 +322,24 @@ class RoundClock:
         self.reset()
 
     def reset(self) -> None:
-        # rows bucket -> [4, lengths]: Σ w·ratio, Σ w, rounds, and the bucket's round count at the
-        # last one, per drafted length (grown on demand)
+        # rows bucket -> [5, lengths]: Σ w·ratio, Σ w, rounds, the bucket's round count at the last
+        # one, and 1 once timed (explored no more), per drafted length (grown on demand)
         self._stats: dict[int, np.ndarray] = {}
         self._bucket_rounds: dict[int, int] = {}
-        self._known: dict[int, set[int]] = {}  # rows bucket -> lengths once timed there (explored no more)
         self._since_explore = 0
 
-    def _ratios(self, rows: int, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    def _ratios(self, rows: int, gamma: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
-        rounds, not stale), else the mean ratio of the timed lengths (1 where none is), and which
-        are timed."""
-        ratio, timed = np.ones(gamma + 1), np.zeros(gamma + 1, dtype=bool)
+        rounds, not stale), else the mean ratio of the timed lengths (1 where none is); which are
+        timed; and which were ever timed."""
+        ratio = np.ones(gamma + 1)
+        timed, once = np.zeros((2, gamma + 1), dtype=bool)
         bucket = rows_bucket(rows)
         stats = self._stats.get(bucket)
         if stats is None:
-            return ratio, timed
+            return ratio, timed, once
         n = min(gamma + 1, stats.shape[1])
+        once[:n] = stats[4, :n] > 0
         timed[:n] = (stats[2, :n] >= self.min_timed) & (
             self._bucket_rounds[bucket] - stats[3, :n] <= self.stale_after
         )
@@ -346,7 +347,7 @@ class RoundClock:
             own = stats[0, :n][timed[:n]] / stats[1, :n][timed[:n]]
             ratio[:] = own.sum() / own.size  # ndarray.mean costs several µs more, every round
             ratio[timed] = own
-        return ratio, timed
+        return ratio, timed, once
 
     def timed(self, rows: int, drafted: int) -> bool:
         return drafted >= 0 and bool(self._ratios(rows, drafted)[1][drafted])
@@ -365,7 +366,7 @@ class RoundClock:
         bucket, m = rows_bucket(rows), int(drafted)
         stats = self._stats.get(bucket)
         if stats is None or stats.shape[1] <= m:
-            grown = np.zeros((4, m + 1))
+            grown = np.zeros((5, m + 1))
             if stats is not None:
                 grown[:, : stats.shape[1]] = stats
             stats = self._stats[bucket] = grown
@@ -375,14 +376,13 @@ class RoundClock:
         stats[:2, m] = self.decay * stats[:2, m] + (1e-3 * ms / priced, 1.0)
         stats[2, m] += 1
         stats[3, m] = now
-        if stats[2, m] >= self.min_timed:
-            self._known.setdefault(bucket, set()).add(m)
+        stats[4, m] = max(stats[4, m], stats[2, m] >= self.min_timed)
 
     def choose(self, tokens: np.ndarray, rows: int, cost: CostModel, margin: float = 0.0) -> int:
         """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``); a draft only
         where its rate beats a plain round's by ``margin`` (``best_length``)."""
         gamma = tokens.size - 1
-        ratio, timed = self._ratios(rows, gamma)
+        ratio, timed, once = self._ratios(rows, gamma)
         rates = tokens / (cost.round_times(rows, gamma) * ratio)
         best = best_length(rates, margin)
         if not timed[best]:
@@ -391,8 +391,7 @@ class RoundClock:
         if self._since_explore < self.explore_every:
             return best
         self._since_explore = 0
-        untimed = ~timed & (rates >= self.explore_share * rates[best])
-        untimed[[m for m in self._known.get(rows_bucket(rows), ()) if m <= gamma]] = False
+        untimed = ~once & (rates >= self.explore_share * rates[best])  # never timed: timed ones are once
         if not untimed.any():
             return best
         return int(np.argmax(np.where(untimed, rates, -np.inf)))
