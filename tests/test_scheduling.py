@@ -26,12 +26,15 @@ from dspark.scheduling.policies import (
     RoundClock,
     Threshold,
     Truncated,
+    _sum,
     admission_order,
     best_length,
     build_policy,
     expected_rates,
     expected_tokens,
+    position_counts,
     prefix_survival,
+    rows_bucket,
     throughput_path,
 )
 
@@ -643,6 +646,134 @@ def test_acceptance_counts_match_the_per_position_table():
         tries, hits = reached.sum(0), (reached & (accepted[:, None] >= j)).sum(0)
         n = int(lengths.max(initial=0))
         np.testing.assert_allclose(est.rates(gamma)[:n], ((hits + 1.0) / (tries + 1.0))[:n])
+
+
+def _numpy_at_least(values: np.ndarray, n: int) -> np.ndarray:
+    """``#(values >= j)`` for ``j = 1..n``, as the policies counted it with numpy."""
+    counts = np.bincount(np.minimum(values, n).astype(np.int64), minlength=n + 1)
+    return counts[::-1].cumsum()[::-1][1:]
+
+
+def _rounds(rng, count: int):
+    """Random rounds (lengths, accepted): every row verifying one length (a whole draft, a padded
+    walk) or ragged ones, accepting geometrically, now and then more than verified or nothing."""
+    for _ in range(count):
+        rows, gamma = int(rng.integers(0, 40)), int(rng.integers(0, 9))
+        lengths = np.full(rows, gamma) if rng.random() < 0.5 else rng.integers(0, gamma + 1, rows)
+        accepted = np.minimum(rng.geometric(0.3, rows) - 1, lengths)
+        if rng.random() < 0.1:
+            accepted = rng.integers(0, gamma + 3, rows)
+        yield lengths, accepted
+
+
+def test_position_counts_match_the_numpy_histograms():
+    """``position_counts`` (one histogram where every row verified the same length) counts what
+    the two clipped histograms of min(ℓ, n) and min(ℓ, n + 1) counted, for any n; the estimate
+    counts ``Σ accepted`` on the way."""
+    rng = np.random.default_rng(5)
+    for lengths, accepted in _rounds(rng, 2000):
+        assert AcceptanceEstimate().observe(lengths, accepted) == int(accepted.sum())
+        for n in (0, 3, int(lengths.max(initial=0)), 9):
+            hits, tries = position_counts(lengths, accepted, n)
+            assert hits.dtype == tries.dtype == np.int64
+            assert hits.tolist() == _numpy_at_least(np.minimum(lengths, accepted), n).tolist()
+            assert tries.tolist() == _numpy_at_least(np.minimum(lengths, accepted + 1), n).tolist()
+
+
+def test_acceptance_estimate_matches_the_numpy_update_to_the_bit():
+    """The estimate kept in Python lists fades and counts as the numpy arrays did, to the bit (its
+    fade table comes from numpy's power, whose last ulp differs from libm's for some counts), and
+    its expected accepted drafts are numpy's cumprod and cumsum of the rates, to the bit."""
+
+    class Reference:  # the numpy estimate the lists replace
+        def __init__(self, memory):
+            self.memory, self.hits, self.tries = memory, np.zeros(0), np.zeros(0)
+
+        def observe(self, lengths, accepted):
+            longest = int(lengths.max(initial=0))
+            if longest == 0:
+                return
+            grow = max(longest - self.hits.size, 0)
+            self.hits, self.tries = (
+                np.concatenate([self.hits, np.zeros(grow)]),
+                np.concatenate([self.tries, np.zeros(grow)]),
+            )
+            n = self.hits.size
+            hits = _numpy_at_least(np.minimum(lengths, accepted), n)
+            tries = _numpy_at_least(np.minimum(lengths, accepted + 1), n)
+            keep = (1.0 - 1.0 / self.memory) ** tries
+            self.hits, self.tries = keep * self.hits + hits, keep * self.tries + tries
+
+        def rates(self, gamma):
+            hits, tries = np.zeros(gamma), np.zeros(gamma)
+            n = min(gamma, self.hits.size)
+            hits[:n], tries[:n] = self.hits[:n], self.tries[:n]
+            return (hits + 1.0) / (tries + 1.0)
+
+    rng = np.random.default_rng(11)
+    for memory in (1.0, 3.0, 256.0):
+        est, ref = AcceptanceEstimate(memory), Reference(memory)
+        for lengths, accepted in _rounds(rng, 1500):
+            accepted = np.minimum(accepted, lengths)  # the estimate's rounds are real ones
+            est.observe(lengths, accepted)
+            ref.observe(lengths, accepted)
+            gamma = int(rng.integers(0, 10))
+            assert est.rates(gamma).tolist() == ref.rates(gamma).tolist()
+            want = np.concatenate([[0.0], np.cumsum(np.cumprod(ref.rates(gamma)))])
+            assert est.accepted(gamma) == want.tolist()
+
+
+def test_expected_tokens_and_best_length_match_numpy_to_the_bit():
+    rng = np.random.default_rng(2)
+    for _ in range(2000):
+        c, rows = rng.random(int(rng.integers(0, 9))), int(rng.integers(1, 300))
+        want = rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))]))
+        assert expected_tokens(c, rows).tolist() == want.tolist()
+        rates = np.round(rng.random(c.size + 1), 1)  # ties: the first of equals, as np.argmax
+        m = int(np.argmax(rates))
+        assert best_length(rates, 0.1) == (m if m == 0 or rates[m] >= 1.1 * rates[0] else 0)
+
+
+def test_round_clock_prices_as_the_numpy_formula_to_the_bit():
+    """The clock's Python lists price each drafted length as the numpy version did: measured /
+    priced where timed (``min_timed`` rounds, not stale), else the mean ratio of the timed ones
+    (added in numpy's order), through rounds of several row buckets and lengths going stale."""
+    cost = CostModel({1: 1.0, 64: 1.5, 4096: 40.0}, draft_ms={1: 0.5, 256: 0.9})
+    rng = np.random.default_rng(7)
+    clock = RoundClock(decay=0.8, min_timed=2, stale_after=6)
+    for _ in range(3000):
+        rows, drafted = int(rng.choice([3, 4, 60, 200])), int(rng.integers(0, 8))
+        clock.observe(rows, drafted, float(rng.lognormal(0.0, 0.3)), cost)
+        rows, gamma = int(rng.choice([3, 4, 60, 200])), int(rng.integers(0, 9))
+        stats = clock._stats.get(rows_bucket(rows))
+        ratio, timed = np.ones(gamma + 1), np.zeros(gamma + 1, dtype=bool)
+        if stats is not None:
+            sums, weights, rounds, last = (np.array(column[: gamma + 1]) for column in stats[:4])
+            n = sums.size
+            timed[:n] = (rounds >= 2) & (clock._bucket_rounds[rows_bucket(rows)] - last <= 6)
+            if timed.any():
+                own = sums[timed[:n]] / weights[timed[:n]]
+                ratio[:] = own.sum() / own.size
+                ratio[timed] = own
+        assert clock.times(rows, gamma, cost).tolist() == (cost.round_times(rows, gamma) * ratio).tolist()
+        assert [clock.timed(rows, m) for m in range(gamma + 1)] == timed.tolist()
+    assert all(_sum(list(v)) == np.sum(v) for v in (rng.random(k) for k in range(12) for _ in range(200)))
+
+
+def test_whole_draft_lengths_are_made_once_per_shape():
+    """A policy that verifies the whole draft hands back one tensor per shape and device (its
+    callers only read it), not a fill a round; made in an engine's inference mode, it is a plain
+    tensor all the same."""
+    cost = CostModel({1: 1.0, 64: 1.0})
+    for pol in (DraftAware(), HardwareAware()):
+        pol.draft_length(4, 3, cost)  # HardwareAware: nothing to save, so no walk
+        with torch.inference_mode():
+            first = pol.lengths(torch.rand(4, 3), cost)
+        assert first.tolist() == [3, 3, 3, 3] and first.dtype == torch.long and not first.is_inference()
+        assert pol.lengths(torch.rand(4, 3), cost) is first
+        assert pol.lengths(torch.rand(2, 0), cost).tolist() == [0, 0]
+        with pytest.raises(ValueError, match="confidences"):
+            pol.lengths(torch.rand(4), cost)
 
 
 def _rates_by_hand(c: list[float], R: int, cost: CostModel) -> list[float]:

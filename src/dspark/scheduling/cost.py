@@ -191,7 +191,7 @@ class CostModel:
         self.context_len = None if context_len is None else int(context_len)
         self.meta = dict(meta or {})
         self._tables: dict = {}  # device copies of the verify curve (``verify_table``, ``depth_table``)
-        self._rounds: dict = {}  # round_times per (R, γ, overhead): the policies ask every round
+        self._rounds: dict = {}  # round_times, and as floats, per (R, γ, overhead): asked every round
         self._widths_at: dict = {}  # verify_width_ms read at R, per R
         self._widths_ms: dict = {}  # verify_rows_ms of one width, per (R, width)
         self._buckets: np.ndarray | None = None  # the rows an engine pads a round to (at_engine_rows)
@@ -281,10 +281,12 @@ class CostModel:
         widths >= 1): the padded step the engine runs. From ``verify_width_ms`` when measured (each
         measured width's curve read at R, linear in the width between them, the last two widths'
         slope beyond, floored at 0 like ``_interp``), else the token curve at ``R·w``."""
-        # isinstance first: np.ndim costs a few µs, and a policy asks every round
-        scalar = isinstance(widths, (int, float, np.number)) or np.ndim(widths) == 0
-        if scalar and (R, widths) in self._widths_ms:  # a policy asks the same few every round
+        try:  # a policy asks the same few every round: a scalar width asked before is kept
             return self._widths_ms[R, widths]
+        except (KeyError, TypeError):  # TypeError: an array of widths (unhashable)
+            pass
+        # isinstance first: np.ndim costs a few µs
+        scalar = isinstance(widths, (int, float, np.number)) or np.ndim(widths) == 0
         w = np.asarray(widths, dtype=np.float64)
         rows = R
         R = self._engine_rows(R)
@@ -354,11 +356,19 @@ class CostModel:
     def round_times(self, R: int, gamma: int) -> np.ndarray:
         """``round_time(R, m)`` for ``m = 0..gamma`` (seconds), kept per ``(R, gamma)``: the
         pre-draft choice reads it every round."""
+        return self._round_times(R, gamma)[0]
+
+    def round_seconds(self, R: int, gamma: int) -> tuple[float, ...]:
+        """``round_times`` as a tuple of floats, kept alike: the policies' arithmetic on the host
+        loops over its few entries, which costs less than a numpy call on them."""
+        return self._round_times(R, gamma)[1]
+
+    def _round_times(self, R: int, gamma: int) -> tuple[np.ndarray, tuple[float, ...]]:
         key = (int(R), int(gamma), self.overhead_ms)
         times = self._rounds.get(key)
         if times is None:
-            times = np.array([self.round_time(R, m) for m in range(gamma + 1)])
-            self._rounds[key] = times
+            array = np.array([self.round_time(R, m) for m in range(gamma + 1)])
+            times = self._rounds[key] = (array, tuple(array.tolist()))
         return times
 
     def verify_table(self, max_B: int, device) -> torch.Tensor:

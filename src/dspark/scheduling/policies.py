@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import re
 from collections import deque
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -159,6 +161,23 @@ def _lengths_from_prefix(rows: Tensor, j: Tensor, n, R: int, check: bool = True,
     return lengths
 
 
+def _whole_draft(cache: dict, confidences: Tensor) -> Tensor:
+    """Every row's whole draft, ``[γ_d] * R`` (long) on the confidences' device: made once per shape
+    and device, kept in ``cache`` and shared (its callers only read it), as a fill launched every
+    round is host time the round waits for."""
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
+    R, G = confidences.shape
+    key = (R, G, confidences.device)
+    full = cache.get(key)
+    if full is None:
+        if len(cache) >= 64:  # rows vary as requests finish: keep the recent shapes
+            cache.clear()
+        with torch.inference_mode(False):  # a plain tensor, usable by callers in either mode
+            full = cache[key] = torch.full((R,), G, dtype=torch.long, device=confidences.device)
+    return full
+
+
 def _empty(confidences: Tensor) -> Tensor | None:
     if confidences.dim() != 2:
         raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
@@ -216,72 +235,144 @@ class AcceptanceEstimate:
     ~1 try of evidence (the H200, T = 1, R = 1: estimates of 0.62-0.91 for positions accepted at
     0.34-0.56, so hardware_aware drafted 7 where 5 paid); at R = 256 position 1 renews its memory
     every round or two. A round that verified nothing (plain decoding) reaches no position: it
-    leaves the estimate as it is, neither fading the evidence nor bringing drafting back."""
+    leaves the estimate as it is, neither fading the evidence nor bringing drafting back.
+
+    The state is a few floats a position, kept in Python lists: the policies update and read it on
+    the host every round, where a numpy call on ~8 entries costs more than the loop over them."""
 
     def __init__(self, memory: float = 256.0) -> None:
         if not (math.isfinite(float(memory)) and float(memory) >= 1.0):
             raise ValueError(f"memory must be a finite number of tries >= 1, got {memory}")
         self.memory = float(memory)
+        self._fades: tuple[float, list[float]] = (self.memory, [])  # fade per try count (``_fade``)
         self.reset()
 
     def reset(self) -> None:
-        self._hits = np.zeros(0)
-        self._tries = np.zeros(0)
+        self._hits: list[float] = []  # decayed acceptances per position
+        self._tries: list[float] = []  # decayed tries per position
+        self._sums: dict[int, list[float]] = {}  # ``_accepted_sums`` per γ, until the next update
 
     def rates(self, gamma: int) -> np.ndarray:
         """``ĉ_j`` for positions ``1..gamma``."""
-        hits, tries = np.zeros(gamma), np.zeros(gamma)
-        n = min(gamma, self._hits.size)
-        hits[:n], tries[:n] = self._hits[:n], self._tries[:n]
-        return (hits + 1.0) / (tries + 1.0)
+        return np.array(self._rates(gamma), dtype=np.float64)
 
-    def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
-        lengths, accepted = np.asarray(lengths), np.asarray(accepted)
-        longest = int(lengths.max(initial=0))
-        if longest == 0:
-            return
-        if longest > self._hits.size:
-            self._hits = np.concatenate([self._hits, np.zeros(longest - self._hits.size)])
-            self._tries = np.concatenate([self._tries, np.zeros(longest - self._tries.size)])
+    def _rates(self, gamma: int) -> list[float]:
+        rates = [(h + 1.0) / (t + 1.0) for h, t in zip(self._hits, self._tries)]
+        return rates[:gamma] + [1.0] * (gamma - len(rates))  # never reached: the optimistic prior alone
+
+    def accepted(self, gamma: int) -> list[float]:
+        """``Σ_{j<=γ_d} Π_{i<=j} ĉ_i`` for ``γ_d = 0..gamma``: the drafts a row is expected to get
+        accepted (``expected_tokens`` per row, less the anchor). Kept until an observed round
+        changes the estimate (a plain round does not): the policies ask every round. Shared: the
+        callers only read it."""
+        sums = self._sums.get(gamma)
+        if sums is None:
+            sums = self._sums[gamma] = _accepted_sums(self._rates(gamma))
+        return sums
+
+    def observe(self, lengths: np.ndarray, accepted: np.ndarray) -> int:
+        """Fold in a completed round; returns its accepted drafts in all (``Σ accepted``), counted on
+        the way, for a caller that counts the round's tokens."""
         # Position j is reached when the row verified it and accepted the j - 1 before it, and
         # accepted when also accepted itself: counts of min(ℓ, n + 1) >= j and min(ℓ, n) >= j,
-        # from one histogram each (no [R, γ] table: this runs on the host every round).
-        hits, tries = position_counts(lengths, accepted, self._hits.size)
-        keep = (1.0 - 1.0 / self.memory) ** tries  # each try a position gets fades its older tries
-        self._hits = keep * self._hits + hits
-        self._tries = keep * self._tries + tries
+        # from a histogram or two (``_reach_counts``; no [R, γ] table: this runs every round).
+        hits, tries, total = _reach_counts(lengths, accepted)
+        if not tries:  # nothing verified: no position reached
+            return total
+        n = len(tries)
+        if n > len(self._hits):  # positions reached for the first time
+            new = [0.0] * (n - len(self._hits))
+            self._hits, self._tries = self._hits + new, self._tries + new
+        fade = self._fade(tries[0])  # position 1 has the most tries; each try fades the older ones
+        self._hits = [fade[t] * h + a for t, h, a in zip(tries, self._hits, hits)] + self._hits[n:]
+        self._tries = [fade[t] * w + t for t, w in zip(tries, self._tries)] + self._tries[n:]
+        self._sums.clear()
+        return total
+
+    def _fade(self, most: int) -> list[float]:
+        """``(1 - 1/memory) ** t`` for ``t = 0..most`` at least: numpy's power once for a table of
+        them (read every round), which is also what the estimate always faded by (libm's ``pow``,
+        Python's, differs from numpy's in the last ulp for a few per cent of the counts)."""
+        memory, fade = self._fades
+        if len(fade) <= most or memory != self.memory:
+            keep = 1.0 - 1.0 / self.memory
+            fade = (keep ** np.arange(max(2 * most, 256) + 1)).tolist()
+            self._fades = (self.memory, fade)
+        return fade
+
+
+def _reach_counts(lengths: np.ndarray, accepted: np.ndarray) -> tuple[list[int], list[int], int]:
+    """Per draft position ``j = 1..`` the deepest any row reached: how many rows accepted it and
+    how many reached it (``position_counts``), as lists, both empty when no row verified a draft;
+    and ``Σ accepted``. Histograms over the rows (each numpy call costs about a µs on the host), the
+    rest over the few positions."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    accepted = np.asarray(accepted, dtype=np.int64)
+    widths = np.bincount(lengths).tolist()
+    if widths and widths[-1] == lengths.size:  # every row verified d drafts (a whole draft, a padded walk)
+        # Position j <= d is then reached by the rows that accepted >= j - 1 drafts and accepted by
+        # those that accepted >= j: one histogram of the accepted counts says both.
+        # (Σ accepted = Σ_{k>=1} #(accepted >= k).)
+        d, at_least = len(widths) - 1, list(accumulate(np.bincount(accepted).tolist()[::-1]))[::-1]
+        tries = at_least[:d]
+        return (at_least[1:] + [0])[: len(tries)], tries, sum(at_least[1:])
+    tries = np.bincount(np.minimum(lengths, accepted + 1))
+    hits = np.bincount(np.minimum(lengths, accepted), minlength=tries.size)
+    return _at_least(hits.tolist()), _at_least(tries.tolist()), int(np.add.reduce(accepted))
 
 
 def position_counts(lengths: np.ndarray, accepted: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per draft position ``j = 1..n`` over rows that verified ``lengths`` drafts and accepted
     ``accepted`` of them: how many accepted it, and how many reached it (verified it and accepted
     the ``j - 1`` before it), as (hits, tries)."""
-    lengths, accepted = np.asarray(lengths), np.asarray(accepted)
-    return _at_least(np.minimum(lengths, accepted), n), _at_least(np.minimum(lengths, accepted + 1), n)
+    hits, tries, _ = _reach_counts(lengths, accepted)
+    pad = [0] * max(n - len(tries), 0)  # positions no row reached
+    return np.array(hits[:n] + pad, dtype=np.int64), np.array(tries[:n] + pad, dtype=np.int64)
 
 
-def _at_least(values: np.ndarray, n: int) -> np.ndarray:
-    """``#(values >= j)`` for ``j = 1..n`` (non-negative integers)."""
-    # np.minimum, not np.clip: clip costs a few µs a call, and this runs twice every round
-    counts = np.bincount(np.minimum(values, n).astype(np.int64, copy=False), minlength=n + 1)
-    return counts[::-1].cumsum()[::-1][1:]
+def _at_least(counts: list[int]) -> list[int]:
+    """``#(values >= j)`` for ``j = 1..len(counts) - 1`` from ``counts[v] = #(values == v)``."""
+    return list(accumulate(counts[:0:-1]))[::-1]
+
+
+def _floats(values) -> list[float]:
+    """A vector as a list of Python floats (the per-round path passes lists through)."""
+    return values if isinstance(values, list) else np.asarray(values, dtype=np.float64).tolist()
+
+
+def _accepted_sums(acceptance: list[float]) -> list[float]:
+    """``Σ_{j<=γ_d} Π_{i<=j} ĉ_i`` for ``γ_d = 0..γ``: the drafts a row is expected to get accepted.
+    Multiplied and added in order, as numpy's cumprod and cumsum do: the same floats."""
+    return list(accumulate(accumulate(acceptance, operator.mul), initial=0.0))
 
 
 def expected_tokens(acceptance: np.ndarray, rows: int) -> np.ndarray:
     """Tokens a round emits for ``γ_d = 0..γ``, every row verifying its whole draft:
     ``R · (1 + Σ_{j<=γ_d} Π_{i<=j} ĉ_i)``."""
-    return rows * (1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(acceptance))]))
+    return np.array([rows * (1.0 + s) for s in _accepted_sums(_floats(acceptance))], dtype=np.float64)
 
 
 def expected_rates(acceptance: np.ndarray, rows: int, cost: CostModel) -> np.ndarray:
     """Θ(γ_d) for ``γ_d = 0..γ`` (tokens per second) priced by the table:
     ``expected_tokens / T(R, γ_d)`` with ``T = CostModel.round_time``."""
-    return expected_tokens(acceptance, rows) / cost.round_times(rows, acceptance.size)
+    return expected_tokens(acceptance, rows) / cost.round_times(rows, np.size(acceptance))
 
 
 def rows_bucket(rows: int) -> int:
     """The power of two at or above ``rows`` (the engines' graph buckets by default)."""
-    return 1 << max(int(rows) - 1, 0).bit_length()
+    rows = int(rows)
+    return 1 << (rows - 1).bit_length() if rows > 1 else 1
+
+
+def _sum(values: list[float]) -> float:
+    """``np.sum`` of a short list, to the bit: numpy adds fewer than 8 terms in order (pairwise
+    beyond), and a ratio off by an ulp could flip a near-tie the numpy version decided."""
+    if len(values) >= 8:
+        return float(np.sum(values))
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 class RoundClock:
@@ -322,79 +413,107 @@ class RoundClock:
         self.reset()
 
     def reset(self) -> None:
-        # rows bucket -> [5, lengths]: Σ w·ratio, Σ w, rounds, the bucket's round count at the last
-        # one, and 1 once timed (explored no more), per drafted length (grown on demand)
-        self._stats: dict[int, np.ndarray] = {}
+        # rows bucket -> lists per drafted length (grown on demand; Python floats, as they are read
+        # every round): Σ w·ratio, Σ w, rounds, the bucket's round count at the last one, 1 once
+        # timed (explored no more), and for ``_price`` the ratio Σ w·ratio / Σ w and the last of the
+        # bucket's rounds through which it counts as timed (-1: not timed), both as of that round
+        self._stats: dict[int, list[list[float]]] = {}
         self._bucket_rounds: dict[int, int] = {}
         self._since_explore = 0
+        # rows bucket -> {γ: ``_ratios``}, until the bucket's next observed round changes them
+        self._priced: dict[int, dict[int, tuple[list[float], list[bool]]]] = {}
 
-    def _ratios(self, rows: int, gamma: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _ratios(self, rows: int, gamma: int) -> tuple[list[float], list[bool]]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
-        rounds, not stale), else the mean ratio of the timed lengths (1 where none is); which are
-        timed; and which were ever timed."""
-        ratio = np.ones(gamma + 1)
-        timed, once = np.zeros((2, gamma + 1), dtype=bool)
+        rounds, not stale), else the mean ratio of the timed lengths (1 where none is); and which
+        are timed. Kept until the bucket's next observed round (its round count, which ages the
+        timings, moves only then); the callers only read them."""
         bucket = rows_bucket(rows)
+        priced = self._priced.get(bucket)
+        if priced is None:
+            priced = self._priced[bucket] = {}
+        ratios = priced.get(gamma)
+        if ratios is None:
+            ratios = priced[gamma] = self._price(bucket, gamma + 1)
+        return ratios
+
+    def _price(self, bucket: int, size: int) -> tuple[list[float], list[bool]]:
+        """``_ratios`` of ``size`` lengths from the bucket's stats."""
         stats = self._stats.get(bucket)
         if stats is None:
-            return ratio, timed, once
-        n = min(gamma + 1, stats.shape[1])
-        once[:n] = stats[4, :n] > 0
-        timed[:n] = (stats[2, :n] >= self.min_timed) & (
-            self._bucket_rounds[bucket] - stats[3, :n] <= self.stale_after
-        )
-        if timed.any():
-            own = stats[0, :n][timed[:n]] / stats[1, :n][timed[:n]]
-            ratio[:] = own.sum() / own.size  # ndarray.mean costs several µs more, every round
-            ratio[timed] = own
-        return ratio, timed, once
+            return [1.0] * size, [False] * size
+        own, until, now = stats[5][:size], stats[6][:size], self._bucket_rounds[bucket]
+        timed = [now <= u for u in until] + [False] * (size - len(until))
+        if True not in timed:
+            return [1.0] * size, timed
+        mean = _sum([r for r, ok in zip(own, timed) if ok]) / timed.count(True)
+        return [r if ok else mean for r, ok in zip(own, timed)] + [mean] * (size - len(own)), timed
+
+    def _once(self, rows: int, gamma: int) -> list[bool]:
+        """Per ``γ_d = 0..gamma`` at this rows bucket: whether it was ever timed."""
+        once = self._stats.get(rows_bucket(rows), [[]] * 7)[4][: gamma + 1]
+        return [o > 0 for o in once] + [False] * (gamma + 1 - len(once))
 
     def timed(self, rows: int, drafted: int) -> bool:
-        return drafted >= 0 and bool(self._ratios(rows, drafted)[1][drafted])
+        return drafted >= 0 and self._ratios(rows, drafted)[1][drafted]
 
     def times(self, rows: int, gamma: int, cost: CostModel) -> np.ndarray:
         """``T(R, γ_d)`` for ``γ_d = 0..gamma`` (seconds): the table's, times the measured ratio
         where it is timed, else the mean ratio of the timed lengths of this bucket: a table off
         by one factor throughout (another machine, another load) keeps its order of the lengths."""
-        return cost.round_times(rows, gamma) * self._ratios(rows, gamma)[0]
+        return cost.round_times(rows, gamma) * np.array(self._ratios(rows, gamma)[0])
 
     def observe(self, rows: int, drafted: int, ms: float, cost: CostModel) -> None:
         """A completed round of ``rows`` rows that drafted ``drafted`` positions took ``ms``."""
-        priced = cost.round_times(rows, drafted)[drafted]  # kept per (rows, length): no interpolation
+        priced = cost.round_seconds(rows, drafted)[drafted]  # kept per (rows, length): no interpolation
         if not (ms > 0 and priced > 0):
             return
         bucket, m = rows_bucket(rows), int(drafted)
         stats = self._stats.get(bucket)
-        if stats is None or stats.shape[1] <= m:
-            grown = np.zeros((5, m + 1))
-            if stats is not None:
-                grown[:, : stats.shape[1]] = stats
-            stats = self._stats[bucket] = grown
+        if stats is None:
+            stats = self._stats[bucket] = [[] for _ in range(7)]
+        if len(stats[0]) <= m:
+            for column in stats:
+                column += [0.0] * (m + 1 - len(column))
+        sums, weights, rounds, last, once, own, until = stats
         now = self._bucket_rounds[bucket] = self._bucket_rounds.get(bucket, 0) + 1
-        if now - stats[3, m] > self.stale_after + 1:  # stale: start this length's timing afresh
-            stats[:3, m] = 0.0
-        stats[:2, m] = self.decay * stats[:2, m] + (1e-3 * ms / priced, 1.0)
-        stats[2, m] += 1
-        stats[3, m] = now
-        stats[4, m] = max(stats[4, m], stats[2, m] >= self.min_timed)
+        self._priced.pop(bucket, None)
+        if now - last[m] > self.stale_after + 1:  # stale: start this length's timing afresh
+            sums[m] = weights[m] = rounds[m] = 0.0
+        sums[m] = self.decay * sums[m] + 1e-3 * ms / priced
+        weights[m] = self.decay * weights[m] + 1.0
+        rounds[m] += 1
+        last[m] = now
+        own[m] = sums[m] / weights[m]
+        if rounds[m] >= self.min_timed:
+            once[m] = 1.0
+            until[m] = now + self.stale_after  # stale once the bucket has run that many without it
+        else:
+            until[m] = -1
 
-    def choose(self, tokens: np.ndarray, rows: int, cost: CostModel, margin: float = 0.0) -> int:
+    def choose(
+        self, tokens: np.ndarray | list[float], rows: int, cost: CostModel, margin: float = 0.0
+    ) -> int:
         """``γ_d`` for a round expected to emit ``tokens[γ_d]`` (``expected_tokens``); a draft only
         where its rate beats a plain round's by ``margin`` (``best_length``)."""
-        gamma = tokens.size - 1
-        ratio, timed, once = self._ratios(rows, gamma)
-        rates = tokens / (cost.round_times(rows, gamma) * ratio)
-        best = best_length(rates, margin)
+        tokens = _floats(tokens)
+        gamma = len(tokens) - 1
+        ratio, timed = self._ratios(rows, gamma)
+        times = cost.round_seconds(rows, gamma)
+        return self._pick([n / (t * r) for n, t, r in zip(tokens, times, ratio)], timed, rows, margin)
+
+    def _pick(self, rates: list[float], timed: list[bool], rows: int, margin: float) -> int:
+        """``choose`` from the rates of ``γ_d = 0..γ`` so priced, and which lengths are timed."""
+        best = _best(rates, margin)
         if not timed[best]:
             return best
         self._since_explore += 1
         if self._since_explore < self.explore_every:
             return best
         self._since_explore = 0
-        untimed = ~once & (rates >= self.explore_share * rates[best])  # never timed: timed ones are once
-        if not untimed.any():
-            return best
-        return int(np.argmax(np.where(untimed, rates, -np.inf)))
+        floor, once = self.explore_share * rates[best], self._once(rows, len(rates) - 1)
+        untimed = [m for m, rate in enumerate(rates) if not once[m] and rate >= floor]  # timed ones are once
+        return max(untimed, key=rates.__getitem__) if untimed else best  # max: the first of equals
 
 
 # A load-aware policy drafts only where the model expects a draft to beat plain decoding by this
@@ -417,10 +536,14 @@ def _margin(value: float) -> float:
     return float(value)
 
 
-def best_length(rates: np.ndarray, margin: float = 0.0) -> int:
+def best_length(rates: np.ndarray | list[float], margin: float = 0.0) -> int:
     """The drafted length of the best rate (the first max: the fewest drafts), 0 (a plain round)
     unless that rate beats the plain round's by ``margin`` (a share of it)."""
-    best = int(np.argmax(rates))
+    return _best(_floats(rates), margin)
+
+
+def _best(rates: list[float], margin: float) -> int:
+    best = rates.index(max(rates))  # the first of equals
     return best if best == 0 or rates[best] >= (1.0 + margin) * rates[0] else 0
 
 
@@ -430,9 +553,19 @@ def plan_draft(
     """``γ_d`` of the best expected rate, a draft only where it beats plain decoding by ``margin``
     (``best_length``), the rounds priced by the table, or by ``clock`` (which also explores) where the
     policy keeps one."""
+    return _plan(_accepted_sums(_floats(acceptance)), rows, cost, clock, margin)
+
+
+def _plan(accepted: list[float], rows: int, cost: CostModel, clock: RoundClock | None, margin: float) -> int:
+    """``plan_draft`` from the drafts a row is expected to get accepted (``_accepted_sums``): each
+    rate ``R · (1 + accepted) / T`` in one expression, the same floats as ``expected_tokens / T``."""
+    gamma = len(accepted) - 1
+    times = cost.round_seconds(rows, gamma)
     if clock is None:
-        return best_length(expected_rates(acceptance, rows, cost), margin)
-    return clock.choose(expected_tokens(acceptance, rows), rows, cost, margin)
+        return _best([rows * (1.0 + s) / t for s, t in zip(accepted, times)], margin)
+    ratio, timed = clock._ratios(rows, gamma)
+    rates = [rows * (1.0 + s) / (t * r) for s, t, r in zip(accepted, times, ratio)]
+    return clock._pick(rates, timed, rows, margin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,12 +779,13 @@ class HardwareAware(Policy):
         self._realised: float | None = None  # share of the largest saving walked rounds realised
         self._since_explore = 0
         # (rows bucket, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
-        self._clock: dict[tuple[int, bool], np.ndarray] = {}
+        self._clock: dict[tuple[int, bool], list[float]] = {}
         self._tokens = 0  # the tokens of the round observe_round just completed
         # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
         # flight, the bound only keeps a caller that never reports rounds from growing it.
         self._plans: deque = deque(maxlen=8)
         self._observed = None  # the plan observe_round just completed (for its observe_shadow)
+        self._full: dict[tuple, Tensor] = {}  # ``_whole_draft``'s lengths per shape and device
 
     def reset(self) -> None:
         """A new ``generate``: the estimates carry over (see ``DraftAware.reset``); the rounds in
@@ -674,11 +808,11 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = plan_draft(self._acceptance.rates(gamma), rows, cost, self._rounds, self.plain_margin)
-        largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
-        could = drafted > 0 and largest > cost.readback_ms  # a walk that saved all of it would pay
-        walk, shadow, clocked = False, False, self._clocked_walk(rows)
-        if could:
+        drafted = _plan(self._acceptance.accepted(gamma), rows, cost, self._rounds, self.plain_margin)
+        walk, shadow = False, False
+        largest = self._largest_saving(rows, drafted, cost) if drafted > 0 else 0.0
+        if drafted > 0 and largest > cost.readback_ms:  # a walk that saved all of it would pay
+            clocked = self._clocked_walk(rows)
             expected = largest * (1.0 if self._realised is None else self._realised)
             walk = expected > cost.readback_ms if clocked is None else clocked
             self._since_explore += 1
@@ -688,6 +822,11 @@ class HardwareAware(Policy):
         self._walk, self._shadow = walk, shadow
         self._plans.append((rows, drafted, walk, cost))
         return drafted
+
+    @staticmethod
+    def _largest_saving(rows: int, drafted: int, cost: CostModel) -> float:
+        """The verification a walk saves at most: ``R`` rows ``1 + γ_d`` wide against 1 wide (ms)."""
+        return cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
 
     def _clocked_walk(self, rows: int) -> bool | None:
         """Whether walked rounds at ``rows`` emitted more tokens per ms than whole-draft ones;
@@ -703,11 +842,10 @@ class HardwareAware(Policy):
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         cost = _need_cost(self, cost)
+        if not self._walk:  # the width is the whole draft: every row verifies it at no extra cost
+            return _whole_draft(self._full, confidences)
         if (e := _empty(confidences)) is not None:
             return e
-        if not self._walk:  # the width is the whole draft: every row verifies it at no extra cost
-            return torch.full((confidences.shape[0],), confidences.shape[1], dtype=torch.long,
-                              device=confidences.device)  # fmt: skip
         return self._walk_lengths(confidences, cost)
 
     def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
@@ -728,8 +866,8 @@ class HardwareAware(Policy):
         return _lengths_from_prefix(rows, j, _leading_run(theta), R, self.check)
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
-        self._acceptance.observe(lengths, accepted)
-        self._tokens = int(np.size(accepted) + np.sum(accepted))  # each live row's accepted + 1
+        # each live row's accepted drafts + 1
+        self._tokens = len(accepted) + self._acceptance.observe(lengths, accepted)
         # A round this policy did not plan (the analytical replay) teaches the estimate nothing.
         self._observed = self._plans.popleft() if self._plans else None  # launch order
         if self._observed is not None and self._observed[2]:  # walked: its lengths are the walk's
@@ -748,8 +886,11 @@ class HardwareAware(Policy):
             return
         rows, _, walked, _ = self._observed
         key = (rows_bucket(rows), walked)  # the rows bucket: the engine's graphs, as RoundClock keys
-        sums = self._clock.setdefault(key, np.zeros(3))  # tokens and ms decay, rounds count
-        sums[:2] = self.decay * sums[:2] + (self._tokens, ms)
+        sums = self._clock.get(key)  # tokens and ms decay, rounds count
+        if sums is None:
+            sums = self._clock[key] = [0.0, 0.0, 0.0]
+        sums[0] = self.decay * sums[0] + self._tokens
+        sums[1] = self.decay * sums[1] + ms
         sums[2] += 1
 
     def observe_shadow(self, lengths: np.ndarray) -> None:
@@ -759,10 +900,10 @@ class HardwareAware(Policy):
     def _learn(self, walked: np.ndarray) -> None:
         """Fold the share of the largest saving that a walk's lengths realised into the estimate."""
         rows, drafted, _, cost = self._observed
-        width = int(np.max(walked, initial=0))
-        largest = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
+        width = int(np.asarray(walked).max(initial=0))
+        largest = self._largest_saving(rows, drafted, cost)
         saved = cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1 + width)
-        share = float(np.clip(saved / largest, 0.0, 1.0)) if largest > 0 else 0.0
+        share = min(max(saved / largest, 0.0), 1.0) if largest > 0 else 0.0
         prev = share if self._realised is None else self._realised
         self._realised = 0.5 * (prev + share)
 
@@ -899,6 +1040,7 @@ class DraftAware(Policy):
         self.clock = RoundClock(self.decay) if round_clock else None
         self._plans: deque = deque(maxlen=8)  # (rows, γ_d, cost) of launched rounds, oldest first
         self._observed = None  # the plan observe_round just completed
+        self._full: dict[tuple, Tensor] = {}  # ``_whole_draft``'s lengths per shape and device
 
     def reset(self) -> None:
         """A new ``generate``. The acceptance estimate and the clock carry over: they describe the
@@ -926,7 +1068,7 @@ class DraftAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = plan_draft(self.acceptance(gamma), rows, cost, self.clock, self.plain_margin)
+        drafted = _plan(self._acceptance.accepted(gamma), rows, cost, self.clock, self.plain_margin)
         self._plans.append((rows, drafted, cost))
         return drafted
 
@@ -934,10 +1076,7 @@ class DraftAware(Policy):
         return drafted
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
-        if confidences.dim() != 2:
-            raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
-        R, G = confidences.shape
-        return torch.full((R,), G, dtype=torch.long, device=confidences.device)
+        return _whole_draft(self._full, confidences)
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self._acceptance.observe(lengths, accepted)
