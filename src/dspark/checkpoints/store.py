@@ -58,7 +58,8 @@ def cast_drafter(src: str | Path, dst: str | Path, dtype: str) -> Path:
     if dtype not in CAST_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {tuple(CAST_DTYPES)}")
     source, copy = DrafterFolder(src), DrafterFolder(dst)
-    if is_foreign(source.read_config()):
+    config = source.read_config()
+    if is_foreign(config):
         raise DrafterCheckpointError(
             f"{source.path} is a DeepSpec/engine-format folder: cast our own checkpoints"
         )
@@ -71,7 +72,7 @@ def cast_drafter(src: str | Path, dst: str | Path, dtype: str) -> Path:
     state = load_file(source.weights_path)
     cast = CAST_DTYPES[dtype]
     weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    copy.write(source.read_config(), weights)  # weights first, then the config: complete once it exists
+    copy.write(config, weights)  # weights first, then the config: complete once it exists
     return copy.path
 
 

@@ -414,9 +414,8 @@ class RoundClock:
 
     def reset(self) -> None:
         # rows bucket -> lists per drafted length (grown on demand; Python floats, as they are read
-        # every round): Σ w·ratio, Σ w, rounds, the bucket's round count at the last one, 1 once
-        # timed (explored no more), and for ``_price`` the ratio Σ w·ratio / Σ w and the last of the
-        # bucket's rounds through which it counts as timed (-1: not timed), both as of that round
+        # every round): Σ w·ratio, Σ w, rounds, the bucket's round count at the last one, and 1 once
+        # timed (explored no more)
         self._stats: dict[int, list[list[float]]] = {}
         self._bucket_rounds: dict[int, int] = {}
         self._since_explore = 0
@@ -442,16 +441,18 @@ class RoundClock:
         stats = self._stats.get(bucket)
         if stats is None:
             return [1.0] * size, [False] * size
-        own, until, now = stats[5][:size], stats[6][:size], self._bucket_rounds[bucket]
-        timed = [now <= u for u in until] + [False] * (size - len(until))
+        sums, weights, rounds, last, _ = (column[:size] for column in stats)
+        now, pad = self._bucket_rounds[bucket], [False] * (size - len(rounds))
+        timed = [n >= self.min_timed and now - t <= self.stale_after for n, t in zip(rounds, last)] + pad
         if True not in timed:
             return [1.0] * size, timed
+        own = [s / w if ok else 0.0 for s, w, ok in zip(sums, weights, timed)]
         mean = _sum([r for r, ok in zip(own, timed) if ok]) / timed.count(True)
         return [r if ok else mean for r, ok in zip(own, timed)] + [mean] * (size - len(own)), timed
 
     def _once(self, rows: int, gamma: int) -> list[bool]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: whether it was ever timed."""
-        once = self._stats.get(rows_bucket(rows), [[]] * 7)[4][: gamma + 1]
+        once = self._stats.get(rows_bucket(rows), [[]] * 5)[4][: gamma + 1]
         return [o > 0 for o in once] + [False] * (gamma + 1 - len(once))
 
     def timed(self, rows: int, drafted: int) -> bool:
@@ -471,11 +472,11 @@ class RoundClock:
         bucket, m = rows_bucket(rows), int(drafted)
         stats = self._stats.get(bucket)
         if stats is None:
-            stats = self._stats[bucket] = [[] for _ in range(7)]
+            stats = self._stats[bucket] = [[] for _ in range(5)]
         if len(stats[0]) <= m:
             for column in stats:
                 column += [0.0] * (m + 1 - len(column))
-        sums, weights, rounds, last, once, own, until = stats
+        sums, weights, rounds, last, once = stats
         now = self._bucket_rounds[bucket] = self._bucket_rounds.get(bucket, 0) + 1
         self._priced.pop(bucket, None)
         if now - last[m] > self.stale_after + 1:  # stale: start this length's timing afresh
@@ -484,12 +485,8 @@ class RoundClock:
         weights[m] = self.decay * weights[m] + 1.0
         rounds[m] += 1
         last[m] = now
-        own[m] = sums[m] / weights[m]
         if rounds[m] >= self.min_timed:
             once[m] = 1.0
-            until[m] = now + self.stale_after  # stale once the bucket has run that many without it
-        else:
-            until[m] = -1
 
     def choose(
         self, tokens: np.ndarray | list[float], rows: int, cost: CostModel, margin: float = 0.0
@@ -500,10 +497,7 @@ class RoundClock:
         gamma = len(tokens) - 1
         ratio, timed = self._ratios(rows, gamma)
         times = cost.round_seconds(rows, gamma)
-        return self._pick([n / (t * r) for n, t, r in zip(tokens, times, ratio)], timed, rows, margin)
-
-    def _pick(self, rates: list[float], timed: list[bool], rows: int, margin: float) -> int:
-        """``choose`` from the rates of ``γ_d = 0..γ`` so priced, and which lengths are timed."""
+        rates = [n / (t * r) for n, t, r in zip(tokens, times, ratio)]
         best = _best(rates, margin)
         if not timed[best]:
             return best
@@ -557,15 +551,12 @@ def plan_draft(
 
 
 def _plan(accepted: list[float], rows: int, cost: CostModel, clock: RoundClock | None, margin: float) -> int:
-    """``plan_draft`` from the drafts a row is expected to get accepted (``_accepted_sums``): each
-    rate ``R · (1 + accepted) / T`` in one expression, the same floats as ``expected_tokens / T``."""
-    gamma = len(accepted) - 1
-    times = cost.round_seconds(rows, gamma)
+    """``plan_draft`` from the drafts a row is expected to get accepted (``_accepted_sums``): the
+    tokens ``R · (1 + accepted)`` a round of each length is expected to emit, priced alike."""
+    tokens = [rows * (1.0 + s) for s in accepted]
     if clock is None:
-        return _best([rows * (1.0 + s) / t for s, t in zip(accepted, times)], margin)
-    ratio, timed = clock._ratios(rows, gamma)
-    rates = [rows * (1.0 + s) / (t * r) for s, t, r in zip(accepted, times, ratio)]
-    return clock._pick(rates, timed, rows, margin)
+        return _best([n / t for n, t in zip(tokens, cost.round_seconds(rows, len(tokens) - 1))], margin)
+    return clock.choose(tokens, rows, cost, margin)
 
 
 # ---------------------------------------------------------------------------------------------
