@@ -18,7 +18,9 @@
 #      through the R slots, default 1: one batch, its speeds at the load R reported apart from its drain);
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e), and its check of the rounds against the cost table (cost_check);
-#   5. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
+#   5. with SPEC_PROFILE (policy names), the host's work a round under cProfile per policy
+#      (python -m dspark.bench.round_profile, round_profile_<policy>.json; see below);
+#   6. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
 #      and the draft step's LM head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
 #      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
 #      compiles them and per shape, at R x W = 1 x 8, 256 x 1, 256 x 8 (python -m dspark.bench.layer_compile,
@@ -93,6 +95,16 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
     cp "$WORK/frontier_T$t/fig8_budget.json" "$OUT/fig8_T$t.json" &&
     cp "$WORK/frontier_T$t/fig_cost_check.png" "$OUT/cost_check_T$t.png" &&
     cp "$WORK/frontier_T$t/fig_cost_check.json" "$OUT/cost_check_T$t.json"
+done
+# SPEC_PROFILE="hardware_aware fixed_3 fixed" (policy names): where the host's time a round goes, each
+# policy's rounds under cProfile at one temperature (SPEC_PROFILE_T, 1) and SPEC_PROFILE_R (16,64), priced
+# by that temperature's table (python -m dspark.bench.round_profile; ~1-2 min a policy).
+profile_t=${SPEC_PROFILE_T:-1}
+for p in ${SPEC_PROFILE:-}; do
+  stage "the host's work a round under cProfile, $p, T = $profile_t"
+  timeout 180 python3 -m dspark.bench.round_profile $T --drafter-dir "$DRAFTER" --policy "$p" \
+    --concurrency "${SPEC_PROFILE_R:-16,64}" --temperature "$profile_t" --cost-table "$OUT/cost_table_T$profile_t.json" \
+    --out "$OUT/round_profile_$p.json" 2>&1 | quiet | tail -60
 done
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
 if [ "${SPEC_KERNELS:-1}" = 1 ]; then

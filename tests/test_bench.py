@@ -142,6 +142,11 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert (r["policy_ms_per_round"] > 0) == (r["run"] != "target_only")
         assert all(0 <= g["policy_ms"] < g["host_ms"] for g in r["by_length"])
         assert 0 < r["launch_ms_per_round"] < r["host_ms_per_round"]  # launching is part of it, not all
+        # ... and its parts add up to it, in the run's means and per drafted length
+        assert sum(r["launch_parts_per_round"].values()) == pytest.approx(r["launch_ms_per_round"])
+        for g in r["by_length"]:
+            assert sum(g["launch_parts"].values()) == pytest.approx(g["launch_ms"])
+            assert (g["launch_parts"]["draft"] > 0) == (g["drafted"] > 0)
         assert r["readback_ms_per_round"] == 0  # no policy here reads its width back
         assert r["gpu_ms_per_round"] is None and r["gap_ms_per_round"] is None  # no device clock
         if r["run"] == "target_only":

@@ -29,6 +29,7 @@ from dspark.core.sampling import probs_from_logits, sample_from
 from dspark.core.types import DraftCache, Proposal, TargetDims
 from dspark.decoding import engine as engine_mod
 from dspark.decoding.engine import (
+    LAUNCH_PARTS,
     Engine,
     Request,
     calibration_arrays,
@@ -768,14 +769,15 @@ def test_generate_freezes_the_heap_and_reports_host_time(small_target):
     """While rounds run, the objects alive before ``generate`` are out of the cyclic collector's
     reach (a full collection over a large heap stalled rounds); afterwards they are back. Each
     round reports the host's own work and its waits apart, and a read-back only under a policy
-    whose width depends on the confidences."""
+    whose width depends on the confidences. The launch's parts add up to the launch, without the
+    read-back; a round that drafts nothing has no draft step."""
     import gc
 
     t = small_target
     drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
     frozen = []
     assert gc.get_freeze_count() == 0
-    for pol, reads_back in ((Fixed(None), False), (ReadsBack(), True)):
+    for pol, reads_back in ((Fixed(None), False), (ReadsBack(), True), (Cycling(), False)):
         eng = Engine(t, drafter, pol, temperature=0, concurrency=2, max_new_tokens=6, eos_token_ids=())
         res = eng.generate(
             prompts_for(t, 3, seed=2), on_result=lambda i, g: frozen.append(gc.get_freeze_count())
@@ -784,6 +786,13 @@ def test_generate_freezes_the_heap_and_reports_host_time(small_target):
         for s in res.steps:
             assert s["host_ms"] > 0 and s["wait_ms"] >= 0 and s["ms"] >= s["host_ms"]
             assert (s["readback_ms"] > 0) == reads_back
+            parts = s["launch_parts"]
+            assert list(parts) == list(LAUNCH_PARTS) and min(parts.values()) >= 0
+            assert sum(parts.values()) == pytest.approx(s["launch_ms"], rel=1e-9)
+            assert (parts["draft"] > 0) == (s["drafted"] > 0) and parts["target"] > 0
+        assert {s["drafted"] > 0 for s in res.steps} == (
+            {True, False} if isinstance(pol, Cycling) else {True}
+        )
     gc.freeze()  # a caller that froze its heap keeps it frozen
     try:
         Engine(t, None, temperature=0, max_new_tokens=3).generate(prompts_for(t, 1, seed=3))

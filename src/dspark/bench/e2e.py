@@ -86,6 +86,7 @@ def _main(argv, watch) -> dict:
     from ..core.errors import ConfigError
     from ..core.io import atomic_write_json
     from ..data.benchmarks import first_turns
+    from ..decoding.engine import LAUNCH_PARTS
     from ..scheduling.cost import CostModel
     from ..target import load_target
     from .common import compose_target, publish, report_header, say_compile_fallbacks
@@ -177,6 +178,15 @@ def _main(argv, watch) -> dict:
             f"{g['host_ms']:.2f}/{g.get('launch_ms', 0.0):.2f}/{g.get('policy_ms', 0.0):.2f}, "
             f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
             for g in row.get("by_length", [])
+        ]
+        print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))
+    print(f"\nthe launch by part, ms a round ({'/'.join(LAUNCH_PARTS)}), per rows bucket and drafted length")
+    for row in rows:
+        parts = [
+            f"b{g['rows_bucket']} γ{g['drafted']}: "
+            + "/".join(f"{g['launch_parts'][p]:.3f}" for p in LAUNCH_PARTS)
+            for g in row.get("by_length", [])
+            if g.get("launch_parts")
         ]
         print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))
     for temperature, checks in goals.items():

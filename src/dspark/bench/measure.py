@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core.errors import ConfigError
 from ..core.progress import progress_bar
-from ..decoding.engine import Request
+from ..decoding.engine import LAUNCH_PARTS, Request
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
 from ..scheduling.policies import Fixed, Policy, build_policy, position_counts, rows_bucket
@@ -190,7 +190,8 @@ def _at_load(steps: list[dict], R: int) -> dict:
 def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     """Per rows bucket and drafted length (0: plain rounds), largest bucket first: the rounds, their
     mean time and the host's own work in them (``host_ms``: above ``ms`` the host set the pace;
-    ``launch_ms`` and ``policy_ms`` of it putting the round on the device and the policy's calls), the
+    ``launch_ms`` and ``policy_ms`` of it putting the round on the device and the policy's calls;
+    ``launch_parts`` the launch by part, ``engine.LAUNCH_PARTS``: where a length's launch differs), the
     tokens they emitted and the positions they verified per live row (the anchor included: below
     1 + drafted where a walk cut the draft), and the cost table's price of them as the engine prices
     them (``priced_ms``, the whole draft verified; None without a table). Measured against priced,
@@ -200,14 +201,17 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
         if s.get("ms") is None or not s.get("batch"):
             continue
         priced = 1e3 * cost.round_times(s["batch"], s["drafted"])[s["drafted"]] if cost is not None else 0.0
-        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(9))
+        parts = s.get("launch_parts") or {}
+        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(9 + len(LAUNCH_PARTS)))
         g += (1, s["ms"], s.get("host_ms") or 0.0, s.get("launch_ms") or 0.0, s.get("policy_ms") or 0.0,
-              s["tokens"], s["verified"], s["batch"], priced)  # fmt: skip
+              s["tokens"], s["verified"], s["batch"], priced,
+              *(parts.get(p, 0.0) for p in LAUNCH_PARTS))  # fmt: skip
     return [
         {"rows_bucket": b, "drafted": d, "rounds": int(n), "ms": ms / n, "host_ms": host / n,
          "launch_ms": launch / n, "policy_ms": policy / n, "tokens_per_row": tokens / rows,
-         "verified_per_row": verified / rows, "priced_ms": priced / n if cost is not None else None}
-        for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced) in sorted(
+         "verified_per_row": verified / rows, "priced_ms": priced / n if cost is not None else None,
+         "launch_parts": {p: float(v / n) for p, v in zip(LAUNCH_PARTS, parts)}}
+        for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced, *parts) in sorted(
             groups.items(), key=lambda g: (-g[0][0], g[0][1]))
     ]  # fmt: skip
 
@@ -242,10 +246,10 @@ def _median_run(runs: list[dict]) -> dict:
 def _round_means(steps: list[dict]) -> dict:
     """Per engine round: its time on the device's timeline (``ms``; its median and the slowest
     round too, so a one-off stall shows), the host's own work (``host_ms``, hidden behind the
-    device when it is shorter; of it ``launch_ms`` putting the round on the device, the rest
-    reading its outcome, and ``policy_ms`` the scheduling policy's calls in both), the host's
-    waits for the round's outcome (``wait_ms``) and for a read-back of its verify width
-    (``readback_ms``: a bubble on the device), the device's work
+    device when it is shorter; of it ``launch_ms`` putting the round on the device, by part in
+    ``launch_parts``, the rest reading its outcome, and ``policy_ms`` the scheduling policy's calls
+    in both), the host's waits for the round's outcome (``wait_ms``) and for a read-back of its
+    verify width (``readback_ms``: a bubble on the device), the device's work
     (``gpu_ms``, CUDA only), the device's idle time before the round (``gap_ms = ms - gpu_ms``:
     the host late, or device work between rounds such as row moves) and the positions drafted
     (``drafted``: 0 in a plain decoding round); ``slowest_round`` is that round's record;
@@ -261,9 +265,12 @@ def _round_means(steps: list[dict]) -> dict:
     ms = values("ms")
     keys = ("ms", "host_ms", "launch_ms", "policy_ms", "wait_ms", "readback_ms", "gpu_ms", "drafted")
     gaps = [s["ms"] - s["gpu_ms"] for s in steps if s.get("gpu_ms") is not None]
+    parts = values("launch_parts")
+    part_means = {p: float(np.mean([x[p] for x in parts])) for p in LAUNCH_PARTS} if parts else None
     return {
         "rounds": len(steps),
         **{f"{k}_per_round": mean(k) for k in keys},
+        "launch_parts_per_round": part_means,
         "gap_ms_per_round": float(np.mean(gaps)) if gaps else None,
         "median_ms_per_round": float(np.median(ms)) if ms else None,
         "max_ms_round": float(max(ms)) if ms else None,
@@ -294,7 +301,7 @@ def _slowest(steps: list[dict]) -> dict | None:
         return None
     i = max(range(len(timed)), key=lambda j: timed[j]["ms"])
     keys = ("step", "batch", "drafted", "verified", "ms", "gpu_ms", "host_ms", "launch_ms", "policy_ms",
-            "wait_ms", "readback_ms")  # fmt: skip
+            "wait_ms", "readback_ms", "launch_parts")  # fmt: skip
     # A stall between rounds shows in the next round's span, while its work is counted in the
     # record of the round completed around it: the neighbours' events are the suspects too.
     near = {f"{j - i:+d}": timed[j]["events"] for j in range(max(i - 2, 0), min(i + 2, len(timed)))

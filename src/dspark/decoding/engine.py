@@ -36,10 +36,10 @@ before the moves and the prompts' writes), and the prefill reads nothing back: i
 are emitted when the next round completes. ``EngineResult.steps`` times each round: ``ms`` (its
 span on the device's timeline, or the host's clock on the CPU), ``gpu_ms`` (the device's work
 from the round's first operation to its last), ``host_ms`` (the host's own work for the round,
-launching it and reading its outcome, waits excluded; of it ``launch_ms`` the launch and
-``policy_ms`` the policy's calls), ``wait_ms`` (the host blocked on the round's outcome: its
-device work was the longer) and ``readback_ms`` (the host blocked on a
-read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
+launching it and reading its outcome, waits excluded; of it ``launch_ms`` the launch, split by
+``launch_parts`` into ``LAUNCH_PARTS``, and ``policy_ms`` the policy's calls), ``wait_ms`` (the
+host blocked on the round's outcome: its device work was the longer) and ``readback_ms`` (the host
+blocked on a read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
 the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
 a round far slower than its median finds its cause. A round that drafts nothing runs
 ``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
@@ -85,10 +85,12 @@ __all__ = [
     "Engine",
     "EngineResult",
     "Generation",
+    "LAUNCH_PARTS",
     "Request",
     "RoundRecord",
     "calibration_arrays",
     "conditional_acceptance",
+    "launch_parts",
     "retire_order",
     "tau",
     "threshold_sweep",
@@ -132,6 +134,19 @@ class RoundRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# What putting a round on the device consists of, in order (``launch_parts``): the policy's γ_d (and the
+# round's start event), the draft step, the lengths (calibration, the policy's lengths and width; a
+# width's read-back excluded), the target step (its inputs built, staged and run), verification, the
+# commit (the next tokens, the idle rows, the caches' lengths) and the outcome's copies to the host.
+LAUNCH_PARTS = ("plan", "draft", "lengths", "target", "verify", "commit", "copies")
+
+
+def launch_parts(marks: Sequence[float]) -> dict[str, float]:
+    """The host's ms in each of ``LAUNCH_PARTS`` from the clock at the launch's start and at the end
+    of each part (``_Round.marks``); empty without them. They add up to the round's ``launch_ms``."""
+    return {name: 1e3 * (b - a) for name, a, b in zip(LAUNCH_PARTS, marks, marks[1:])}
 
 
 def packed_copies(tensors: dict[str, Tensor], copy: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
@@ -235,6 +250,7 @@ class _Round:
     host_s: float  # host time spent launching it, waits excluded
     readback_s: float = 0.0  # host time blocked on the verify width's read-back
     policy_s: float = 0.0  # of host_s, the policy's calls (its choices and their device work)
+    marks: tuple[float, ...] = ()  # host clock at the launch's start and at the end of each LAUNCH_PARTS
 
 
 class _Clock:
@@ -659,6 +675,7 @@ class Engine:
         returns the round (its outcome copied to the host asynchronously) and the next anchors
         and their positions, on the device."""
         t0 = time.perf_counter()
+        marks = [t0]  # the end of each of LAUNCH_PARTS, for the round's record
         readback_s = 0.0
         self._clock.launch()
         r = len(live)
@@ -669,9 +686,11 @@ class Engine:
             tp = time.perf_counter()
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
             policy_s = time.perf_counter() - tp
+        marks.append(time.perf_counter())
         conf_logits = conf = shadow = None
         if drafted:
             prop = self._propose(anchors, anchor_pos, drafted)
+            marks.append(time.perf_counter())
             if prop.confidence_logits is not None:
                 conf_logits = prop.confidence_logits.float()
                 conf = self._calibrated(conf_logits)
@@ -690,10 +709,12 @@ class Engine:
             drafts = prop.tokens[:, :g]
             draft_probs = None if prop.probs is None else prop.probs[:, :g]  # None: a greedy proposal
         else:
+            marks.append(marks[-1])  # no draft step
             g = 0
             lengths = torch.zeros(r, dtype=torch.long, device=device)
             drafts = torch.zeros(r, 0, dtype=torch.long, device=device)
             draft_probs = None
+        marks.append(time.perf_counter() - readback_s)
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
         # What the target step returns is what ``_verify`` reads: probabilities [R, G+1, V] here,
@@ -702,7 +723,9 @@ class Engine:
             target_out, taps = self._target_step(ids, positions)
         else:  # nothing drafted: target-only decoding's step
             target_out, taps = self._plain_step(ids, positions)
+        marks.append(time.perf_counter() - readback_s)
         res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
+        marks.append(time.perf_counter() - readback_s)
         n = res.accepted
         # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
         nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
@@ -716,6 +739,7 @@ class Engine:
             kept = torch.where(mask, 0, kept)
             next_anchors = torch.where(mask, anchors, next_anchors)
         self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
+        marks.append(time.perf_counter() - readback_s)
         out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
         if self.record_rounds and self.record_confidence and conf_logits is not None:
             out.update(conf_logits=conf_logits, conf=conf)
@@ -724,8 +748,9 @@ class Engine:
         next_pos = anchor_pos + kept
         copies = self._to_host_all(out)
         stamp = self._clock.end()  # after the copies: reading them waits for this event
-        host_s = time.perf_counter() - t0 - readback_s
-        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s, policy_s)
+        marks.append(time.perf_counter() - readback_s)
+        host_s = marks[-1] - t0
+        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s, policy_s, tuple(marks))
         return rnd, next_anchors, next_pos
 
     def _complete(self, rnd: _Round) -> tuple[_RoundRows | None, list[_Live], dict]:
@@ -778,6 +803,7 @@ class Engine:
             "policy_ms": 1e3 * policy_s,  # of host_ms: the policy's calls, in both halves
             "wait_ms": 1e3 * wait_s,
             "readback_ms": 1e3 * rnd.readback_s,
+            "launch_parts": launch_parts(rnd.marks),  # launch_ms by part
             "gpu_ms": timing.get("gpu_ms"),
             # one-off work since the previous round's record (graph captures, compiles, GC passes)
             "events": self._watch.increments() if self._watch is not None else {},
