@@ -90,6 +90,12 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
 _SELF_CHECKS: dict[tuple, bool] = {}
 
 
+def self_check_results() -> list[dict]:
+    """Every self-check this process ran: the kernel, its key (device first) and whether it runs,
+    for a benchmark's report: a timing taken on a fallback says so."""
+    return [{"kernel": k[0], "key": [str(x) for x in k[1:]], "runs": ok} for k, ok in _SELF_CHECKS.items()]
+
+
 def self_check(kernel: str, key: tuple, check: Callable[[], tuple[bool, str]], fallback: str) -> bool:
     """Whether ``kernel`` may run for ``key`` (its device first, then what its code depends on):
     ``check()`` runs it once per process and key on a small case against its reference and says

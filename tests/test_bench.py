@@ -120,6 +120,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     report = json.loads(out.read_text())
     assert report["waves"] == 1  # the default: one batch of R requests
     assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
+    assert all(set(c) == {"kernel", "key", "runs"} for c in report["kernel_checks"])  # the self-checks run
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])
     for r in report["rows"]:  # each repeat says where its slowest round was
         assert all(rep["slowest_round"]["ms"] == rep["max_ms_round"] for rep in r["repeats"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark.bench.common import kernel_fallbacks
 from dspark.kernels import (
     RowWeights,
     cache_attention,
@@ -590,6 +591,12 @@ def test_cache_attention_self_check_falls_back_with_a_warning(monkeypatch, tail)
     with pytest.warns(UserWarning, match="SDPA runs instead"):
         assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)
     assert not module.kernel_self_check(torch.device("cpu"), torch.float32, 16, 2, tail)  # remembered, silent
+    # ... and a benchmark's report says so (bench.common.kernel_fallbacks)
+    report = {}
+    kernel_fallbacks(report)
+    assert report["kernel_checks"] == [
+        {"kernel": "cache_attention", "key": ["cpu", "torch.float32", "16", "2", str(tail)], "runs": False}
+    ]
 
 
 def test_cache_attention_refusals():

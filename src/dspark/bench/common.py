@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from ..core.timing import median_ms
 
-__all__ = ["compose_target", "median_ms", "publish", "report_header", "say_compile_fallbacks"]
+__all__ = [
+    "compose_target",
+    "kernel_fallbacks",
+    "median_ms",
+    "publish",
+    "report_header",
+    "say_compile_fallbacks",
+]
 
 
 def compose_target(overrides: list[str]):
@@ -28,6 +35,17 @@ def report_header(command: str, argv: list[str], target, compile: bool | None) -
         "dtype": str(target.dtype).replace("torch.", ""),
         "compiled": compile if compile is not None else target.device.type == "cuda",
     }
+
+
+def kernel_fallbacks(report: dict) -> None:
+    """Record in ``report`` the Triton kernels' self-checks (``kernel_checks``: which ran, which
+    fell back to their reference), and say any fallback: it changes what the timings measured."""
+    from ..kernels._common import self_check_results
+
+    report["kernel_checks"] = self_check_results()
+    off = [f"{c['kernel']} ({', '.join(c['key'])})" for c in report["kernel_checks"] if not c["runs"]]
+    if off:
+        print(f"WARNING: Triton kernels off after their self-check, their fallbacks timed: {'; '.join(off)}")
 
 
 def say_compile_fallbacks(hits: list[str]) -> None:

@@ -89,7 +89,7 @@ def _main(argv, watch) -> dict:
     from ..decoding.engine import LAUNCH_PARTS
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish, report_header, say_compile_fallbacks
+    from .common import compose_target, kernel_fallbacks, publish, report_header, say_compile_fallbacks
     from .measure import check_policies, compare, goal_checks
 
     argv = sys.argv[1:] if argv is None else argv
@@ -152,6 +152,7 @@ def _main(argv, watch) -> dict:
             report["goals"][f"{temperature:g}"] = goal_checks(these)
             atomic_write_json(args.out, report)
     rows, goals = report["rows"], report["goals"]
+    kernel_fallbacks(report)
     publish(
         args.out,
         report,

@@ -78,7 +78,7 @@ def _main(argv, watch) -> dict:
     from ..core.io import atomic_write_json
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, publish, report_header, say_compile_fallbacks
+    from .common import compose_target, kernel_fallbacks, publish, report_header, say_compile_fallbacks
     from .sps import (
         capacity,
         cost_curve,
@@ -170,6 +170,7 @@ def _main(argv, watch) -> dict:
         served = drafter if args.drafter_dir else None
         report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile, **temp)
         save()
+    kernel_fallbacks(report)
     nan = float("nan")
     publish(
         args.out,
