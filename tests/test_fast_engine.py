@@ -15,6 +15,8 @@ import gc
 import pytest
 import torch
 from test_engine import Cycling, hf_greedy, make_drafter, prompts_for
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dspark.core.types import Shared
 from dspark.decoding.engine import Engine, Request, retire_order
@@ -23,7 +25,7 @@ from dspark.decoding.graphs import GraphBank, bucket_for
 from dspark.decoding.kv import RaggedKV
 from dspark.decoding.static_target import StaticTarget, UnsupportedTarget, store_kv
 from dspark.scheduling.cost import CostModel
-from dspark.scheduling.policies import DraftAware, build_policy
+from dspark.scheduling.policies import DraftAware, Fixed, build_policy
 from dspark.target import Target
 
 
@@ -329,6 +331,16 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     # A second generate on the same engine reuses its caches from a clean state.
     again = fast.generate(reqs[:2])
     assert [g.tokens for g in again.generations] == [g.tokens for g in plain.generate(reqs[:2]).generations]
+
+
+def test_one_draw_of_a_rounds_uniforms_takes_the_numbers_of_one_draw_each():
+    """The fast engine draws a round's uniforms (the drafter's, u_accept, u_sample) at once, where
+    the plain engine draws them in turn: the same numbers only because a CPU generator fills a
+    tensor element by element, whatever its size (the reproduction tests above rely on it)."""
+    for sizes in ((3 * 7, 3 * 2, 3), (64 * 7, 64 * 7, 64), (256 * 7, 256 * 3, 256), (1, 17, 4096)):
+        one = torch.rand(sum(sizes), generator=torch.Generator().manual_seed(5))
+        g = torch.Generator().manual_seed(5)
+        assert torch.equal(one, torch.cat([torch.rand(n, generator=g) for n in sizes])), sizes
 
 
 # Three rows, γ = 4: verify flat up to 9 tokens, then steep; drafting a position costs 0.5 ms.
@@ -907,6 +919,105 @@ def test_rounds_leave_no_cyclic_garbage(small_target, device):
         assert collecting == [False] and gc.isenabled()
     finally:
         small_target.to("cpu")
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the operations a round's launch dispatches outside its captured steps that would put
+    work on the device: not views, not conversions that return their input, not empty results;
+    each replay of a step and each verification kernel counts as one (``_EagerBank``, ``verify``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.inside, self.counting = 0, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.counting and not self.inside and not func.is_view:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            storages = {t.untyped_storage().data_ptr() for t in ins}
+            returns_input = outs and all(o.untyped_storage().data_ptr() in storages for o in outs)
+            empty = outs and all(o.numel() == 0 for o in outs)
+            self.count += (func._schema.is_mutable or not returns_input) and not empty
+        return out
+
+    @contextlib.contextmanager
+    def one_launch(self):
+        self.count += self.counting and not self.inside
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+
+class _EagerBank:
+    """The CUDA-graph bank's interface on the CPU: each step runs eagerly where a replay would."""
+
+    def __init__(self, launches: _Launches):
+        self.launches = launches
+
+    def run(self, key, step):
+        with self.launches.one_launch():
+            return step()
+
+    def clear(self):
+        pass
+
+
+def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeypatch):
+    """What a round launches beside its captured steps costs the host a few µs each: a budget per
+    kind of round, its launches listed. Target-only (T = 0): the step's inputs (the anchors with
+    the drafts, their positions), two staging copies, the step, verification, the tokens kept,
+    the next positions, the cache's lengths: 9; at T = 1 one draw of uniforms more. A plain round
+    of an engine that carries a drafter adds the ring's slot and the drafter's context length, and
+    every 8th the ring's flush. A drafting round adds the draft step, its two staging copies (three
+    at T = 1: the uniforms), the lengths' clamp and the context length. (Before session
+    2026-12-04-i: 16, 19 and 24 at T = 0.)"""
+    import dspark.decoding.fast_engine as fe
+
+    t = small_target
+    launches = _Launches()
+
+    def one_kernel(inner):
+        def kernel(*args, **kw):
+            with launches.one_launch():
+                return inner(*args, **kw)
+
+        return kernel
+
+    for name in ("rejection_verify", "greedy_verify"):
+        monkeypatch.setattr(fe, name, one_kernel(getattr(fe, name)))
+    drafter = make_drafter(t, "dspark", "markov", gamma=7, seed=1)[0]
+    budget = {  # (T, round kind): launches a round outside its steps, at most
+        (0.0, "target_only"): 9, (0.0, "plain"): 11 + 1 / 8, (0.0, "fixed"): 14,
+        (1.0, "target_only"): 10, (1.0, "plain"): 12 + 1 / 8, (1.0, "fixed"): 16,
+    }  # fmt: skip
+    policies = {"plain": Fixed(0), "fixed": Fixed(None)}  # Fixed(0): every round drafts nothing
+    for (temperature, kind), most in budget.items():
+        eng = FastEngine(
+            t, None if kind == "target_only" else drafter, policies.get(kind),
+            temperature=temperature, concurrency=4, buckets=(4,), capacity=128, max_new_tokens=24,
+            eos_token_ids=(), record_confidence=False,
+        )  # fmt: skip
+        eng.bank = _EagerBank(launches)
+        launch = eng._launch
+
+        def counted(*args, _launch=launch, **kw):
+            launches.counting = True
+            try:
+                return _launch(*args, **kw)
+            finally:
+                launches.counting = False
+
+        eng._launch = counted
+        eng.generate(prompts_for(t, 4, seed=3))  # the constants made once, out of the count
+        launches.count = 0
+        with launches:
+            res = eng.generate(prompts_for(t, 4, seed=3))
+        assert {s["drafted"] for s in res.steps} == {0 if kind != "fixed" else 7}
+        per_round = launches.count / len(res.steps)
+        assert per_round <= most + 1e-9, f"T = {temperature:g}, {kind}: {per_round:.2f} launches a round"
 
 
 @pytest.mark.gpu

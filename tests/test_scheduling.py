@@ -1024,6 +1024,8 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
             real = pol.width(m) is None
             shadow = pol.shadow_lengths(conf, cost)
             assert not (real and shadow is not None)  # a round walks for real or in the shadow
+            # the engine calibrates the confidences only for a round that walks, really or not
+            assert pol.reads_confidences() == (real or shadow is not None)
             assert real or pol.lengths(conf, cost).tolist() == [m] * 64  # else: the whole draft
             walked.append(real)
             shadows.append(shadow is not None)
@@ -1042,8 +1044,11 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
     # round in 8 verifies its whole draft, to time it against the walks).
     cut, _ = rounds(24, lambda m: 0)
     assert not any(cut[:4]) and sum(cut[-8:]) == 7
-    # A policy without shadows (the default) never computes one.
+    # A policy without shadows (the default) never computes one; those that need no confidences
+    # read none, the others read them every round.
     assert Fixed().shadow_lengths(torch.full((2, 3), 0.5)) is None
+    assert not any(p.reads_confidences() for p in (Fixed(), Mtp1(), DraftAware()))
+    assert Threshold().reads_confidences() and Truncated(Threshold(), 3).reads_confidences()
     with pytest.raises(ValueError, match="explore_every"):
         HardwareAware(explore_every=0)
 

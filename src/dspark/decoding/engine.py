@@ -375,6 +375,7 @@ class Engine:
         self._temps_dev: Tensor | None = None
         self._clock = _Clock(self.device)
         self._watch: StallWatch | None = None  # set while generate runs
+        self._constants: dict[tuple, Tensor] = {}  # ``_constant``
 
     def set_policy(self, policy: Policy | None = None) -> None:
         """Use ``policy`` for the next ``generate`` (an engine, its caches and graphs, serves many)."""
@@ -543,13 +544,14 @@ class Engine:
         out = self.target(ids, positions=positions, cache=self._kv, attention_mask=mask, use_cache=True)
         return self._target_probs(out.logits), out.taps
 
-    def _commit(self, kept: Tensor, taps: Tensor, positions: Tensor, next_tokens: Tensor) -> None:
+    def _commit(self, kept: Tensor, taps: Tensor, positions: Tensor, drafts: Tensor, res) -> None:
         """Keep kept[r] tokens of the last step in row r (the anchor and the accepted drafts) and
-        give their features to the drafter."""
+        give their features to the drafter, with the token after each (``VerifyResult`` ``res``)."""
         self._kv.commit(kept)
         if self.drafter is not None:
             valid = torch.arange(positions.shape[1], device=self.device)[None, :] < kept[:, None]
-            self.drafter.extend_context(self._dcache, taps, positions, valid, next_tokens, self.shared)
+            nxt = following_tokens(drafts, res.accepted, res.next_token)
+            self.drafter.extend_context(self._dcache, taps, positions, valid, nxt, self.shared)
 
     def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
         """The target step of a round that drafted nothing (ids [R, 1]): target-only decoding's.
@@ -602,6 +604,21 @@ class Engine:
     @property
     def _gamma(self) -> int:
         return getattr(self.drafter, "gamma", 0) if self.drafter is not None else 0
+
+    @property
+    def _records_confidence(self) -> bool:
+        return self.record_rounds and self.record_confidence
+
+    def _constant(self, make: Callable[..., Tensor], *shape: int, dtype=torch.long) -> Tensor:
+        """``make(*shape)`` on the device (zeros, ones, an arange), made once per shape and shared
+        (its users only read it): a round's fixed inputs cost no launch each round."""
+        key = (make, shape, dtype)
+        t = self._constants.get(key)
+        if t is None:
+            if len(self._constants) >= 256:  # row counts vary as requests finish: keep the recent ones
+                self._constants.clear()
+            t = self._constants[key] = make(*shape, dtype=dtype, device=self.device)
+        return t
 
     def _uniform(self, *shape: int) -> Tensor:
         if self.generator.device.type == "cpu" and self.device.type == "cuda":
@@ -693,8 +710,13 @@ class Engine:
             marks.append(time.perf_counter())
             if prop.confidence_logits is not None:
                 conf_logits = prop.confidence_logits.float()
-                conf = self._calibrated(conf_logits)
-            scores = conf if conf is not None else torch.ones(r, drafted, device=device)
+                if self.policy.reads_confidences() or self._records_confidence:
+                    conf = self._calibrated(conf_logits)
+            # A policy that reads no confidences this round gets a tensor of their shape; one that
+            # needs them has a drafter that gives them (``set_policy``).
+            scores = conf if conf is not None else conf_logits
+            if scores is None:
+                scores = self._constant(torch.ones, r, drafted, dtype=torch.float32)
             tp = time.perf_counter()
             lengths = (
                 self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, drafted)
@@ -711,12 +733,11 @@ class Engine:
         else:
             marks.append(marks[-1])  # no draft step
             g = 0
-            lengths = torch.zeros(r, dtype=torch.long, device=device)
-            drafts = torch.zeros(r, 0, dtype=torch.long, device=device)
+            lengths, drafts = self._constant(torch.zeros, r), self._constant(torch.zeros, r, 0)
             draft_probs = None
         marks.append(time.perf_counter() - readback_s)
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
-        positions = anchor_pos[:, None] + torch.arange(g + 1, device=device)
+        positions = anchor_pos[:, None] + self._constant(torch.arange, g + 1)
         # What the target step returns is what ``_verify`` reads: probabilities [R, G+1, V] here,
         # the argmax tokens [R, G+1] in the fast engine's greedy rounds.
         if drafted:
@@ -727,9 +748,6 @@ class Engine:
         res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
         marks.append(time.perf_counter() - readback_s)
         n = res.accepted
-        # Features of positions a..a+n; the token after each is d_1..d_n, then the new token.
-        nxt = torch.cat([drafts, torch.zeros_like(anchors)[:, None]], dim=1)
-        nxt[torch.arange(r, device=device), n] = res.next_token
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
         # stay in place, re-verifying the same position until they leave.
         kept, next_anchors = n + 1, res.next_token
@@ -738,10 +756,10 @@ class Engine:
             mask = self._to_device(torch.tensor(idle))
             kept = torch.where(mask, 0, kept)
             next_anchors = torch.where(mask, anchors, next_anchors)
-        self._commit(kept, taps, positions, nxt)  # the rest is overwritten next round
+        self._commit(kept, taps, positions, drafts, res)  # the rest is overwritten next round
         marks.append(time.perf_counter() - readback_s)
         out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
-        if self.record_rounds and self.record_confidence and conf_logits is not None:
+        if self._records_confidence and conf_logits is not None:
             out.update(conf_logits=conf_logits, conf=conf)
         if shadow is not None:
             out["shadow"] = shadow
@@ -867,6 +885,14 @@ def retire_order(running: Sequence[bool]) -> list[int]:
     for hole, above in zip(holes, (i for i in range(n, len(running)) if running[i])):
         order[hole] = above
     return order
+
+
+def following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> Tensor:
+    """[R, G + 1]: the token after each verified position a..a+G of a round: d_1..d_n (the accepted
+    drafts), then the new token at n (past it: padding, never kept)."""
+    nxt = torch.cat([drafts, torch.zeros_like(next_token)[:, None]], dim=1)
+    nxt[torch.arange(nxt.shape[0], device=nxt.device), accepted] = next_token
+    return nxt
 
 
 def _temperatures(calibration, gamma: int | None) -> Tensor | None:

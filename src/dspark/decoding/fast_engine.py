@@ -27,8 +27,10 @@ What changes against the plain engine (``engine.py``), and nothing else:
     theirs at what their prefill writes, so a join needs no write: ``_park_ring``). Until
     then no draft step reads the context (its ``length`` already counts them; the slots past what
     was written are never read).
-Random numbers are drawn in the plain engine's order from the same generator, so on the CPU the
-fast engine reproduces the plain one token for token (tested; at T = 0 nothing random is read). A
+Random numbers are drawn in the plain engine's order from the same generator (a drafting round's
+in one draw and one copy: ``_propose``), so on the CPU the fast engine reproduces the plain one
+token for token (tested; at T = 0 nothing random is read). What a round launches beside its
+captured steps is held to a budget (tested: 9-16 operations by the kind of round). A
 round reads nothing back (the engine's ``_launch`` / ``_complete``), except the verify width under
 a policy whose width depends on the confidences; its graphs are keyed by rows bucket and verify
 width (target) or drafted length (draft).
@@ -126,6 +128,7 @@ class FastEngine(Engine):
             drafter.compile_inference()
         self.static: StaticTarget | None = None
         self.bank = GraphBank(self.device) if self.use_graphs else None
+        self._round_u: tuple | None = None  # (γ_d, u_accept, u_sample) drawn by ``_propose``
 
     # ---- static state ---------------------------------------------------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
@@ -347,11 +350,26 @@ class FastEngine(Engine):
     def _propose(self, anchors: Tensor, anchor_pos: Tensor, drafted: int) -> Proposal:
         self._flush_context()  # the draft step reads the whole context
         r = anchors.shape[0]
-        # Greedy rounds read no uniforms: the static buffer's stale ones stand in, nothing is drawn.
-        u = self.in_u[:r] if self.greedy else self._uniform(r, self._gamma)
-        return self._draft_step(anchors, anchor_pos, u, drafted)
+        if self.greedy:  # greedy rounds read no uniforms: the static buffer's stale ones stand in
+            return self._draft_step(anchors, anchor_pos, None, drafted)
+        # The round's uniforms in one draw and one copy, in the plain engine's order: the drafter's
+        # [R, γ], then verification's u_accept [R, γ_d] and u_sample [R] (``_verify_uniforms``). A
+        # CPU generator fills a tensor element by element, so one draw of the three takes the same
+        # numbers as three (tested).
+        g = self._gamma
+        u = self._uniform(r * (g + drafted + 1))
+        self._round_u = (drafted, u[r * g : r * (g + drafted)].view(r, drafted), u[r * (g + drafted) :])
+        return self._draft_step(anchors, anchor_pos, u[: r * g].view(r, g), drafted)
 
-    def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor, drafted: int) -> Proposal:
+    def _verify_uniforms(self, drafts: Tensor, drafted: int) -> tuple[Tensor, Tensor]:
+        if not drafted:
+            return super()._verify_uniforms(drafts, drafted)
+        planned, u_accept, u_sample = self._round_u  # drawn with the round's draft (``_propose``)
+        self._round_u = None
+        assert planned == drafted, "verification's uniforms belong to this round's draft"
+        return u_accept[:, : drafts.shape[1]], u_sample
+
+    def _draft_step(self, anchors: Tensor, anchor_pos: Tensor, u: Tensor | None, drafted: int) -> Proposal:
         """The first ``drafted`` positions of each row's block (one graph per rows bucket and
         drafted length)."""
         r = anchors.shape[0]
@@ -371,7 +389,8 @@ class FastEngine(Engine):
         self.in_anchor[:r].copy_(anchors)
         self.in_anchor_pos[:r].copy_(anchor_pos)
         self.in_anchor_pos[r:rows].zero_()
-        self.in_u[:r].copy_(u)
+        if u is not None:  # None: greedy, the buffer's stale uniforms stand in (none is read)
+            self.in_u[:r].copy_(u)
         key = ("draft", rows, drafted)
         out = step(r) if self.bank is None else self.bank.run(key, lambda: step(rows))
         conf = out.confidence_logits
@@ -403,11 +422,14 @@ class FastEngine(Engine):
             impl=self.verify_impl,
         )
 
-    def _commit(self, kept: Tensor, taps, positions: Tensor, next_tokens: Tensor) -> None:
+    def _commit(self, kept: Tensor, taps, positions: Tensor, drafts: Tensor, res) -> None:
+        # The drafter's context of this step was written inside it; the tokens after each position
+        # are its next step's inputs, not its context's: nothing of them to keep here.
         r = kept.shape[0]
-        self.static.lengths[:r] += kept
+        # add_ on the views: `x[:r] += y` would also copy the sum onto itself, a launch more.
+        self.static.lengths[:r].add_(kept)
         if self.drafter is not None:
-            self.dcache.length[:r] += kept
+            self.dcache.length[:r].add_(kept)
 
     def _keep_rows(self, index: Tensor, order: list[int]) -> None:
         # The ring's entries are by row: they move with their rows (a flush here would write the whole

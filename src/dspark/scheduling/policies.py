@@ -162,19 +162,24 @@ def _lengths_from_prefix(rows: Tensor, j: Tensor, n, R: int, check: bool = True,
 
 
 def _whole_draft(cache: dict, confidences: Tensor) -> Tensor:
-    """Every row's whole draft, ``[γ_d] * R`` (long) on the confidences' device: made once per shape
-    and device, kept in ``cache`` and shared (its callers only read it), as a fill launched every
-    round is host time the round waits for."""
+    """Every row's whole draft, ``[γ_d] * R`` (long) on the confidences' device (``_filled``)."""
     if confidences.dim() != 2:
         raise ValueError(f"confidences must be [R, gamma], got shape {tuple(confidences.shape)}")
     R, G = confidences.shape
-    key = (R, G, confidences.device)
+    return _filled(cache, R, G, confidences.device)
+
+
+def _filled(cache: dict, rows: int, value: int, device: torch.device) -> Tensor:
+    """``[value] * rows`` (long) on ``device``: made once per shape and device, kept in ``cache``
+    and shared (its callers only read it), as a fill launched every round is host time the round
+    waits for."""
+    key = (rows, value, device)
     full = cache.get(key)
     if full is None:
         if len(cache) >= 64:  # rows vary as requests finish: keep the recent shapes
             cache.clear()
         with torch.inference_mode(False):  # a plain tensor, usable by callers in either mode
-            full = cache[key] = torch.full((R,), G, dtype=torch.long, device=confidences.device)
+            full = cache[key] = torch.full((rows,), value, dtype=torch.long, device=device)
     return full
 
 
@@ -587,6 +592,12 @@ class Policy:
         them, and the engine reads ``max(lengths)`` back."""
         return None
 
+    def reads_confidences(self) -> bool:
+        """Whether this round's ``lengths`` or ``shadow_lengths`` read the confidences' values (asked
+        after ``draft_length``). When not, the engine neither calibrates them (unless it records
+        them) nor expects them: the policy gets a tensor of their shape."""
+        return self.needs_confidence
+
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """A completed round's verified lengths and accepted counts (live rows only)."""
 
@@ -629,6 +640,7 @@ class Fixed(Policy):
         if gamma is not None and gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
         self.gamma = gamma
+        self._full: dict[tuple, Tensor] = {}  # ``_filled``'s lengths per shape and device
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         if confidences.dim() != 2:
@@ -637,7 +649,7 @@ class Fixed(Policy):
         g = G if self.gamma is None else self.gamma
         if g > G:
             raise ValueError(f"Fixed(gamma={g}) but the drafter proposed only {G} tokens per request")
-        return torch.full((R,), g, dtype=torch.long, device=confidences.device)
+        return _filled(self._full, R, g, confidences.device)
 
     def draft_length(self, rows: int, gamma: int, cost: CostModel | None = None) -> int:
         return gamma if self.gamma is None else min(self.gamma, gamma)  # nothing it will not verify
@@ -830,6 +842,9 @@ class HardwareAware(Policy):
 
     def width(self, drafted: int) -> int | None:
         return None if self._walk else drafted
+
+    def reads_confidences(self) -> bool:
+        return self._walk or self._shadow  # a whole-draft round reads none
 
     def lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor:
         cost = _need_cost(self, cost)
@@ -1114,6 +1129,9 @@ class Truncated(Policy):
 
     def width(self, drafted: int) -> int | None:
         return self.inner.width(min(drafted, self.gamma))
+
+    def reads_confidences(self) -> bool:
+        return self.inner.reads_confidences()
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self.inner.observe_round(lengths, accepted)
