@@ -139,7 +139,8 @@ class RoundRecord:
 # What putting a round on the device consists of, in order (``launch_parts``): the policy's γ_d (and the
 # round's start event), the draft step, the lengths (calibration, the policy's lengths and width; a
 # width's read-back excluded), the target step (its inputs built, staged and run), verification, the
-# commit (the next tokens, the idle rows, the caches' lengths) and the outcome's copies to the host.
+# commit (the idle rows, the caches' lengths; the plain engine's drafter context) and the outcome's
+# copies to the host.
 LAUNCH_PARTS = ("plan", "draft", "lengths", "target", "verify", "commit", "copies")
 
 
@@ -550,7 +551,7 @@ class Engine:
         self._kv.commit(kept)
         if self.drafter is not None:
             valid = torch.arange(positions.shape[1], device=self.device)[None, :] < kept[:, None]
-            nxt = following_tokens(drafts, res.accepted, res.next_token)
+            nxt = _following_tokens(drafts, res.accepted, res.next_token)
             self.drafter.extend_context(self._dcache, taps, positions, valid, nxt, self.shared)
 
     def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -887,7 +888,7 @@ def retire_order(running: Sequence[bool]) -> list[int]:
     return order
 
 
-def following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> Tensor:
+def _following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> Tensor:
     """[R, G + 1]: the token after each verified position a..a+G of a round: d_1..d_n (the accepted
     drafts), then the new token at n (past it: padding, never kept)."""
     nxt = torch.cat([drafts, torch.zeros_like(next_token)[:, None]], dim=1)
