@@ -181,7 +181,7 @@ class EngineResult:
         return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
 
 
-@dataclass
+@dataclass(slots=True)  # its fields are read R times a round (attribute lookups without a dict)
 class _Live:
     """A running request (row i of the batch tensors)."""
 
@@ -781,7 +781,10 @@ class Engine:
         host = {k: v.tolist() for k, v in rnd.out.items()}
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
-        for i, item in enumerate(rnd.items):
+        eos, record = self.eos, self.record_rounds
+        for i, item in enumerate(
+            rnd.items
+        ):  # R rows a round: the loop body is the host's work at a high load
             if item.first is not None:  # joined before this round: its prefill's token comes first
                 copy, j = item.first
                 item.first = None
@@ -791,13 +794,20 @@ class Engine:
             if item.finish is not None:  # ended before this round's tokens: they are void
                 continue
             rows.append(i)
-            emitted = self._emit(item, draft_l[i][: n_l[i]] + [next_l[i]])
-            if item.finish is not None:
-                ended.append(item)
-            if self.record_rounds:
+            n = n_l[i]
+            new = draft_l[i][:n]  # a fresh list: the accepted drafts, then the new token
+            new.append(next_l[i])
+            if n + 1 < item.budget - len(item.tokens) and eos.isdisjoint(new):  # _emit's common case
+                item.tokens += new
+                emitted = n + 1
+            else:
+                emitted = self._emit(item, new)
+                if item.finish is not None:
+                    ended.append(item)
+            if record:
                 kept.append((i, item.req.id, item.rounds, emitted))
             item.rounds += 1
-            item.accepted += n_l[i]
+            item.accepted += n
         batch = len(rows)  # the round's live rows
         recs = _RoundRows(rnd.step, batch, self._gamma, host, kept) if self.record_rounds else None
         policy_s = rnd.policy_s
