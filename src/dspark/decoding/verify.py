@@ -19,8 +19,6 @@ kernels are tested against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -29,18 +27,31 @@ from ..core.sampling import sample_from
 __all__ = ["VerifyResult", "greedy_verify", "one_hot_drafts", "verify"]
 
 
-@dataclass(frozen=True)
 class VerifyResult:
     """Outcome of one verification step for R requests with up to G drafts each.
 
     accepted:     [R] long, number of accepted drafts (0 <= accepted <= lengths).
     next_token:   [R] long, the correction token (first rejection) or the bonus token.
-    accept_flags: [R, G] bool, True exactly for positions < accepted.
+    accept_flags: [R, G] bool, True exactly for positions < accepted; built when first read
+                  (from ``width`` = G) unless given: the engine never reads it, and inside a
+                  decode round each tensor op is a launch.
     """
 
-    accepted: Tensor
-    next_token: Tensor
-    accept_flags: Tensor
+    __slots__ = ("accepted", "next_token", "_flags", "_width")
+
+    def __init__(
+        self, accepted: Tensor, next_token: Tensor, accept_flags: Tensor | None = None, *, width=None
+    ):
+        if accept_flags is None and width is None:
+            raise ValueError("VerifyResult needs accept_flags or the width G to build them from")
+        self.accepted, self.next_token, self._flags, self._width = accepted, next_token, accept_flags, width
+
+    @property
+    def accept_flags(self) -> Tensor:
+        if self._flags is None:
+            pos = torch.arange(self._width, device=self.accepted.device)
+            self._flags = pos[None, :] < self.accepted[:, None]
+        return self._flags
 
 
 def _check_inputs(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, lengths: Tensor) -> None:
@@ -163,12 +174,14 @@ def greedy_verify(target_tokens: Tensor, tokens: Tensor, lengths: Tensor) -> Ver
             f"greedy_verify takes target_tokens [R, G+1] = {(r, g + 1)} and lengths [R] = {(r,)}, got "
             f"{tuple(target_tokens.shape)} and {tuple(lengths.shape)}"
         )
-    pos = torch.arange(g, device=tokens.device)
-    ok = (tokens == target_tokens[:, :g]) & (pos[None, :] < lengths[:, None])
-    accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    if g == 0:  # a plain round: the target's own token, nothing to accept
+        return VerifyResult(torch.zeros_like(lengths), target_tokens[:, 0], width=0)
+    # The leading run of drafts the target agrees with, cut at each row's length: the drafts past
+    # ℓ_r are padding, and a run that reaches ℓ_r stops there (no mask built for them).
+    run = (tokens == target_tokens[:, :g]).long().cumprod(dim=1).sum(dim=1)
+    accepted = torch.minimum(run, lengths)
     next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)
-    flags = pos[None, :] < accepted[:, None]
-    return VerifyResult(accepted=accepted, next_token=next_token, accept_flags=flags)
+    return VerifyResult(accepted, next_token, width=g)
 
 
 def one_hot_drafts(tokens: Tensor, vocab: int) -> Tensor:
