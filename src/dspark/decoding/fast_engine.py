@@ -30,7 +30,7 @@ What changes against the plain engine (``engine.py``), and nothing else:
 Random numbers are drawn in the plain engine's order from the same generator (a drafting round's
 in one draw and one copy: ``_propose``), so on the CPU the fast engine reproduces the plain one
 token for token (tested; at T = 0 nothing random is read). What a round launches beside its
-captured steps is held to a budget (tested: 9-18 operations by the kind of round). A
+captured steps is held to a budget (tested: 8-18 operations by the kind of round). A
 round reads nothing back (the engine's ``_launch`` / ``_complete``), except the verify width under
 a policy whose width depends on the confidences; its graphs are keyed by rows bucket and verify
 width (target) or drafted length (draft).

@@ -174,8 +174,8 @@ def greedy_verify(target_tokens: Tensor, tokens: Tensor, lengths: Tensor) -> Ver
             f"greedy_verify takes target_tokens [R, G+1] = {(r, g + 1)} and lengths [R] = {(r,)}, got "
             f"{tuple(target_tokens.shape)} and {tuple(lengths.shape)}"
         )
-    if g == 0:  # a plain round: the target's own token, nothing to accept
-        return VerifyResult(torch.zeros_like(lengths), target_tokens[:, 0], width=0)
+    if g == 0:  # a plain round: the target's own token, nothing accepted (lengths are all 0)
+        return VerifyResult(lengths, target_tokens[:, 0], width=0)
     # The leading run of drafts the target agrees with, cut at each row's length: the drafts past
     # ℓ_r are padding, and a run that reaches ℓ_r stops there (no mask built for them).
     run = (tokens == target_tokens[:, :g]).long().cumprod(dim=1).sum(dim=1)
