@@ -40,7 +40,12 @@ class VerifyResult:
     __slots__ = ("accepted", "next_token", "_flags", "_width")
 
     def __init__(
-        self, accepted: Tensor, next_token: Tensor, accept_flags: Tensor | None = None, *, width=None
+        self,
+        accepted: Tensor,
+        next_token: Tensor,
+        accept_flags: Tensor | None = None,
+        *,
+        width: int | None = None,
     ):
         if accept_flags is None and width is None:
             raise ValueError("VerifyResult needs accept_flags or the width G to build them from")
