@@ -171,25 +171,21 @@ def _main(argv, watch) -> dict:
             for row in rows
         ],
     )  # fmt: skip
-    print("\nrounds by rows bucket and drafted length: count, measured/priced/host/launch/policy ms, "
-          "tokens/verified a row")  # fmt: skip
-    for row in rows:
-        parts = [
-            f"b{g['rows_bucket']} γ{g['drafted']}: {g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/"
-            f"{g['host_ms']:.2f}/{g.get('launch_ms', 0.0):.2f}/{g.get('policy_ms', 0.0):.2f}, "
+    _print_by_length(
+        rows,
+        "rounds by rows bucket and drafted length: count, measured/priced/host/launch/policy ms, "
+        "tokens/verified a row",
+        lambda g: (
+            f"{g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/{g['host_ms']:.2f}/"
+            f"{g['launch_ms']:.2f}/{g['policy_ms']:.2f}, "
             f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
-            for g in row.get("by_length", [])
-        ]
-        print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))
-    print(f"\nthe launch by part, ms a round ({'/'.join(LAUNCH_PARTS)}), per rows bucket and drafted length")
-    for row in rows:
-        parts = [
-            f"b{g['rows_bucket']} γ{g['drafted']}: "
-            + "/".join(f"{g['launch_parts'][p]:.3f}" for p in LAUNCH_PARTS)
-            for g in row.get("by_length", [])
-            if g.get("launch_parts")
-        ]
-        print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(parts))
+        ),
+    )
+    _print_by_length(
+        rows,
+        f"the launch by part, ms a round ({'/'.join(LAUNCH_PARTS)})",
+        lambda g: "/".join(f"{g['launch_parts'][p]:.3f}" for p in LAUNCH_PARTS),
+    )
     for temperature, checks in goals.items():
         for c in checks:
             print(f"T={temperature} R={c['concurrency']}: {_goals_line(c)}")
@@ -199,6 +195,14 @@ def _main(argv, watch) -> dict:
                 print(f"    at the load R (>= {100 * share:.0f} % of each run): {_goals_line(c['at_load'])}")
     say_compile_fallbacks(watch.hits)
     return report
+
+
+def _print_by_length(rows: list[dict], title: str, cell) -> None:
+    """A line per point: ``cell`` of each of its rows buckets and drafted lengths (``by_length``)."""
+    print(f"\n{title}")
+    for row in rows:
+        cells = [f"b{g['rows_bucket']} γ{g['drafted']}: {cell(g)}" for g in row.get("by_length", [])]
+        print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(cells))
 
 
 def _goals_line(c: dict) -> str:

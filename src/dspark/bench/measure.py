@@ -201,7 +201,7 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
         if s.get("ms") is None or not s.get("batch"):
             continue
         priced = 1e3 * cost.round_times(s["batch"], s["drafted"])[s["drafted"]] if cost is not None else 0.0
-        parts = s.get("launch_parts") or {}
+        parts = s.get("launch_parts") or {}  # steps recorded without them count 0
         g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(9 + len(LAUNCH_PARTS)))
         g += (1, s["ms"], s.get("host_ms") or 0.0, s.get("launch_ms") or 0.0, s.get("policy_ms") or 0.0,
               s["tokens"], s["verified"], s["batch"], priced,

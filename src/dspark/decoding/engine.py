@@ -74,6 +74,7 @@ from torch import Tensor
 
 from ..core.progress import progress_bar
 from ..core.sampling import sample_from
+from ..core.tensors import kept_tensor
 from ..core.types import Shared
 from ..scheduling.policies import Fixed, Policy
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
@@ -146,7 +147,7 @@ LAUNCH_PARTS = ("plan", "draft", "lengths", "target", "verify", "commit", "copie
 
 def launch_parts(marks: Sequence[float]) -> dict[str, float]:
     """The host's ms in each of ``LAUNCH_PARTS`` from the clock at the launch's start and at the end
-    of each part (``_Round.marks``); empty without them. They add up to the round's ``launch_ms``."""
+    of each part (``_Round.marks``). They add up to the round's ``launch_ms``."""
     return {name: 1e3 * (b - a) for name, a, b in zip(LAUNCH_PARTS, marks, marks[1:])}
 
 
@@ -181,7 +182,7 @@ class EngineResult:
         return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
 
 
-@dataclass(slots=True)  # its fields are read R times a round (attribute lookups without a dict)
+@dataclass
 class _Live:
     """A running request (row i of the batch tensors)."""
 
@@ -248,10 +249,15 @@ class _Round:
     drafted: int  # γ_d: positions drafted this round (0: plain decoding)
     out: dict[str, Tensor]  # host copies of its outcome (in flight on CUDA until ``stamp`` ends)
     stamp: tuple | None  # its CUDA events (``_Clock``)
-    host_s: float  # host time spent launching it, waits excluded
+    # The host's clock at the launch's start and at the end of each of LAUNCH_PARTS, waits excluded
+    marks: tuple[float, ...]
     readback_s: float = 0.0  # host time blocked on the verify width's read-back
-    policy_s: float = 0.0  # of host_s, the policy's calls (its choices and their device work)
-    marks: tuple[float, ...] = ()  # host clock at the launch's start and at the end of each LAUNCH_PARTS
+    policy_s: float = 0.0  # of the launch, the policy's calls (its choices and their device work)
+
+    @property
+    def launch_s(self) -> float:
+        """Host time spent launching it, waits excluded."""
+        return self.marks[-1] - self.marks[0]
 
 
 class _Clock:
@@ -611,15 +617,11 @@ class Engine:
         return self.record_rounds and self.record_confidence
 
     def _constant(self, make: Callable[..., Tensor], *shape: int, dtype=torch.long) -> Tensor:
-        """``make(*shape)`` on the device (zeros, ones, an arange), made once per shape and shared
-        (its users only read it): a round's fixed inputs cost no launch each round."""
-        key = (make, shape, dtype)
-        t = self._constants.get(key)
-        if t is None:
-            if len(self._constants) >= 256:  # row counts vary as requests finish: keep the recent ones
-                self._constants.clear()
-            t = self._constants[key] = make(*shape, dtype=dtype, device=self.device)
-        return t
+        """``make(*shape)`` on the device (zeros, ones, an arange), made once per shape
+        (``kept_tensor``): a round's fixed inputs cost no launch each round."""
+        return kept_tensor(
+            self._constants, (make, shape, dtype), lambda: make(*shape, dtype=dtype, device=self.device)
+        )
 
     def _uniform(self, *shape: int) -> Tensor:
         if self.generator.device.type == "cpu" and self.device.type == "cuda":
@@ -692,9 +694,12 @@ class Engine:
         nothing back (except ``max ℓ`` for a policy whose width depends on the confidences);
         returns the round (its outcome copied to the host asynchronously) and the next anchors
         and their positions, on the device."""
-        t0 = time.perf_counter()
-        marks = [t0]  # the end of each of LAUNCH_PARTS, for the round's record
+        marks = [time.perf_counter()]  # then the end of each of LAUNCH_PARTS, for the round's record
         readback_s = 0.0
+
+        def mark() -> None:  # the read-back is a wait, not launch work
+            marks.append(time.perf_counter() - readback_s)
+
         self._clock.launch()
         r = len(live)
         device = self.device
@@ -704,11 +709,11 @@ class Engine:
             tp = time.perf_counter()
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
             policy_s = time.perf_counter() - tp
-        marks.append(time.perf_counter())
+        mark()
         conf_logits = conf = shadow = None
         if drafted:
             prop = self._propose(anchors, anchor_pos, drafted)
-            marks.append(time.perf_counter())
+            mark()
             if prop.confidence_logits is not None:
                 conf_logits = prop.confidence_logits.float()
                 if self.policy.reads_confidences() or self._records_confidence:
@@ -736,7 +741,7 @@ class Engine:
             g = 0
             lengths, drafts = self._constant(torch.zeros, r), self._constant(torch.zeros, r, 0)
             draft_probs = None
-        marks.append(time.perf_counter() - readback_s)
+        mark()
         ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
         positions = anchor_pos[:, None] + self._constant(torch.arange, g + 1)
         # What the target step returns is what ``_verify`` reads: probabilities [R, G+1, V] here,
@@ -745,9 +750,9 @@ class Engine:
             target_out, taps = self._target_step(ids, positions)
         else:  # nothing drafted: target-only decoding's step
             target_out, taps = self._plain_step(ids, positions)
-        marks.append(time.perf_counter() - readback_s)
+        mark()
         res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
-        marks.append(time.perf_counter() - readback_s)
+        mark()
         n = res.accepted
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
         # stay in place, re-verifying the same position until they leave.
@@ -758,7 +763,7 @@ class Engine:
             kept = torch.where(mask, 0, kept)
             next_anchors = torch.where(mask, anchors, next_anchors)
         self._commit(kept, taps, positions, drafts, res)  # the rest is overwritten next round
-        marks.append(time.perf_counter() - readback_s)
+        mark()
         out = {"accepted": n, "next": res.next_token, "lengths": lengths, "drafts": drafts, "pos": anchor_pos}
         if self._records_confidence and conf_logits is not None:
             out.update(conf_logits=conf_logits, conf=conf)
@@ -767,9 +772,8 @@ class Engine:
         next_pos = anchor_pos + kept
         copies = self._to_host_all(out)
         stamp = self._clock.end()  # after the copies: reading them waits for this event
-        marks.append(time.perf_counter() - readback_s)
-        host_s = marks[-1] - t0
-        rnd = _Round(step, list(live), drafted, copies, stamp, host_s, readback_s, policy_s, tuple(marks))
+        mark()
+        rnd = _Round(step, list(live), drafted, copies, stamp, tuple(marks), readback_s, policy_s)
         return rnd, next_anchors, next_pos
 
     def _complete(self, rnd: _Round) -> tuple[_RoundRows | None, list[_Live], dict]:
@@ -782,9 +786,8 @@ class Engine:
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
         eos, record = self.eos, self.record_rounds
-        for i, item in enumerate(
-            rnd.items
-        ):  # R rows a round: the loop body is the host's work at a high load
+        # R rows a round: at a high load this loop is most of the host's work for it
+        for i, item in enumerate(rnd.items):
             if item.first is not None:  # joined before this round: its prefill's token comes first
                 copy, j = item.first
                 item.first = None
@@ -797,8 +800,8 @@ class Engine:
             n = n_l[i]
             new = draft_l[i][:n]  # a fresh list: the accepted drafts, then the new token
             new.append(next_l[i])
-            if n + 1 < item.budget - len(item.tokens) and eos.isdisjoint(new):  # _emit's common case
-                item.tokens += new
+            if n + 1 < item.budget - len(item.tokens) and eos.isdisjoint(new):  # the request goes on
+                item.tokens += new  # no test per token
                 emitted = n + 1
             else:
                 emitted = self._emit(item, new)
@@ -819,16 +822,16 @@ class Engine:
                 self.policy.observe_shadow(rnd.out["shadow"].numpy()[live])
             policy_s += time.perf_counter() - tp
         wait_s = t1 - t0
-        host_ms = 1e3 * (rnd.host_s + time.perf_counter() - t1)
+        host_ms = 1e3 * (rnd.launch_s + time.perf_counter() - t1)
         info = {
             "step": rnd.step,
             "batch": batch,
             "drafted": rnd.drafted,
             "verified": len(rnd.items) + sum(len_l),
             "tokens": sum(n_l[i] + 1 for i in rows),
-            "ms": timing.get("ms", 1e3 * (rnd.host_s + rnd.readback_s + time.perf_counter() - t0)),
+            "ms": timing.get("ms", 1e3 * (rnd.launch_s + rnd.readback_s + time.perf_counter() - t0)),
             "host_ms": host_ms,
-            "launch_ms": 1e3 * rnd.host_s,  # of host_ms: putting the round on the device
+            "launch_ms": 1e3 * rnd.launch_s,  # of host_ms: putting the round on the device
             "policy_ms": 1e3 * policy_s,  # of host_ms: the policy's calls, in both halves
             "wait_ms": 1e3 * wait_s,
             "readback_ms": 1e3 * rnd.readback_s,
@@ -855,10 +858,8 @@ class Engine:
         return torch.sigmoid(z / self._temps_dev[: z.shape[1]].to(z.dtype))
 
     def _emit(self, item: _Live, new: list[int]) -> int:
-        """Append tokens until EOS or the budget; returns how many were kept."""
-        if len(new) < item.budget - len(item.tokens) and self.eos.isdisjoint(new):
-            item.tokens += new  # the common case, without a test per token (R rows a round)
-            return len(new)
+        """Append tokens until EOS or the budget, token by token; returns how many were kept.
+        (``_complete`` appends a round's tokens at once where neither can stop them.)"""
         kept = 0
         for tok in new:
             item.tokens.append(tok)

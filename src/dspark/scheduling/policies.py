@@ -56,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from ..core.errors import ConfigError
+from ..core.tensors import kept_tensor
 from .cost import CostModel
 
 __all__ = [
@@ -170,17 +171,10 @@ def _whole_draft(cache: dict, confidences: Tensor) -> Tensor:
 
 
 def _filled(cache: dict, rows: int, value: int, device: torch.device) -> Tensor:
-    """``[value] * rows`` (long) on ``device``: made once per shape and device, kept in ``cache``
-    and shared (its callers only read it), as a fill launched every round is host time the round
-    waits for."""
-    key = (rows, value, device)
-    full = cache.get(key)
-    if full is None:
-        if len(cache) >= 64:  # rows vary as requests finish: keep the recent shapes
-            cache.clear()
-        with torch.inference_mode(False):  # a plain tensor, usable by callers in either mode
-            full = cache[key] = torch.full((rows,), value, dtype=torch.long, device=device)
-    return full
+    """``[value] * rows`` (long) on ``device``, made once per shape and device (``kept_tensor``)."""
+    return kept_tensor(
+        cache, (rows, value, device), lambda: torch.full((rows,), value, dtype=torch.long, device=device)
+    )
 
 
 def _empty(confidences: Tensor) -> Tensor | None:
