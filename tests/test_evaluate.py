@@ -101,8 +101,18 @@ def test_evaluate_cli_writes_everything(tiny_target, tmp_path):
     gens = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     for name in ("gsm8k", "mt-bench"):
         b, mine = res["benchmarks"][name], [r for r in rounds if r["benchmark"] == name]
-        assert set(b) == {"tau", "tau_stderr", "requests", "rounds", "new_tokens", "accept_rate_by_position"}
+        assert set(b) == {
+            "tau", "tau_stderr", "requests", "rounds", "new_tokens", "accept_rate_by_position",
+            "request_totals",
+        }  # fmt: skip
         assert b["requests"] == 2 and b["tau_stderr"] is not None  # errors: tests/test_table1.py
+        assert b["request_totals"] == {  # each prompt's Σ (accepted + 1) and rounds, keyed as the rounds
+            req: [
+                sum(r["accepted"] + 1 for r in mine if r["request"] == req),
+                sum(r["request"] == req for r in mine),
+            ]
+            for req in {r["request"] for r in mine}
+        }
         assert b["rounds"] == len(mine) and len(b["accept_rate_by_position"]) == 4
         assert b["tau"] == pytest.approx(sum(r["accepted"] + 1 for r in mine) / len(mine))
         ids = sorted(g["id"] for g in gens if g["benchmark"] == name)

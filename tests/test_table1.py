@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_module
 from test_evaluate import _save
 
 from dspark.core.errors import DataError
-from dspark.decoding.uncertainty import ratio_stderr
+from dspark.decoding.uncertainty import paired_comparison, ratio_stderr
 from dspark.reporting.labelled import read_labelled
 from dspark.reporting.table1 import build_tables, findings, table_markdown
 
@@ -149,7 +149,11 @@ def test_table1_cli_gathers_rows_per_temperature(evals, tmp_path):
         ds, df = (table["rows"][k]["macro"]["all"] for k in ("DSpark-Markov", "DFlash"))
         assert (claim["row"], claim["baseline"], claim["goal"]) == ("DSpark-Markov", "DFlash", 1.10)
         assert claim["ratio"] == pytest.approx(ds / df) and claim["met"] == (ds / df >= 1.10)
-        assert f"- DSpark-Markov / DFlash: {claim['ratio']:.3f} ± {claim['stderr']:.3f}" in md
+        assert claim["stderr_kind"] == "paired"  # both rows carry each prompt's totals
+        assert f"- DSpark-Markov / DFlash: {claim['ratio']:.3f} ± {claim['stderr']:.3f} (paired)" in md
+        (diff,) = table["differences"]
+        assert (diff["row"], diff["baseline"], diff["stderr_kind"]) == ("DSpark-Markov", "DFlash", "paired")
+        assert f"- DSpark-Markov − DFlash: {diff['difference']:+.3f} ± {diff['stderr']:.3f} (paired)" in md
 
 
 def test_findings_hold_each_dspark_row_against_each_baseline():
@@ -231,12 +235,60 @@ def test_folders_written_before_the_errors_still_gather(evals, tmp_path):
         del res[key]
     res["policy"]["gamma"] = None
     for b in res["benchmarks"].values():
-        del b["tau_stderr"], b["requests"]
+        del b["tau_stderr"], b["requests"], b["request_totals"]
     (old / "results.json").write_text(json.dumps(res))
     (table,) = build_tables(read_labelled([f"Old:{old}"]))
     assert table["gamma"] == 4 and table["stderr"]["Old"]["gsm8k"] is None
     md = table_markdown(table)
     assert "±" not in md and "prompts per benchmark: not recorded" in md
+
+
+def test_rows_on_the_same_prompts_are_compared_paired(evals, tmp_path):
+    """Two rows evaluated on the same prompts: their comparison's errors are the paired ones, from each
+    prompt's totals, which agree with generations.jsonl (an independent record of the same rollouts);
+    a row without the totals (an older folder) or on other prompts falls back to independent errors."""
+
+    def totals(folder: Path) -> dict:
+        out = {}
+        for g in _lines(folder / "generations.jsonl"):
+            out.setdefault(g["benchmark"], {})[g["id"]] = (g["accepted"] + g["rounds"], g["rounds"])
+        return out
+
+    # The fixture's DSpark-Markov starts with a zero bias, so it drafts as its DFlash does: sample
+    # DFlash's rounds with another seed for two rows that differ on the same prompts.
+    dflash = _evaluate(evals["drafters"] / "dflash", tmp_path / "dflash_seed1", 1, "seed=1")
+    (table,) = build_tables(read_labelled([str(dflash), str(evals["dspark_t1"])]))
+    want = paired_comparison(totals(evals["dspark_t1"]), totals(dflash))
+    (claim,) = table["findings"]
+    (diff,) = table["differences"]
+    assert claim["stderr_kind"] == diff["stderr_kind"] == "paired"
+    assert claim["ratio"] == pytest.approx(want["ratio"]) and claim["stderr"] == pytest.approx(
+        want["ratio_stderr"]
+    )
+    assert diff["difference"] == pytest.approx(want["difference"])
+    assert diff["stderr"] == pytest.approx(want["difference_stderr"]) and diff["stderr"] > 0
+    assert diff["z"] == pytest.approx(diff["difference"] / diff["stderr"])
+
+    def independent(folder: Path) -> None:
+        (table,) = build_tables(read_labelled([str(dflash), str(folder)]))
+        (diff,) = table["differences"]
+        se = [table["stderr"][label]["macro"]["all"] for label in table["rows"]]
+        assert diff["stderr_kind"] == "independent" and diff["stderr"] == pytest.approx(math.hypot(*se))
+        assert table["findings"][0]["stderr_kind"] == "independent"
+
+    old = tmp_path / "old"
+    shutil.copytree(evals["dspark_t1"], old)
+    res = json.loads((old / "results.json").read_text())
+    for b in res["benchmarks"].values():
+        del b["request_totals"]
+    (old / "results.json").write_text(json.dumps(res))
+    independent(old)
+    other = tmp_path / "other"  # the same benchmarks, one prompt missing from gsm8k
+    shutil.copytree(evals["dspark_t1"], other)
+    res = json.loads((other / "results.json").read_text())
+    res["benchmarks"]["gsm8k"]["request_totals"].pop("gsm8k/3")
+    (other / "results.json").write_text(json.dumps(res))
+    independent(other)
 
 
 def test_figures_cli_draws_figs_2_5_6_with_their_json(evals, tmp_path):

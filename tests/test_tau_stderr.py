@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from dspark.decoding.engine import tau
-from dspark.decoding.uncertainty import mean_stderr, per_request_totals, ratio_stderr, tau_stderr
+from dspark.decoding.uncertainty import (
+    mean_stderr,
+    paired_comparison,
+    per_request_totals,
+    ratio_stderr,
+    tau_stderr,
+)
 
 
 def _rounds(request: str, accepted: list[int]) -> list[dict]:
@@ -54,3 +60,61 @@ def test_matches_the_spread_of_tau_over_repeated_prompt_sets():
     assert ratio_stderr(list(np.tile(tokens[0], 4)), list(np.tile(rounds[0], 4))) == pytest.approx(
         errors[0] / 2 * math.sqrt((4 * n - 4) / (4 * n - 1)), rel=1e-9
     )
+
+
+def _two_rows(rng, n: int, benchmarks: int = 2, gamma: int = 7):
+    """Two drafters on the same prompts: each prompt's difficulty p is common to both (B accepts 0.8 p),
+    their rounds drawn apart. Returns per-benchmark totals {request: (y, x)} for A and for B."""
+    a, b = {}, {}
+    for k in range(benchmarks):
+        p = rng.beta(2, 3, size=n)
+        xa, xb = 1 + rng.poisson(15, size=n), 1 + rng.poisson(15, size=n)
+        ya, yb = xa + rng.binomial(gamma * xa, p), xb + rng.binomial(gamma * xb, 0.8 * p)
+        a[f"b{k}"] = {f"b{k}/{i}": (int(ya[i]), int(xa[i])) for i in range(n)}
+        b[f"b{k}"] = {f"b{k}/{i}": (int(yb[i]), int(xb[i])) for i in range(n)}
+    return a, b
+
+
+def test_paired_comparison_hand_computed_case():
+    # One benchmark, two requests. A: (4, 2), (6, 2) -> τ 2.5, influences (4 - 5)/4, (6 - 5)/4 = ∓0.25;
+    # B: (3, 2), (3, 1) -> τ 2, influences (3 - 4)/3, (3 - 2)/3 = ∓1/3.
+    a = {"g": {"g/0": (4, 2), "g/1": (6, 2)}}
+    b = {"g": {"g/0": (3, 2), "g/1": (3, 1)}}
+    got = paired_comparison(a, b)
+    assert got["tau"] == pytest.approx(2.5) and got["baseline_tau"] == pytest.approx(2.0)
+    assert got["difference"] == pytest.approx(0.5) and got["ratio"] == pytest.approx(1.25)
+    # Difference: influences -0.25 + 1/3 and 0.25 - 1/3, each ±1/12: SE = sqrt(2 · 2/144) = 1/6.
+    assert got["difference_stderr"] == pytest.approx(1 / 6)
+    # Ratio: (u_a - 1.25 u_b) / 2 = (-0.25 + 1.25/3) / 2 = ±1/12: SE = sqrt(2 · 2/144) = 1/6.
+    assert got["ratio_stderr"] == pytest.approx(1 / 6)
+    # One row against itself: no difference and no error, whatever the spread across prompts.
+    same = paired_comparison(a, a)
+    assert same["difference"] == 0 and same["difference_stderr"] == 0 and same["ratio_stderr"] == 0
+
+
+def test_paired_comparison_refuses_what_does_not_pair():
+    a = {"g": {"g/0": (4, 2), "g/1": (6, 2)}}
+    with pytest.raises(ValueError, match="different benchmarks"):
+        paired_comparison(a, {"h": a["g"]})
+    with pytest.raises(ValueError, match="g: the rows' requests differ"):
+        paired_comparison(a, {"g": {"g/0": (4, 2), "g/2": (6, 2)}})
+    assert paired_comparison({"g": {"g/0": (4, 2)}}, {"g": {"g/0": (3, 1)}})["difference_stderr"] is None
+
+
+def test_paired_errors_match_the_spread_of_the_comparison_over_repeated_prompt_sets():
+    """The paired errors of the macro difference and ratio match their spread across 1 500 repeated
+    prompt sets; the errors added as independent overstate it, since the prompts' difficulty is shared."""
+    rng = np.random.default_rng(1)
+    diffs, ratios, diff_se, ratio_se, independent = [], [], [], [], []
+    for _ in range(1500):
+        a, b = _two_rows(rng, n=40)
+        got = paired_comparison(a, b)
+        diffs.append(got["difference"])
+        ratios.append(got["ratio"])
+        diff_se.append(got["difference_stderr"])
+        ratio_se.append(got["ratio_stderr"])
+        errs = [ratio_stderr(*zip(*row[k].values())) for row in (a, b) for k in row]
+        independent.append(math.sqrt(sum(e * e for e in errs)) / 2)  # each macro's error, added
+    assert np.mean(diff_se) == pytest.approx(np.std(diffs), rel=0.08)
+    assert np.mean(ratio_se) == pytest.approx(np.std(ratios), rel=0.08)
+    assert np.mean(independent) > 1.5 * np.std(diffs)  # the unpaired error overstates it

@@ -12,6 +12,14 @@ over the n requests: the spread of the per-request residuals, so a request with 
 weighs in proportion to them. It needs n >= 2 (None otherwise) and is close to a bootstrap over
 prompts once n is a few dozen. A macro average over independent benchmarks has the standard error
 of a mean of independent estimates, sqrt(Σ SE_b²) / k.
+
+Two drafters evaluated on the same prompts are compared *paired* (``paired_comparison``): an easy
+prompt is easy for both (at T = 0 both verify the very same greedy answer), so their τ's errors are
+strongly correlated and adding them as independent overstates the error of their difference many
+times. Each request's linearised influence on τ̂ is u_i = (y_i - τ̂ x_i) / Σ x; a smooth function of
+several τ̂'s (a macro average, a difference of two, their ratio) has as its influence the same
+combination of the u_i, and its standard error is sqrt(Σ_b n_b / (n_b - 1) · Σ_i g_bi²) over the
+benchmarks b and their requests i (the same formula as above when there is one τ̂).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["mean_stderr", "per_request_totals", "ratio_stderr", "tau_stderr"]
+__all__ = ["mean_stderr", "paired_comparison", "per_request_totals", "ratio_stderr", "tau_stderr"]
 
 
 def _get(rec, key):
@@ -60,3 +68,48 @@ def mean_stderr(errors: Sequence[float | None]) -> float | None:
     if not errors or any(e is None for e in errors):
         return None
     return math.sqrt(sum(e * e for e in errors)) / len(errors)
+
+
+def _influences(totals: dict) -> tuple[float, dict]:
+    """τ̂ = Σ y / Σ x over ``totals`` (request -> (y, x)) and each request's influence on it."""
+    total_x = float(sum(x for _, x in totals.values()))
+    if total_x <= 0:
+        raise ValueError("no rounds: τ is undefined")
+    tau_hat = sum(y for y, _ in totals.values()) / total_x
+    return tau_hat, {k: (y - tau_hat * x) / total_x for k, (y, x) in totals.items()}
+
+
+def paired_comparison(a: dict, b: dict) -> dict:
+    """Row ``a`` against row ``b`` evaluated on the same requests: ``a`` and ``b`` map each benchmark
+    to its per-request totals (request -> (Σ (accepted + 1), rounds), ``per_request_totals``). The
+    macro τ of each (the mean over benchmarks), their difference and ratio, each with its paired
+    standard error (None with fewer than two requests in a benchmark). A ValueError names what
+    does not pair: other benchmarks, or a benchmark whose requests differ."""
+    if set(a) != set(b) or not a:
+        raise ValueError(f"the rows were evaluated on different benchmarks: {sorted(a)} against {sorted(b)}")
+    for name in a:
+        if set(a[name]) != set(b[name]):
+            raise ValueError(f"{name}: the rows' requests differ ({len(a[name])} against {len(b[name])})")
+    k = len(a)
+    fitted = {name: (_influences(a[name]), _influences(b[name])) for name in a}
+    macro_a = sum(ta for (ta, _), _ in fitted.values()) / k
+    macro_b = sum(tb for _, (tb, _) in fitted.values()) / k
+    ratio = macro_a / macro_b if macro_b else None
+
+    def stderr(combine) -> float | None:  # combine(u_a, u_b) -> the function's influence
+        total = 0.0
+        for (_, ua), (_, ub) in fitted.values():
+            n = len(ua)
+            if n < 2:
+                return None
+            total += n / (n - 1) * sum(combine(ua[i], ub[i]) ** 2 for i in ua)
+        return math.sqrt(total)
+
+    return {
+        "tau": macro_a,
+        "baseline_tau": macro_b,
+        "difference": macro_a - macro_b,
+        "difference_stderr": stderr(lambda ua, ub: (ua - ub) / k),
+        "ratio": ratio,
+        "ratio_stderr": None if ratio is None else stderr(lambda ua, ub: (ua - ratio * ub) / (k * macro_b)),
+    }

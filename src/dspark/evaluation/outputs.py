@@ -26,7 +26,9 @@ def write_outputs(
 ) -> dict:  # fmt: skip
     """Everything but meta.json; returns the results. ``gamma`` is the block each round verifies
     (the policy's fixed γ, else the drafter's); ``tau_stderr`` is τ's standard error over the
-    benchmark's requests (``decoding.uncertainty``), ``macro_stderr`` that of each macro average."""
+    benchmark's requests (``decoding.uncertainty``), ``macro_stderr`` that of each macro average;
+    ``request_totals`` each request's Σ (accepted + 1) and rounds, so that a report compares two
+    drafters paired on the same prompts."""
     gamma, domains = spec.gamma, domain_map(out.rounds)
     fixed_gamma = cfg.policy.get("gamma")
     results = {
@@ -36,15 +38,7 @@ def write_outputs(
         "gamma": int(fixed_gamma) if fixed_gamma is not None else gamma,
         "policy": OmegaConf.to_container(cfg.policy, resolve=True),
         "benchmarks": {
-            name: {
-                "tau": tau(recs),
-                "tau_stderr": tau_stderr(recs),
-                "requests": len(per_request_totals(recs)),
-                "rounds": len(recs),
-                "new_tokens": sum(len(g.tokens) for g in out.generations[name]),
-                "accept_rate_by_position": conditional_acceptance(recs, gamma),
-            }
-            for name, recs in out.rounds.items()
+            name: _benchmark(recs, out.generations[name], gamma) for name, recs in out.rounds.items()
         },
     }
     results["macro"] = macro(results["benchmarks"], domains)
@@ -58,6 +52,20 @@ def write_outputs(
     if fit is not None:
         write_calibration_report(folder, fit, out, int(cfg.calibration.n_bins))
     return results
+
+
+def _benchmark(recs: list, generations: list, gamma: int) -> dict:
+    totals = per_request_totals(recs)
+    return {
+        "tau": tau(recs),
+        "tau_stderr": tau_stderr(recs),
+        "requests": len(totals),
+        "rounds": len(recs),
+        "new_tokens": sum(len(g.tokens) for g in generations),
+        "accept_rate_by_position": conditional_acceptance(recs, gamma),
+        # Σ (accepted + 1) and rounds per request: what pairs two drafters' τ on the same prompts
+        "request_totals": totals,
+    }
 
 
 def macro(benchmarks: dict, domains: dict[str, str]) -> dict:

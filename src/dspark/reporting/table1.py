@@ -7,20 +7,30 @@ One table per temperature (per temperature and γ with ``split_gamma``, for a bl
      "rows":   {drafter: {benchmark: τ, …, "macro": {"math", "code", "chat", "all"}}},
      "stderr": {drafter: {benchmark: SE, …, "macro": {…}}},
      "prompts": {drafter: {benchmark: requests}}, "sources": {drafter: folder},
-     "findings": [{"row", "baseline", "ratio", "stderr", "goal", "met"}]}
+     "findings": [{"row", "baseline", "ratio", "stderr", "stderr_kind", "goal", "met"}],
+     "differences": [{"row", "baseline", "difference", "stderr", "stderr_kind", "z"}]}
 
 ``findings``: the paper's claims about these rows, each DSpark row's macro τ over each baseline row's
-(DFlash: ≥ 1.10×, Eagle3: ≥ 1.25×; ``PAPER_GOALS``), its standard error by the delta method (the two
-rows' errors taken as independent: different drafters on the same prompts, so this overstates it).
+(DFlash: ≥ 1.10×, Eagle3: ≥ 1.25×; ``PAPER_GOALS``) with its standard error. ``differences``: each
+row's macro τ (all benchmarks) minus each earlier row's, its standard error and their quotient ``z``:
+whether two rows differ by more than prompt sampling explains.
 
 The errors are the evaluation's own (``tau_stderr``, ``macro_stderr`` in results.json: the ratio
 estimator's standard error over prompts, ``decoding.uncertainty``); folders written before they
-were recorded give null. The rows of one table must compare: one target, a fixed policy (Table 1
-verifies whole blocks, no confidence scheduling), one γ, the same benchmarks.
+were recorded give null. Two rows evaluated on the same prompts are compared **paired**
+(``stderr_kind: "paired"``, ``decoding.uncertainty.paired_comparison`` over each request's totals,
+``request_totals`` in results.json): the prompts' difficulty is common to both and cancels. Folders
+written before the totals were recorded, or rows whose prompts differ, fall back to adding the
+rows' errors as independent (``"independent"``), which overstates the error of a comparison.
+
+The rows of one table must compare: one target, a fixed policy (Table 1 verifies whole blocks, no
+confidence scheduling), one γ, the same benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,10 +38,14 @@ from pathlib import Path
 from ..core.errors import DataError
 from ..core.io import atomic_write_json, atomic_write_text, finite
 from ..data.benchmarks import DOMAINS
+from ..decoding.uncertainty import paired_comparison
 from .labelled import Labelled, read_labelled
 from .tables import table1
 
-__all__ = ["PAPER_GOALS", "build_tables", "findings", "gather_table1", "table_markdown", "write_table1"]
+__all__ = [
+    "PAPER_GOALS", "build_tables", "differences", "findings", "gather_table1", "paired_comparisons",
+    "table_markdown", "write_table1",
+]  # fmt: skip
 
 # The paper's Table 1 claims: DSpark's macro τ at least this many times the baseline's (by drafter kind).
 PAPER_GOALS = {"dflash": 1.10, "eagle3": 1.25}
@@ -114,32 +128,81 @@ def _table(rows: Sequence[Labelled]) -> dict:
         table["stderr"][r.label]["macro"] = dict(r.results.get("macro_stderr") or {})
         table["prompts"][r.label] = {n: b.get("requests") for n, b in bench.items()}
         table["sources"][r.label] = str(r.path)
-    table["findings"] = findings(table, {r.label: str(r.results.get("drafter", "")) for r in rows})
+    paired = paired_comparisons(rows)
+    table["findings"] = findings(table, {r.label: str(r.results.get("drafter", "")) for r in rows}, paired)
+    table["differences"] = differences(table, paired)
     return table
 
 
-def findings(table: dict, kinds: dict[str, str]) -> list[dict]:
+def paired_comparisons(rows: Sequence[Labelled]) -> dict[tuple[str, str], dict]:
+    """(row, baseline) -> ``paired_comparison`` of their macro τ, for every ordered pair of rows whose
+    results carry each request's totals for the same benchmarks and prompts."""
+    totals = {}
+    for r in rows:
+        per = {n: b.get("request_totals") for n, b in r.results["benchmarks"].items()}
+        if all(t is not None for t in per.values()):
+            totals[r.label] = per
+    out = {}
+    for row, a in totals.items():
+        for base, b in totals.items():
+            if row != base:
+                with contextlib.suppress(ValueError):  # prompts that do not pair: independent errors
+                    out[row, base] = paired_comparison(a, b)
+    return out
+
+
+def _macro(table: dict, key: str, label: str) -> float | None:
+    return ((table[key].get(label) or {}).get("macro") or {}).get("all")
+
+
+def findings(table: dict, kinds: dict[str, str], paired: dict | None = None) -> list[dict]:
     """Each DSpark row (``kinds``: label -> the results' drafter, ``dspark-markov``, …) against each
-    row of a ``PAPER_GOALS`` kind: the ratio of their macro τ over all benchmarks ± its standard error,
-    the paper's goal and whether the ratio reaches it."""
-
-    def macro(label: str, key: str) -> float | None:
-        return ((table[key].get(label) or {}).get("macro") or {}).get("all")
-
+    row of a ``PAPER_GOALS`` kind: the ratio of their macro τ over all benchmarks ± its standard error
+    (``paired``'s where the pair has one, else by the delta method over the two rows' errors), the
+    paper's goal and whether the ratio reaches it."""
+    paired = paired or {}
     out = []
     for row, kind in kinds.items():
         if not kind.startswith("dspark"):
             continue
         for base, base_kind in kinds.items():
-            a, b = macro(row, "rows"), macro(base, "rows")
+            a, b = _macro(table, "rows", row), _macro(table, "rows", base)
             if base_kind not in PAPER_GOALS or a is None or not b:
                 continue
-            se_a, se_b = macro(row, "stderr"), macro(base, "stderr")
             ratio = a / b
-            se = None if se_a is None or se_b is None else ratio * ((se_a / a) ** 2 + (se_b / b) ** 2) ** 0.5
+            if (row, base) in paired:
+                se, how = paired[row, base]["ratio_stderr"], "paired"
+            else:
+                se_a, se_b = _macro(table, "stderr", row), _macro(table, "stderr", base)
+                se = None if se_a is None or se_b is None else ratio * math.hypot(se_a / a, se_b / b)
+                how = "independent"
             goal = PAPER_GOALS[base_kind]
-            out.append({"row": row, "baseline": base, "ratio": ratio, "stderr": se, "goal": goal,
-                        "met": ratio >= goal})  # fmt: skip
+            out.append({"row": row, "baseline": base, "ratio": ratio, "stderr": se, "stderr_kind": how,
+                        "goal": goal, "met": ratio >= goal})  # fmt: skip
+    return out
+
+
+def differences(table: dict, paired: dict | None = None) -> list[dict]:
+    """Each row's macro τ over all benchmarks minus each earlier row's, with its standard error
+    (paired where ``paired`` has the pair, else the two rows' errors added as independent) and
+    ``z`` = difference / error."""
+    paired = paired or {}
+    labels = list(table["rows"])
+    out = []
+    for j, row in enumerate(labels):
+        for base in labels[:j]:
+            a, b = _macro(table, "rows", row), _macro(table, "rows", base)
+            if a is None or b is None:
+                continue
+            if (row, base) in paired:
+                se, how = paired[row, base]["difference_stderr"], "paired"
+            else:
+                se_a, se_b = _macro(table, "stderr", row), _macro(table, "stderr", base)
+                se = None if se_a is None or se_b is None else math.hypot(se_a, se_b)
+                how = "independent"
+            z = (a - b) / se if se else None
+            out.append({"row": row, "baseline": base, "difference": a - b, "stderr": se,
+                        "stderr_kind": how, "z": z})  # fmt: skip
     return out
 
 
@@ -181,15 +244,29 @@ def table_markdown(table: dict) -> str:
     else:
         prompts = "prompts per benchmark differ between rows (see `prompts` in the JSON)"
     head = f"**T = {table['temperature']:g}, γ = {table['gamma']}**, target {table['target']}; {prompts}.\n\n"
-    lines = [
-        f"- {f['row']} / {f['baseline']}: {f['ratio']:.3f}"
-        + (f" ± {f['stderr']:.3f}" if f["stderr"] is not None else "")
-        + f" (the paper: ≥ {f['goal']:.2f}×, {'met' if f['met'] else 'not met'})"
+    text = head + body
+    claims = [
+        f"- {f['row']} / {f['baseline']}: {f['ratio']:.3f}{_error(f)}"
+        f" (the paper: ≥ {f['goal']:.2f}×, {'met' if f['met'] else 'not met'})"
         for f in table.get("findings") or []
     ]
-    if not lines:
-        return head + body
-    return head + body + "\n\nThe paper's claims, macro τ over all benchmarks:\n\n" + "\n".join(lines) + "\n"
+    if claims:
+        text += "\n\nThe paper's claims, macro τ over all benchmarks:\n\n" + "\n".join(claims) + "\n"
+    diffs = [
+        f"- {d['row']} − {d['baseline']}: {d['difference']:+.3f}{_error(d)}"
+        + (f", {abs(d['z']):.1f} standard errors" if d["z"] is not None else "")
+        for d in table.get("differences") or []
+    ]
+    if diffs:
+        text += "\n\nDifferences between rows, macro τ over all benchmarks:\n\n" + "\n".join(diffs) + "\n"
+    return text
+
+
+def _error(entry: dict) -> str:
+    """`` ± SE (paired)`` or `` ± SE (independent)``; nothing when the error is unknown."""
+    if entry["stderr"] is None:
+        return ""
+    return f" ± {entry['stderr']:.3f} ({entry.get('stderr_kind', 'independent')})"
 
 
 def write_table1(tables: Sequence[dict], path: str | os.PathLike) -> Path:
