@@ -19,7 +19,8 @@ from dspark.calibration.metrics import (
     summary,
 )
 from dspark.calibration.plots import reliability_diagram
-from dspark.calibration.sts import Calibration, cumulative_confidence, fit_sts
+from dspark.calibration.sts import Calibration, cumulative_confidence, fit_sts, fit_sts_offsets
+from dspark.core.errors import DataError
 
 GAMMA = 7
 OVERCONFIDENCE = 3.0  # observed logit = 3 * true logit, so the ideal temperature is 3 everywhere
@@ -194,3 +195,76 @@ def test_reliability_bins_and_diagram(tmp_path, fitted):
     blob = json.loads(png.with_suffix(".json").read_text())
     assert [r["position"] for r in blob["positions"]] == [1, 3, 5, 7]
     assert sum(blob["positions"][0]["raw"]["counts"]) == blob["positions"][0]["count"]
+
+
+SHIFT = 0.8  # confidence logits too high by a constant: what a temperature cannot undo
+
+
+def shifted_rollouts(n: int, seed: int):
+    """Engine rounds whose logits are the true log-odds plus ``SHIFT`` at every position: confidences
+    too high across the whole range, as on benchmark rounds of a drafter trained on other data."""
+    z, y, v = rollouts(n, seed)
+    return z / OVERCONFIDENCE + SHIFT, y, v
+
+
+def test_sts_with_offsets_fixes_a_shift_that_sts_cannot():
+    z, y, v = shifted_rollouts(20_000, seed=7)
+    zh, yh, vh = shifted_rollouts(20_000, seed=8)
+    sts = Calibration.fit(z, y, v)
+    both = Calibration.fit(z, y, v, offsets=True)
+    assert sts.offsets is None and sts.method == "sts" and both.method == "sts_offsets"
+    s_sts, s_both = (summary(position_metrics(zh, yh, vh, c)) for c in (sts, both))
+    print(f"\nSTS {s_sts['ece_sts_mean']:.4f}, with offsets {s_both['ece_sts_mean']:.4f}: {both}")
+    assert s_both["ece_sts_mean"] < 0.012 < 0.04 < s_sts["ece_sts_mean"] <= s_sts["ece_raw_mean"]
+    rows = position_metrics(zh, yh, vh, both)
+    assert [r["offset"] for r in rows] == both.offsets and "offset" not in position_metrics(zh, yh, vh, sts)[
+        0
+    ]
+    # The first position's pair undoes the planted shift; later ones absorb what their prefix leaves.
+    assert both.offsets[0] == pytest.approx(-SHIFT, abs=0.15) and both.temperatures[0] == pytest.approx(
+        1, rel=0.2
+    )
+    # Rankings are kept: each c_k is a monotone map of z_k, so position 1's AUROC does not move.
+    assert rows[0]["auroc_sts"] == pytest.approx(rows[0]["auroc"], abs=1e-6)
+
+
+def test_sts_with_offsets_on_data_that_needs_only_a_temperature():
+    """Plain overconfidence (logits ×3): the offsets stay near 0, the temperatures near 3, and the
+    held-out ECE is as low as STS's; positions without data or with one class keep (1, 0)."""
+    z, y, v = rollouts(20_000, seed=9)
+    temps, offsets = fit_sts_offsets(z, y, v)
+    assert torch.allclose(temps, torch.full_like(temps, OVERCONFIDENCE), rtol=0.3)
+    assert float(offsets.abs().max()) < 0.3
+    zh, yh, vh = rollouts(20_000, seed=10)
+    both, sts = Calibration(temps.tolist(), offsets.tolist()), Calibration(fit_sts(z, y, v).tolist())
+    ece = [summary(position_metrics(zh, yh, vh, c))["ece_sts_mean"] for c in (sts, both)]
+    assert ece[1] < ece[0] + 0.003
+    v[:, -1] = False
+    y[:, -2] = 0.0
+    temps, offsets = fit_sts_offsets(z, y, v)
+    assert temps[-2:].tolist() == [1.0, 1.0] and offsets[-2:].tolist() == [0.0, 0.0]
+    assert torch.equal(fit_sts_offsets(z, y, v)[0], temps)  # deterministic
+
+
+def test_calibration_with_offsets_round_trip_and_bad_files(tmp_path):
+    cal = Calibration([0.5, 2.0, 1.0], [-0.3, 0.0, 1.25])
+    assert cal.to_dict() == {
+        "method": "sts_offsets",
+        "temperatures": [0.5, 2.0, 1.0],
+        "offsets": [-0.3, 0.0, 1.25],
+    }
+    assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
+    z = torch.randn(5, 3)
+    torch.testing.assert_close(
+        cal.cumulative(z),
+        torch.sigmoid(z / torch.tensor([0.5, 2.0, 1.0]) + torch.tensor([-0.3, 0.0, 1.25])).cumprod(-1),
+    )
+    with pytest.raises(ValueError, match="need 3 finite offsets"):
+        Calibration([0.5, 2.0, 1.0], [0.0, 1.0])
+    for bad in (
+        {"method": "sts_offsets", "temperatures": [1.0]},
+        {"method": "sts", "temperatures": [1.0], "offsets": [0.0]},
+    ):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(DataError, match="bad.json is not a calibration file .*delete it or refit it"):
+            Calibration.load(tmp_path / "bad.json")

@@ -824,12 +824,14 @@ def test_engine_asks_the_policy_what_it_needs(small_target):
     assert Engine(small_target, dspark, build_policy("hardware_aware", gamma=2, block=4), cost=cost)
 
 
-def test_engine_applies_calibration_temperatures(small_target, tmp_path):
+@pytest.mark.parametrize("offsets", [None, [-0.5, 0.3, 1.0, -1.2]], ids=["sts", "sts_offsets"])
+def test_engine_applies_calibration_temperatures(small_target, tmp_path, offsets):
     t = small_target
     drafter, dc, hc = make_drafter(t, "dspark", "markov", gamma=4, seed=3)
     save_drafter(drafter, tmp_path, dc, hc, t.describe())
     temps = [0.5, 2.0, 3.0, 0.25]
-    DrafterFolder(tmp_path).write_calibration(Calibration(temps))
+    DrafterFolder(tmp_path).write_calibration(Calibration(temps, offsets))
+    b = torch.tensor(offsets or [0.0] * 4)
     prompts = prompts_for(t, 3, seed=14)
     eng = Engine.from_checkpoint(
         t, tmp_path, Threshold(0.3), temperature=1.0, max_new_tokens=12, eos_token_ids=()
@@ -838,7 +840,7 @@ def test_engine_applies_calibration_temperatures(small_target, tmp_path):
     expect = []
     for r in res.rounds:  # the threshold drafts the first k <= 4 positions, calibrated by T_1..T_k
         z, c = torch.tensor(r.confidence_logits), torch.tensor(r.confidence)
-        torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps[: len(z)])))
+        torch.testing.assert_close(c, torch.sigmoid(z / torch.tensor(temps[: len(z)]) + b[: len(z)]))
         # The policy saw the calibrated values: ℓ = leading run of Π c_i >= 0.3.
         expect.append(int(torch.cumprod((torch.cumprod(c.double(), 0) >= 0.3).long(), 0).sum()))
     assert [r.proposed for r in res.rounds] == expect

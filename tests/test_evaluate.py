@@ -224,3 +224,40 @@ def test_calibration_split(tmp_path):
         )
     )
     assert calib_f == [("calib", "separate")] and len(report_f["gsm8k"]) == 4
+
+
+def test_calibration_offsets_are_fitted_written_and_applied(tiny_target, tmp_path):
+    """calibrate=true calibration.offsets=true: STS with offsets fitted on the held-out prompts, its
+    temperatures and offsets in calibration.json (which Calibration.load reads back) and per position,
+    and the benchmark rounds' confidences σ(z / T + b) with them."""
+    from dspark import evaluate
+    from dspark.calibration.sts import Calibration
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    out = tmp_path / "out"
+    cfg = _cfg(
+        "target=tiny",
+        f"drafter_dir={drafter}",
+        "benchmarks=[gsm8k,mt-bench]",
+        f"benchmark_dir={_bench(tmp_path / 'bench')}",
+        "max_prompts=2",
+        "max_new_tokens=8",
+        "calibrate=true",
+        "calibration.prompts=1",
+        "calibration.offsets=true",
+        "concurrency=2",
+        "temperature=1.0",
+        "progress=false",
+        f"out_dir={out}",
+    )
+    evaluate.run(cfg)
+    report = json.loads((out / "calibration.json").read_text())
+    cal = Calibration.load(out / "calibration.json")
+    assert report["method"] == "sts_offsets" and cal.offsets == report["offsets"] and len(cal.offsets) == 4
+    assert [p["offset"] for p in report["per_position"]] == cal.offsets
+    assert [p["temperature"] for p in report["per_position"]] == cal.temperatures
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    temps, offsets = torch.tensor(cal.temperatures), torch.tensor(cal.offsets)
+    for r in rounds:
+        z = torch.tensor(r["confidence_logits"])
+        torch.testing.assert_close(torch.tensor(r["confidence"]), torch.sigmoid(z / temps + offsets))

@@ -90,18 +90,33 @@ def _auroc(pred: Tensor, label: Tensor) -> float:
     return float(binary_auroc(pred.float(), target))
 
 
+def _calibrated(logits: Tensor, calibration) -> tuple[Tensor | None, list[float], list[float] | None]:
+    """(a_k after ``calibration``, its temperatures, its offsets): ``calibration`` is a
+    ``Calibration`` (STS, or STS with offsets), bare STS temperatures, or None (raw: no a_k)."""
+    from dspark.calibration.sts import Calibration, cumulative_confidence  # sts imports this module
+
+    if calibration is None:
+        return None, [1.0] * logits.shape[1], None
+    if not isinstance(calibration, Calibration):
+        calibration = Calibration(torch.as_tensor(calibration, dtype=torch.float64).tolist())
+    temps, offsets = calibration.temperatures, calibration.offsets
+    return cumulative_confidence(logits, temps, offsets), temps, offsets
+
+
 def position_metrics(
     logits: Tensor,
     labels: Tensor,
     valid: Tensor,
-    temperatures: Tensor | list[float] | None = None,
+    calibration=None,
     n_bins: int = 15,
 ) -> list[dict]:
     """Metrics of the cumulative prediction at each draft position k = 1..γ (list index k-1).
 
-    Keys: ``position`` (1-based), ``count``, ``temperature`` (1.0 when none given), ``ece_raw``,
-    ``brier_raw``, ``auroc`` (raw cumulative vs label ≥ 0.5; NaN with one class) and, when
-    ``temperatures`` is given, ``ece_sts``, ``brier_sts``, ``auroc_sts``. Positions with no valid
+    ``calibration``: a ``Calibration`` (STS, or STS with offsets), bare STS temperatures, or None.
+    Keys: ``position`` (1-based), ``count``, ``temperature`` (1.0 when none given; ``offset`` too
+    for STS with offsets), ``ece_raw``, ``brier_raw``, ``auroc`` (raw cumulative vs label ≥ 0.5;
+    NaN with one class) and, with a calibration, ``ece_sts``, ``brier_sts``, ``auroc_sts`` (the
+    calibrated a_k, whichever the method). Positions with no valid
     data report NaN. Note: at k = 1 STS cannot change AUROC (monotone in z_1); for k ≥ 2 the
     cumulative product mixes positions with different temperatures, so its *cross-sample* ranking —
     hence ``auroc_sts`` — may move slightly, although each c_k's ranking is preserved.
@@ -110,12 +125,7 @@ def position_metrics(
 
     _check_inputs(logits, labels, valid)
     raw = cumulative_confidence(logits)
-    sts = None if temperatures is None else cumulative_confidence(logits, temperatures)
-    temps = (
-        [1.0] * logits.shape[1]
-        if temperatures is None
-        else torch.as_tensor(temperatures, dtype=torch.float64).tolist()
-    )
+    sts, temps, offsets = _calibrated(logits, calibration)
     out = []
     for k in range(logits.shape[1]):
         m = valid[:, k]
@@ -125,6 +135,7 @@ def position_metrics(
             "position": k + 1,
             "count": int(m.sum()),
             "temperature": float(temps[k]),
+            **({} if offsets is None else {"offset": float(offsets[k])}),
             "ece_raw": expected_calibration_error(p, y, n_bins),
             "brier_raw": float(((p - y) ** 2).mean()) if y.numel() else float("nan"),
             "auroc": _auroc(p, y),
@@ -201,19 +212,20 @@ def reliability_data(
     logits: Tensor,
     labels: Tensor,
     valid: Tensor,
-    temperatures: Tensor | list[float] | None = None,
+    calibration=None,
     n_bins: int = 15,
 ) -> list[dict]:
     """Per-position JSON-ready input for ``plots.reliability_diagram``.
 
-    Each entry: the ``position_metrics`` row plus ``raw`` (and ``sts`` when temperatures are given)
-    ``ReliabilityBins.to_dict()``; NaN metrics become None so the list serialises as strict JSON.
+    Each entry: the ``position_metrics`` row plus ``raw`` (and ``sts`` with a calibration, as
+    ``position_metrics`` takes it) ``ReliabilityBins.to_dict()``; NaN metrics become None so the
+    list serialises as strict JSON.
     """
     from dspark.calibration.sts import cumulative_confidence
 
-    rows = position_metrics(logits, labels, valid, temperatures, n_bins)
+    rows = position_metrics(logits, labels, valid, calibration, n_bins)
     raw = cumulative_confidence(logits)
-    sts = None if temperatures is None else cumulative_confidence(logits, temperatures)
+    sts = _calibrated(logits, calibration)[0]
     for k, row in enumerate(rows):
         for key, v in list(row.items()):
             if isinstance(v, float) and math.isnan(v):

@@ -28,6 +28,7 @@ class EvalCalibration:
     max_new_tokens: Count | None = None
     save_to_drafter: bool = False
     n_bins: Count = 15
+    offsets: bool = False
 
 
 @dataclass

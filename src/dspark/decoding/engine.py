@@ -5,7 +5,7 @@ One round for the R running requests:
               (``Policy.draft_length``, from completed rounds only; 0 = a plain decoding round);
   1. draft    ``drafter.propose`` from each anchor (the last token the target produced, not yet in
               its cache) -> γ_d tokens, their exact sampling distributions, confidence logits;
-  2. lengths  the policy picks ℓ_r <= γ_d from calibrated confidences c_k = σ(z_k / T_k);
+  2. lengths  the policy picks ℓ_r <= γ_d from calibrated confidences c_k = σ(z_k / T_k + b_k);
   3. verify   one target forward over [anchor, d_1..d_ℓ] per row (ragged rows padded to max ℓ + 1),
               then lossless rejection sampling (``verify``) -> n_r accepted + one new token;
   4. commit   the target cache keeps positions a..a+n, the drafter context gets their features,
@@ -131,7 +131,7 @@ class RoundRecord:
     emitted: int
     accept_flags: list[bool]  # per verified position (length ℓ)
     confidence_logits: list[float] | None = None  # raw z_k, all γ positions
-    confidence: list[float] | None = None  # σ(z_k / T_k): calibrated per-position c_k
+    confidence: list[float] | None = None  # σ(z_k / T_k + b_k): calibrated per-position c_k
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -317,7 +317,8 @@ class Engine:
         concurrency: requests decoded together; more prompts wait in a queue.
         max_new_tokens: default per-request budget.
         calibration: STS temperatures [γ] for the confidence logits (a list, a tensor, a
-            ``Calibration``); None = raw σ(z). ``from_checkpoint`` reads ``calibration.json``.
+            ``Calibration``, whose offsets b give σ(z / T + b)); None = raw σ(z).
+            ``from_checkpoint`` reads ``calibration.json``.
         cost: ``CostModel`` for the load-aware policies.
         eos_token_ids: stop tokens (default: the target's); ``()`` never stops early.
         seed / generator: the random stream (see the module docstring).
@@ -379,7 +380,8 @@ class Engine:
         self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)
         self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
-        self._temps_dev: Tensor | None = None
+        self.offsets = _offsets(calibration, self.temperatures)
+        self._affine_dev: tuple[Tensor, Tensor] | None = None  # (1 / T, b) on the device
         self._clock = _Clock(self.device)
         self._watch: StallWatch | None = None  # set while generate runs
         self._constants: dict[tuple, Tensor] = {}  # ``_constant``
@@ -845,17 +847,20 @@ class Engine:
         return recs, ended, info
 
     def _calibrated(self, z: Tensor) -> Tensor:
-        """σ(z_k / T_k) of the drafted positions (the first ``z.shape[1]`` of the block)."""
+        """σ(z_k / T_k + b_k) of the drafted positions (the first ``z.shape[1]`` of the block; b = 0
+        for STS), one fused multiply-add before the sigmoid."""
         if self.temperatures is None:
             return torch.sigmoid(z)
-        if self._temps_dev is None:
-            self._temps_dev = self._to_device(self.temperatures)
+        if self._affine_dev is None:
+            offsets = torch.zeros_like(self.temperatures) if self.offsets is None else self.offsets
+            self._affine_dev = (self._to_device(1.0 / self.temperatures), self._to_device(offsets))
         if self.temperatures.numel() < z.shape[1]:
             raise ValueError(
                 f"calibration has {self.temperatures.numel()} temperatures, the drafter proposes "
                 f"{z.shape[1]} tokens"
             )
-        return torch.sigmoid(z / self._temps_dev[: z.shape[1]].to(z.dtype))
+        scale, offset = (t[: z.shape[1]].to(z.dtype) for t in self._affine_dev)
+        return torch.sigmoid(torch.addcmul(offset, z, scale))
 
     def _emit(self, item: _Live, new: list[int]) -> int:
         """Append tokens until EOS or the budget, token by token; returns how many were kept.
@@ -905,6 +910,17 @@ def _following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> T
     nxt = torch.cat([drafts, torch.zeros_like(next_token)[:, None]], dim=1)
     nxt[torch.arange(nxt.shape[0], device=nxt.device), accepted] = next_token
     return nxt
+
+
+def _offsets(calibration, temperatures: Tensor | None) -> Tensor | None:
+    """STS with offsets' b_k (a ``Calibration`` that has them), else None."""
+    offsets = getattr(calibration, "offsets", None)
+    if offsets is None:
+        return None
+    b = torch.as_tensor(offsets, dtype=torch.float32).flatten()
+    if temperatures is None or b.shape != temperatures.shape or not bool(b.isfinite().all()):
+        raise ValueError(f"calibration offsets must be finite, one per temperature, got {b.tolist()}")
+    return b
 
 
 def _temperatures(calibration, gamma: int | None) -> Tensor | None:

@@ -103,17 +103,21 @@ class Evaluator:
         )
 
     def calibrate(self, prompts: list[tuple[str, str]]) -> CalibrationFit:
-        """Fit STS on rollouts of the held-out ``(benchmark, prompt)`` pairs; later rollouts use it."""
+        """Fit STS (``calibration.offsets``: STS with offsets) on rollouts of the held-out ``(benchmark,
+        prompt)`` pairs; later rollouts use it."""
         reqs = requests(self.target, ((f"calibration/{b}/{i}", p) for i, (b, p) in enumerate(prompts)))
         engine = self.engine(Fixed(None), None, "calibration")
         if self.cfg.calibration.get("max_new_tokens"):
             engine.max_new_tokens = int(self.cfg.calibration.max_new_tokens)
         res = engine.generate(reqs)
         z, y, valid = calibration_arrays(res.rounds)
-        self.calibration = Calibration.fit(z, y, valid, n_bins=int(self.cfg.calibration.n_bins))
-        n = len(res.rounds)
-        log.info("STS temperatures %s from %d calibration rounds", self.calibration.temperatures, n)
-        return CalibrationFit(self.calibration, z, y, valid, n, len(reqs))
+        cal = self.cfg.calibration
+        if cal.get("offsets"):
+            self.calibration = Calibration.fit(z, y, valid, offsets=True)
+        else:
+            self.calibration = Calibration.fit(z, y, valid, n_bins=int(cal.n_bins))
+        log.info("%s from %d calibration rounds", self.calibration, len(res.rounds))
+        return CalibrationFit(self.calibration, z, y, valid, len(res.rounds), len(reqs))
 
     def decode(self, prompts: dict[str, list[str]], folder: EvaluationFolder) -> Rollouts:
         """Each benchmark's prompts through the engine; every round and generation recorded."""

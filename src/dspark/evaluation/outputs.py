@@ -145,16 +145,18 @@ def _threshold_sweep_figure(folder, results: dict, panels: dict, out: Rollouts, 
 
 def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out: Rollouts, n_bins: int):
     """calibration.json in the issue-6 format (metrics on the benchmark rounds, held out from the
-    fit) plus the temperatures, and reliability diagrams per position before/after STS."""
-    temps = fit.calibration.temperatures
+    fit) plus the temperatures (and offsets), and reliability diagrams per position before/after
+    calibration ("sts" in the keys: STS or STS with offsets, whichever was fitted)."""
+    cal = fit.calibration
     held = [r for recs in out.rounds.values() for r in recs]
     z, y, valid = calibration_arrays(held)
     keys = ("position", "count", "ece_raw", "ece_sts", "auroc", "brier_raw", "brier_sts", "temperature")
-    per_pos = [{k: row.get(k) for k in keys} for row in position_metrics(z, y, valid, temps, n_bins)]
-    s, fs = summary(per_pos), summary(position_metrics(fit.z, fit.y, fit.valid, temps, n_bins))
+    keys += ("offset",)  # STS with offsets only
+    per_pos = [{k: row[k] for k in keys if k in row} for row in position_metrics(z, y, valid, cal, n_bins)]
+    s, fs = summary(per_pos), summary(position_metrics(fit.z, fit.y, fit.valid, cal, n_bins))
     folder.write_calibration(
         {
-            **fit.calibration.to_dict(),  # method + temperatures: Calibration.load reads this file
+            **cal.to_dict(),  # method + temperatures (+ offsets): Calibration.load reads this file
             "per_position": per_pos,
             "ece_raw_mean": s.get("ece_raw_mean"),
             "ece_sts_mean": s.get("ece_sts_mean"),
@@ -170,7 +172,7 @@ def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out:
         }
     )
     reliability_diagram(
-        reliability_data(z, y, valid, temps, n_bins),
+        reliability_data(z, y, valid, cal, n_bins),
         folder.file(folder.RELIABILITY_FIGURE),
         title="Prefix survival on the benchmark rounds (held out)",
     )

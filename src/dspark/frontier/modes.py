@@ -29,13 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def run_analytical(cfg: DictConfig) -> tuple[dict, dict, CostModel, dict]:
-    temps = None
-    if cfg.calibration is not None:
-        temps = load_calibration(str(cfg.calibration)).temperatures
+    calibration = None if cfg.calibration is None else load_calibration(str(cfg.calibration))
     rounds_arg = cfg.rounds
     paths = list(rounds_arg) if isinstance(rounds_arg, ListConfig) else [str(rounds_arg)]
     try:
-        rounds = load_rounds(paths, temperatures=temps)
+        rounds = load_rounds(paths, calibration)
     except ReplayError as err:
         raise ConfigError(str(err)) from None
     gamma = sweep_gamma(cfg, rounds.gamma)

@@ -370,6 +370,13 @@ def _section_acceptance(runs, axis, out: Path):
     return [path], {"acceptance": table}, [note]
 
 
+def _calibration_params(cal: dict) -> str:
+    """Each position's T, followed by its offset b (``T+b``) for STS with offsets."""
+    temps = cal.get("temperatures") or [p.get("temperature") for p in cal["per_position"]]
+    offsets = cal.get("offsets") or [None] * len(temps)
+    return " ".join(_fmt(t, 2) + ("" if b is None else f"{b:+.2f}") for t, b in zip(temps, offsets))
+
+
 def _section_calibration(runs, axis, out: Path):
     cals = [(r, r.calibration_summary()) for r in runs]
     cals = [(r, c) for r, c in cals if c is not None]
@@ -402,14 +409,12 @@ def _section_calibration(runs, axis, out: Path):
             _cal_mean(r, "ece_raw"),
             _cal_mean(r, "ece_sts"),
             _mean([p.get("auroc") for p in cal["per_position"]]),
-            " ".join(
-                _fmt(t, 2)
-                for t in (cal.get("temperatures") or [p.get("temperature") for p in cal["per_position"]])
-            ),
+            _calibration_params(cal),
         ]
         for r, cal in cals
     ]
-    table = md_table(["run", "measured on", "ECE raw", "ECE after STS", "AUROC", "STS temperatures"], rows)
+    header = ["run", "measured on", "ECE raw", "ECE after STS", "AUROC", "STS temperatures (offsets)"]
+    table = md_table(header, rows)
     return [path], {"calibration": table}, []
 
 

@@ -87,13 +87,13 @@ def _get(rec, key, default=None):
     return rec.get(key, default) if isinstance(rec, Mapping) else getattr(rec, key, default)
 
 
-def rounds_from_records(
-    records: Iterable, source: str = "rounds", temperatures: Sequence[float] | None = None
-) -> ReplayRounds:
+def rounds_from_records(records: Iterable, source: str = "rounds", calibration=None) -> ReplayRounds:
     """Validate RoundRecords (objects or the dicts of ``rounds.jsonl``) and pack them.
 
-    ``temperatures``: STS temperatures to recalibrate from ``confidence_logits`` (c_k = σ(z_k/T_k))
-    instead of the recorded ``confidence``."""
+    ``calibration``: a ``Calibration`` (or bare STS temperatures) to recalibrate from
+    ``confidence_logits`` (c_k = σ(z_k / T_k + b_k)) instead of the recorded ``confidence``."""
+    temperatures = None if calibration is None else list(getattr(calibration, "temperatures", calibration))
+    offsets = getattr(calibration, "offsets", None) or [0.0] * len(temperatures or [])
     conf_rows, acc, keys = [], [], []
     gammas: set[int] = set()
     short, first_short, no_conf = 0, None, 0
@@ -129,7 +129,7 @@ def rounds_from_records(
                     raise ReplayError(
                         f"{where}: {len(z)} confidence logits, {len(temperatures)} calibration temperatures"
                     )
-                c = [1.0 / (1.0 + math.exp(-zk / t)) for zk, t in zip(z, temperatures)]
+                c = [1.0 / (1.0 + math.exp(-(zk / t + b))) for zk, t, b in zip(z, temperatures, offsets)]
         else:
             c = _get(rec, "confidence")
             no_conf += c is None
@@ -165,8 +165,9 @@ def rounds_from_records(
     return ReplayRounds(confidence, np.asarray(acc, dtype=np.int64), sequences, gamma, source)
 
 
-def load_rounds(paths, temperatures: Sequence[float] | None = None) -> ReplayRounds:
-    """``rounds.jsonl`` files or evaluation folders holding one (a path or a list of them)."""
+def load_rounds(paths, calibration=None) -> ReplayRounds:
+    """``rounds.jsonl`` files or evaluation folders holding one (a path or a list of them),
+    recalibrated by ``calibration`` as ``rounds_from_records`` does."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise ReplayError("rounds is empty: rounds=<evaluation folder or rounds.jsonl>")
@@ -185,7 +186,7 @@ def load_rounds(paths, temperatures: Sequence[float] | None = None) -> ReplayRou
         except DataError as err:
             raise ReplayError(str(err)) from None
     source = str(paths[0]) if len(paths) == 1 else f"{len(paths)} rounds files"
-    return rounds_from_records(records, source, temperatures)
+    return rounds_from_records(records, source, calibration)
 
 
 def stream_batches(
