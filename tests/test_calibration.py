@@ -12,6 +12,7 @@ from torchmetrics.functional.classification import binary_auroc, binary_calibrat
 from dspark.artifacts import DrafterFolder, load_calibration
 from dspark.calibration.metrics import (
     _ece_l1,
+    ece_noise_floor,
     expected_calibration_error,
     position_metrics,
     reliability_bins,
@@ -268,3 +269,28 @@ def test_calibration_with_offsets_round_trip_and_bad_files(tmp_path):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(DataError, match="bad.json is not a calibration file .*delete it or refit it"):
             Calibration.load(tmp_path / "bad.json")
+
+
+def test_ece_noise_floor_is_the_ece_of_perfect_calibration():
+    """Labels drawn from the confidences themselves: the ECE they show averages the floor (within
+    Monte-Carlo error), and the floor shrinks as 1/sqrt(n)."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.sigmoid(1.5 * torch.randn(5_000, generator=g, dtype=torch.float64))
+    draws = [
+        expected_calibration_error(p, (torch.rand(p.shape, generator=g, dtype=torch.float64) < p).double())
+        for _ in range(200)
+    ]
+    floor = ece_noise_floor(p)
+    assert sum(draws) / len(draws) == pytest.approx(floor, rel=0.05)
+    assert ece_noise_floor(p.repeat(4)) == pytest.approx(floor / 2, rel=1e-6)
+    assert math.isnan(ece_noise_floor(torch.empty(0)))
+    z, y, v = rollouts(4_000, seed=12)
+    rows = position_metrics(z, y, v, fit_sts(z, y, v))
+    # Overconfident raw confidences sit far above their floor; fitted in-sample, STS reaches it.
+    assert all(
+        r["ece_raw"] > 5 * r["ece_raw_floor"] and r["ece_sts"] < 1.6 * r["ece_sts_floor"] for r in rows
+    )
+    z, y, v = teacher_forced(2_000, seed=13)
+    assert (
+        "ece_sts_floor" not in position_metrics(z, y, v, [1.0] * GAMMA)[0]
+    )  # soft labels: no Bernoulli noise

@@ -18,6 +18,7 @@ from torchmetrics.functional.classification import binary_auroc, binary_calibrat
 
 __all__ = [
     "ReliabilityBins",
+    "ece_noise_floor",
     "expected_calibration_error",
     "position_metrics",
     "reliability_bins",
@@ -69,6 +70,23 @@ def expected_calibration_error(pred: Tensor, label: Tensor, n_bins: int = 15) ->
     return float(_ece_l1(pred, label.float(), n_bins))
 
 
+def ece_noise_floor(pred: Tensor, n_bins: int = 15) -> float:
+    """The ECE that perfectly calibrated confidences ``pred`` would show at this sample size, on
+    average: with labels drawn independently as Bernoulli(p), a bin's error |Σ (p - y)| is about
+    normal with variance Σ p(1 - p), so its mean is sqrt(2/π · Σ p(1 - p)); the floor is their sum
+    over the bins (the ECE's bucketing) over the count. An ECE near it is as good as this many
+    samples can show (rounds of one request are correlated: the real noise is higher); NaN for
+    empty input."""
+    pred = pred.reshape(-1).double()
+    if pred.numel() == 0:
+        return float("nan")
+    idx = torch.bucketize(pred, _bin_boundaries(n_bins, pred.dtype, pred.device), right=True) - 1
+    var = torch.zeros(n_bins + 1, dtype=pred.dtype, device=pred.device).scatter_add_(
+        0, idx, pred * (1 - pred)
+    )
+    return float((var * (2 / math.pi)).sqrt().sum() / pred.numel())
+
+
 def _check_inputs(logits: Tensor, labels: Tensor, valid: Tensor) -> None:
     if logits.dim() != 2 or logits.shape != labels.shape or logits.shape != valid.shape:
         raise ValueError(
@@ -116,10 +134,12 @@ def position_metrics(
     Keys: ``position`` (1-based), ``count``, ``temperature`` (1.0 when none given; ``offset`` too
     for STS with offsets), ``ece_raw``, ``brier_raw``, ``auroc`` (raw cumulative vs label ≥ 0.5;
     NaN with one class) and, with a calibration, ``ece_sts``, ``brier_sts``, ``auroc_sts`` (the
-    calibrated a_k, whichever the method). Positions with no valid
-    data report NaN. Note: at k = 1 STS cannot change AUROC (monotone in z_1); for k ≥ 2 the
-    cumulative product mixes positions with different temperatures, so its *cross-sample* ranking —
-    hence ``auroc_sts`` — may move slightly, although each c_k's ranking is preserved.
+    calibrated a_k, whichever the method); with binary labels, ``ece_raw_floor`` (``ece_sts_floor``):
+    the ECE perfectly calibrated raw (calibrated) confidences would show here (``ece_noise_floor``).
+    Positions with no valid data report NaN. Note: at k = 1 STS cannot change AUROC (monotone in
+    z_1); for k ≥ 2 the cumulative product mixes positions with different temperatures, so its
+    *cross-sample* ranking — hence ``auroc_sts`` — may move slightly, although each c_k's ranking is
+    preserved.
     """
     from dspark.calibration.sts import cumulative_confidence  # sts imports this module
 
@@ -140,9 +160,14 @@ def position_metrics(
             "brier_raw": float(((p - y) ** 2).mean()) if y.numel() else float("nan"),
             "auroc": _auroc(p, y),
         }
+        binary = _is_binary(y)  # soft labels carry no Bernoulli noise: no floor to state
+        if binary:
+            row["ece_raw_floor"] = ece_noise_floor(p, n_bins)
         if sts is not None:
             q = sts[:, k][m]
             row["ece_sts"] = expected_calibration_error(q, y, n_bins)
+            if binary:
+                row["ece_sts_floor"] = ece_noise_floor(q, n_bins)
             row["brier_sts"] = float(((q - y) ** 2).mean()) if y.numel() else float("nan")
             row["auroc_sts"] = _auroc(q, y)
         out.append(row)
@@ -163,7 +188,16 @@ def summary(per_position: list[dict]) -> dict:
         return sum(vals) / len(vals) if vals else float("nan")
 
     out = {"positions": sum(1 for r in per_position if r.get("count", 0) > 0)}
-    for key in ("ece_raw", "ece_sts", "auroc", "auroc_sts", "brier_raw", "brier_sts"):
+    for key in (
+        "ece_raw",
+        "ece_sts",
+        "ece_raw_floor",
+        "ece_sts_floor",
+        "auroc",
+        "auroc_sts",
+        "brier_raw",
+        "brier_sts",
+    ):
         if any(key in r for r in per_position):
             out[f"{key}_mean"] = mean(key)
     return out

@@ -151,7 +151,7 @@ def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out:
     held = [r for recs in out.rounds.values() for r in recs]
     z, y, valid = calibration_arrays(held)
     keys = ("position", "count", "ece_raw", "ece_sts", "auroc", "brier_raw", "brier_sts", "temperature")
-    keys += ("offset",)  # STS with offsets only
+    keys += ("offset", "ece_raw_floor", "ece_sts_floor")  # STS with offsets; binary labels
     per_pos = [{k: row[k] for k in keys if k in row} for row in position_metrics(z, y, valid, cal, n_bins)]
     s, fs = summary(per_pos), summary(position_metrics(fit.z, fit.y, fit.valid, cal, n_bins))
     folder.write_calibration(
@@ -160,6 +160,7 @@ def write_calibration_report(folder: EvaluationFolder, fit: CalibrationFit, out:
             "per_position": per_pos,
             "ece_raw_mean": s.get("ece_raw_mean"),
             "ece_sts_mean": s.get("ece_sts_mean"),
+            "ece_sts_floor_mean": s.get("ece_sts_floor_mean"),  # what perfect calibration would show here
             "auroc_mean": s.get("auroc_mean"),
             "evaluated_on": f"benchmark rounds ({len(held)}), held out from the fit",
             "fit": {
