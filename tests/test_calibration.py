@@ -21,7 +21,7 @@ from dspark.calibration.metrics import (
 )
 from dspark.calibration.plots import reliability_diagram
 from dspark.calibration.sts import Calibration, cumulative_confidence, fit_sts, fit_sts_offsets
-from dspark.core.errors import DataError
+from dspark.core.errors import ConfigError, DataError
 
 GAMMA = 7
 OVERCONFIDENCE = 3.0  # observed logit = 3 * true logit, so the ideal temperature is 3 everywhere
@@ -294,3 +294,38 @@ def test_ece_noise_floor_is_the_ece_of_perfect_calibration():
     assert (
         "ece_sts_floor" not in position_metrics(z, y, v, [1.0] * GAMMA)[0]
     )  # soft labels: no Bernoulli noise
+
+
+def _round_records(z: torch.Tensor, y: torch.Tensor, per_request: int = 20) -> list[dict]:
+    """Engine round records (rounds.jsonl's fields) of full blocks: accepted = the labels' leading run."""
+    accepted = y.clamp(min=0).long().cumprod(1).sum(1)
+    return [
+        {"request": f"b/{i // per_request}", "round": i % per_request, "drafted": GAMMA, "proposed": GAMMA,
+         "accepted": int(accepted[i]), "confidence_logits": z[i].tolist()}
+        for i in range(len(z))
+    ]  # fmt: skip
+
+
+def test_compare_cli_scores_each_method_where_it_was_not_fitted(tmp_path):
+    import gzip
+
+    from dspark.calibration.compare import compare, fold_of, main
+
+    z, y, _ = shifted_rollouts(8_000, seed=14)  # whole blocks: every position labelled
+    path = tmp_path / "rounds.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in _round_records(z, y))
+    report = main([str(path), "--folds", "3", "--out", str(tmp_path / "cmp.json")])
+    res = report[str(path)]
+    assert json.loads((tmp_path / "cmp.json").read_text()) == report
+    assert res["rounds"] == 8_000 and res["folds"] == 3 and len(res["fits"]["sts_offsets"]) == 3
+    m = res["methods"]
+    assert set(m) == {"raw", "sts", "sts_offsets"} and all(len(v["ece"]) == GAMMA for v in m.values())
+    assert m["sts_offsets"]["ece_mean"] < m["sts"]["ece_mean"] < m["raw"]["ece_mean"]
+    assert m["sts_offsets"]["ece_mean"] < 2 * m["sts_offsets"]["ece_floor_mean"]
+    # A request's rounds stay in one fold, and the folds are stable across runs.
+    assert len({fold_of(f"b/{i}", 3) for i in range(40)}) == 3 and fold_of("b/7", 3) == fold_of("b/7", 3)
+    with pytest.raises(ConfigError, match="--folds 1: need at least 2"):
+        compare(_round_records(z, y)[:100], folds=1)
+    with pytest.raises(DataError, match="do not fill 3 folds"):
+        compare(_round_records(z, y)[:20], folds=3)  # one request only

@@ -7,6 +7,7 @@ plus their metrics on the benchmark rounds). The figures sit beside them with th
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,9 +84,11 @@ def _lines(f):
 
 
 def read_rounds(path: str | Path) -> Iterator[dict]:
-    """The records of a rounds.jsonl file, one dict a line (DataError naming the line otherwise)."""
+    """The records of a rounds.jsonl file (or its gzip, ``.gz``), one dict a line (DataError naming
+    the line otherwise)."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(_lines_of(f, path), 1):
             if not line.strip():
                 continue

@@ -182,8 +182,8 @@ def _log_loss_pair(base: Tensor, z: Tensor, y: Tensor, max_iter: int) -> tuple[f
         return value
 
     opt.step(loss)
-    t = min(max(math.exp(-float(log_scale)), _TEMPERATURE_RANGE[0]), _TEMPERATURE_RANGE[1])
-    return t, min(max(float(offset), _OFFSET_RANGE[0]), _OFFSET_RANGE[1])
+    t = min(max(math.exp(-log_scale.item()), _TEMPERATURE_RANGE[0]), _TEMPERATURE_RANGE[1])
+    return t, min(max(offset.item(), _OFFSET_RANGE[0]), _OFFSET_RANGE[1])
 
 
 @dataclass
