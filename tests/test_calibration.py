@@ -316,8 +316,8 @@ def test_compare_cli_scores_each_method_where_it_was_not_fitted(tmp_path):
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in _round_records(z, y))
     report = main([str(path), "--folds", "3", "--out", str(tmp_path / "cmp.json")])
-    res = report[str(path)]
-    assert json.loads((tmp_path / "cmp.json").read_text()) == report
+    res = report["sources"][str(path)]
+    assert json.loads((tmp_path / "cmp.json").read_text()) == report and "commit" in report
     assert res["rounds"] == 8_000 and res["folds"] == 3 and len(res["fits"]["sts_offsets"]) == 3
     m = res["methods"]
     assert set(m) == {"raw", "sts", "sts_offsets"} and all(len(v["ece"]) == GAMMA for v in m.values())

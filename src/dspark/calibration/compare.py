@@ -8,7 +8,8 @@ request into ``folds`` parts; each method is fitted on all parts but one and sco
 every number is held out, and prompts never straddle the fit and the score (rounds of one prompt
 are alike). Per draft position and method: the ECE of the prefix-survival probability a_k, its
 noise floor (``ece_noise_floor``: what perfect calibration would show on as many rounds), and the
-AUROC, each the mean over the folds; plus each method's fitted parameters per fold.
+AUROC, each the mean over the folds; plus each method's fitted parameters per fold. The JSON holds
+the command, commit, machine and date, and ``sources``: each input's result.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..artifacts import EvaluationFolder
 from ..artifacts.evaluation import read_rounds
 from ..core.errors import ConfigError, DataError
 from ..core.io import atomic_write_json
+from ..core.provenance import provenance
 from ..decoding.engine import calibration_arrays
 from .metrics import position_metrics
 from .sts import Calibration
@@ -100,13 +102,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--n-bins", type=int, default=15)
     ap.add_argument("--out", default="calibration_compare.json")
     args = ap.parse_args(argv)
-    report = {}
+    report = {**provenance("dspark.calibration.compare", argv), "sources": {}}
     for source in args.rounds:
         try:
-            report[source] = compare(_records(source), args.folds, args.n_bins)
+            report["sources"][source] = compare(_records(source), args.folds, args.n_bins)
         except ValueError as err:  # rounds without confidence logits: a drafter without the head
             raise DataError(f"{source}: {err}") from None
-        _print(source, report[source])
+        _print(source, report["sources"][source])
     atomic_write_json(args.out, report)
     return report
 
