@@ -309,7 +309,7 @@ def _round_records(z: torch.Tensor, y: torch.Tensor, per_request: int = 20) -> l
 def test_compare_cli_scores_each_method_where_it_was_not_fitted(tmp_path):
     import gzip
 
-    from dspark.calibration.compare import compare, fold_of, main
+    from dspark.reporting.calibration_compare import compare, fold_of, main
 
     z, y, _ = shifted_rollouts(8_000, seed=14)  # whole blocks: every position labelled
     path = tmp_path / "rounds.jsonl.gz"

@@ -5,6 +5,7 @@ tiny target."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -159,6 +160,23 @@ def test_hardware_aware_dominates_fixed_gamma_on_a_roofline():
     # and it is load-adaptive: the budget shrinks once the batch is compute-bound
     budgets = [p["budget"] for p in rec["hardware_aware"]]
     assert budgets[0] > 3 and budgets[-1] < budgets[0] / 2
+
+
+def test_replay_recalibrates_from_the_recorded_logits():
+    """calibration= replaces the recorded confidences by σ(z / T + b) of the recorded logits: bare STS
+    temperatures (b = 0) or a Calibration with offsets."""
+    from dspark.calibration.sts import Calibration
+
+    recs = periodic_records()
+    for r in recs:
+        r["confidence_logits"] = [math.log(c / (1 - c)) for c in r["confidence"]]
+    z = np.array([r["confidence_logits"] for r in recs])
+    temps, offsets = [0.5, 1.0, 2.0, 4.0], [0.3, -0.2, 0.0, 1.0]
+    sts = rounds_from_records(recs, calibration=temps).confidence
+    both = rounds_from_records(recs, calibration=Calibration(temps, offsets)).confidence
+    np.testing.assert_allclose(sts, 1 / (1 + np.exp(-z / temps)), rtol=1e-6)
+    np.testing.assert_allclose(both, 1 / (1 + np.exp(-(z / temps + offsets))), rtol=1e-6)
+    np.testing.assert_allclose(rounds_from_records(recs).confidence, np.array(CONF * 3), rtol=1e-6)
 
 
 def test_rounds_must_be_recorded_at_full_gamma(tmp_path):

@@ -174,6 +174,18 @@ def position_metrics(
     return out
 
 
+_SUMMARY_KEYS = (
+    "ece_raw",
+    "ece_sts",
+    "ece_raw_floor",
+    "ece_sts_floor",
+    "auroc",
+    "auroc_sts",
+    "brier_raw",
+    "brier_sts",
+)
+
+
 def summary(per_position: list[dict]) -> dict:
     """Plain (unweighted) mean over positions that have data, ignoring NaNs.
 
@@ -188,16 +200,7 @@ def summary(per_position: list[dict]) -> dict:
         return sum(vals) / len(vals) if vals else float("nan")
 
     out = {"positions": sum(1 for r in per_position if r.get("count", 0) > 0)}
-    for key in (
-        "ece_raw",
-        "ece_sts",
-        "ece_raw_floor",
-        "ece_sts_floor",
-        "auroc",
-        "auroc_sts",
-        "brier_raw",
-        "brier_sts",
-    ):
+    for key in _SUMMARY_KEYS:
         if any(key in r for r in per_position):
             out[f"{key}_mean"] = mean(key)
     return out

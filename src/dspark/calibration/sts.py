@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..core.errors import DataError
 from ..core.io import atomic_write_json, read_json
-from .metrics import _check_inputs, _ece_l1
+from .metrics import _check_inputs, _ece_l1, _is_binary
 
 __all__ = [
     "Calibration",
@@ -157,8 +157,7 @@ def fit_sts_offsets(
     for k in range(gamma):
         m = valid[:, k]
         y = y_all[m, k]
-        one_class = bool(((y == 0) | (y == 1)).all()) and y.numel() > 0 and float(y.min()) == float(y.max())
-        if y.numel() and not one_class:
+        if y.numel() and not (_is_binary(y) and float(y.min()) == float(y.max())):  # one class: no fit
             temps[k], offsets[k] = _log_loss_pair(log_prefix[m], z_all[m, k], y, max_iter)
         log_prefix += F.logsigmoid(z_all[:, k] / float(temps[k]) + float(offsets[k]))
     return temps, offsets

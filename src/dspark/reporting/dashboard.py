@@ -371,10 +371,10 @@ def _section_acceptance(runs, axis, out: Path):
 
 
 def _calibration_params(cal: dict) -> str:
-    """Each position's T, followed by its offset b (``T+b``) for STS with offsets."""
+    """Each position's T, with STS with offsets its offset b after it: ``T (b)``."""
     temps = cal.get("temperatures") or [p.get("temperature") for p in cal["per_position"]]
     offsets = cal.get("offsets") or [None] * len(temps)
-    return " ".join(_fmt(t, 2) + ("" if b is None else f"{b:+.2f}") for t, b in zip(temps, offsets))
+    return " ".join(_fmt(t, 2) + ("" if b is None else f" ({b:+.2f})") for t, b in zip(temps, offsets))
 
 
 def _section_calibration(runs, axis, out: Path):

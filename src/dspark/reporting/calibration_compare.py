@@ -1,15 +1,15 @@
 """Which calibration suits a drafter: STS against STS with offsets on recorded benchmark rounds.
 
-    python -m dspark.calibration.compare <evaluation folder | rounds.jsonl[.gz]> … [--folds 2] \\
+    python -m dspark.reporting.calibration_compare <evaluation folder | rounds.jsonl[.gz]> … [--folds 2] \\
         [--n-bins 15] [--out calibration_compare.json]
 
 The rounds of a fixed-block evaluation (``python -m dspark.evaluate policy.gamma=null``) are split by
 request into ``folds`` parts; each method is fitted on all parts but one and scored on that one, so
 every number is held out, and prompts never straddle the fit and the score (rounds of one prompt
 are alike). Per draft position and method: the ECE of the prefix-survival probability a_k, its
-noise floor (``ece_noise_floor``: what perfect calibration would show on as many rounds), and the
-AUROC, each the mean over the folds; plus each method's fitted parameters per fold. The JSON holds
-the command, commit, machine and date, and ``sources``: each input's result.
+noise floor (``calibration.metrics.ece_noise_floor``: what perfect calibration would show on as
+many rounds), and the AUROC, each the mean over the folds; plus each method's fitted parameters per
+fold. The JSON holds the command, commit, machine and date, and ``sources``: each input's result.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 
 from ..artifacts import EvaluationFolder
 from ..artifacts.evaluation import read_rounds
+from ..calibration.metrics import position_metrics
+from ..calibration.sts import Calibration
 from ..core.errors import ConfigError, DataError
 from ..core.io import atomic_write_json
 from ..core.provenance import provenance
 from ..decoding.engine import calibration_arrays
-from .metrics import position_metrics
-from .sts import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,14 @@ def _print(source: str, res: dict) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="python -m dspark.calibration.compare", description=__doc__.split("\n")[0]
+        prog="python -m dspark.reporting.calibration_compare", description=__doc__.split("\n")[0]
     )
     ap.add_argument("rounds", nargs="+", help="evaluation folders or rounds.jsonl(.gz) files")
     ap.add_argument("--folds", type=int, default=2)
     ap.add_argument("--n-bins", type=int, default=15)
     ap.add_argument("--out", default="calibration_compare.json")
     args = ap.parse_args(argv)
-    report = {**provenance("dspark.calibration.compare", argv), "sources": {}}
+    report = {**provenance("dspark.reporting.calibration_compare", argv), "sources": {}}
     for source in args.rounds:
         try:
             report["sources"][source] = compare(_records(source), args.folds, args.n_bins)
