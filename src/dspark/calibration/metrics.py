@@ -113,10 +113,9 @@ def _calibrated(logits: Tensor, calibration) -> tuple[Tensor | None, list[float]
     ``Calibration`` (STS, or STS with offsets), bare STS temperatures, or None (raw: no a_k)."""
     from dspark.calibration.sts import Calibration, cumulative_confidence  # sts imports this module
 
+    calibration = Calibration.of(calibration)
     if calibration is None:
         return None, [1.0] * logits.shape[1], None
-    if not isinstance(calibration, Calibration):
-        calibration = Calibration(torch.as_tensor(calibration, dtype=torch.float64).tolist())
     temps, offsets = calibration.temperatures, calibration.offsets
     return cumulative_confidence(logits, temps, offsets), temps, offsets
 

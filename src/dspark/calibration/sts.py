@@ -202,6 +202,13 @@ class Calibration:
             if len(self.offsets) != len(self.temperatures) or not all(map(math.isfinite, self.offsets)):
                 raise ValueError(f"need {len(self.temperatures)} finite offsets, got {self.offsets}")
 
+    @classmethod
+    def of(cls, value) -> Calibration | None:
+        """``value`` as a Calibration: itself; bare STS temperatures (a list, a tensor) as STS; None."""
+        if value is None or isinstance(value, Calibration):
+            return value
+        return cls(torch.as_tensor(value, dtype=torch.float64).flatten().tolist())
+
     @property
     def method(self) -> str:
         return "sts" if self.offsets is None else "sts_offsets"

@@ -60,7 +60,6 @@ CUDA path can keep the same streams.
 from __future__ import annotations
 
 import gc
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -72,6 +71,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..calibration.sts import Calibration
 from ..core.progress import progress_bar
 from ..core.sampling import sample_from
 from ..core.tensors import kept_tensor
@@ -379,9 +379,9 @@ class Engine:
         self.cost = cost
         self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)
-        self.temperatures = _temperatures(calibration, getattr(drafter, "gamma", None))
-        self.offsets = _offsets(calibration, self.temperatures)
-        self._affine_dev: tuple[Tensor, Tensor] | None = None  # (1 / T, b) on the device
+        # (1 / T, b) per position of the confidence logits (None: raw σ(z)), moved to the device once
+        self._affine = _affine(calibration, getattr(drafter, "gamma", None))
+        self._affine_dev: tuple[Tensor, Tensor] | None = None
         self._clock = _Clock(self.device)
         self._watch: StallWatch | None = None  # set while generate runs
         self._constants: dict[tuple, Tensor] = {}  # ``_constant``
@@ -849,14 +849,13 @@ class Engine:
     def _calibrated(self, z: Tensor) -> Tensor:
         """σ(z_k / T_k + b_k) of the drafted positions (the first ``z.shape[1]`` of the block; b = 0
         for STS), one fused multiply-add before the sigmoid."""
-        if self.temperatures is None:
+        if self._affine is None:
             return torch.sigmoid(z)
         if self._affine_dev is None:
-            offsets = torch.zeros_like(self.temperatures) if self.offsets is None else self.offsets
-            self._affine_dev = (self._to_device(1.0 / self.temperatures), self._to_device(offsets))
-        if self.temperatures.numel() < z.shape[1]:
+            self._affine_dev = tuple(self._to_device(t) for t in self._affine)
+        if self._affine[0].numel() < z.shape[1]:
             raise ValueError(
-                f"calibration has {self.temperatures.numel()} temperatures, the drafter proposes "
+                f"calibration has {self._affine[0].numel()} temperatures, the drafter proposes "
                 f"{z.shape[1]} tokens"
             )
         scale, offset = (t[: z.shape[1]].to(z.dtype) for t in self._affine_dev)
@@ -912,31 +911,19 @@ def _following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> T
     return nxt
 
 
-def _offsets(calibration, temperatures: Tensor | None) -> Tensor | None:
-    """STS with offsets' b_k (a ``Calibration`` that has them), else None."""
-    offsets = getattr(calibration, "offsets", None)
-    if offsets is None:
+def _affine(calibration, gamma: int | None) -> tuple[Tensor, Tensor] | None:
+    """(1 / T_k, b_k) as float32 tensors of ``calibration`` (``Calibration.of`` reads it: b = 0 for
+    STS), checked against the drafter's γ; None without one."""
+    cal = Calibration.of(calibration)
+    if cal is None:
         return None
-    b = torch.as_tensor(offsets, dtype=torch.float32).flatten()
-    if temperatures is None or b.shape != temperatures.shape or not bool(b.isfinite().all()):
-        raise ValueError(f"calibration offsets must be finite, one per temperature, got {b.tolist()}")
-    return b
-
-
-def _temperatures(calibration, gamma: int | None) -> Tensor | None:
-    if calibration is None:
-        return None
-    temps = getattr(calibration, "temperatures", calibration)
-    t = torch.as_tensor(
-        list(temps) if not isinstance(temps, Tensor) else temps, dtype=torch.float32
-    ).flatten()
-    if not bool((t > 0).all()) or not all(math.isfinite(x) for x in t.tolist()):
-        raise ValueError(f"calibration temperatures must be finite and positive, got {t.tolist()}")
-    if gamma is not None and t.numel() != gamma:
+    if gamma is not None and len(cal.temperatures) != gamma:
         raise ValueError(
-            f"calibration has {t.numel()} temperatures, but the drafter proposes gamma={gamma} tokens"
+            f"calibration has {len(cal.temperatures)} temperatures, but the drafter proposes "
+            f"gamma={gamma} tokens"
         )
-    return t
+    temps = torch.tensor(cal.temperatures, dtype=torch.float32)
+    return 1.0 / temps, torch.tensor(cal.offsets or [0.0] * len(temps), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

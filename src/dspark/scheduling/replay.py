@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..artifacts import EvaluationFolder, read_rounds
+from ..calibration.sts import Calibration
 from ..core.errors import DataError
 from ..core.progress import progress_bar
 from .cost import CostModel
@@ -92,8 +93,9 @@ def rounds_from_records(records: Iterable, source: str = "rounds", calibration=N
 
     ``calibration``: a ``Calibration`` (or bare STS temperatures) to recalibrate from
     ``confidence_logits`` (c_k = σ(z_k / T_k + b_k)) instead of the recorded ``confidence``."""
-    temperatures = None if calibration is None else list(getattr(calibration, "temperatures", calibration))
-    offsets = getattr(calibration, "offsets", None) or [0.0] * len(temperatures or [])
+    calibration = Calibration.of(calibration)
+    temperatures = None if calibration is None else calibration.temperatures
+    offsets = (None if calibration is None else calibration.offsets) or [0.0] * len(temperatures or [])
     conf_rows, acc, keys = [], [], []
     gammas: set[int] = set()
     short, first_short, no_conf = 0, None, 0
