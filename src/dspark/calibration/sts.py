@@ -210,6 +210,11 @@ class Calibration:
         return cls(torch.as_tensor(value, dtype=torch.float64).flatten().tolist())
 
     @property
+    def biases(self) -> list[float]:
+        """b_k per position: the offsets, or zeros for STS."""
+        return self.offsets or [0.0] * len(self.temperatures)
+
+    @property
     def method(self) -> str:
         return "sts" if self.offsets is None else "sts_offsets"
 

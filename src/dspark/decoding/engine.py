@@ -923,7 +923,7 @@ def _affine(calibration, gamma: int | None) -> tuple[Tensor, Tensor] | None:
             f"gamma={gamma} tokens"
         )
     temps = torch.tensor(cal.temperatures, dtype=torch.float32)
-    return 1.0 / temps, torch.tensor(cal.offsets or [0.0] * len(temps), dtype=torch.float32)
+    return 1.0 / temps, torch.tensor(cal.biases, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

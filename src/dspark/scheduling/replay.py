@@ -94,8 +94,9 @@ def rounds_from_records(records: Iterable, source: str = "rounds", calibration=N
     ``calibration``: a ``Calibration`` (or bare STS temperatures) to recalibrate from
     ``confidence_logits`` (c_k = σ(z_k / T_k + b_k)) instead of the recorded ``confidence``."""
     calibration = Calibration.of(calibration)
-    temperatures = None if calibration is None else calibration.temperatures
-    offsets = (None if calibration is None else calibration.offsets) or [0.0] * len(temperatures or [])
+    temperatures = offsets = None
+    if calibration is not None:
+        temperatures, offsets = calibration.temperatures, calibration.biases
     conf_rows, acc, keys = [], [], []
     gammas: set[int] = set()
     short, first_short, no_conf = 0, None, 0
