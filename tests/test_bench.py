@@ -490,15 +490,16 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     """A point's digest of its rounds: per rows bucket and drafted length the rounds, their mean
     time, tokens per live row and the table's price of them; the acceptance per draft position the
     rows realised (reached and accepted, counted like the schedulers' estimate); and the estimate of a
-    policy that keeps one, over the longest draft verified."""
+    policy that keeps one, over the longest draft verified; and a walking policy's reasons to walk."""
     from types import SimpleNamespace
 
-    from dspark.bench.measure import _by_length, _estimate, _realised_acceptance
-    from dspark.scheduling.policies import DraftAware, Truncated
+    from dspark.bench.measure import _by_length, _estimate, _realised_acceptance, _walk_state
+    from dspark.scheduling.policies import DraftAware, HardwareAware, Truncated
 
     steps = [
         {"ms": 2.0, "host_ms": 1.0, "batch": 3, "drafted": 2, "tokens": 6, "verified": 9},
-        {"ms": 4.0, "host_ms": 2.0, "batch": 3, "drafted": 2, "tokens": 3, "verified": 6},  # a walk cut it
+        # a walk cut it (it read its width back)
+        {"ms": 4.0, "host_ms": 2.0, "batch": 3, "drafted": 2, "tokens": 3, "verified": 6, "readback_ms": 0.2},
         {"ms": 1.0, "host_ms": 0.5, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},
         {"ms": None, "batch": 1, "drafted": 0, "tokens": 1, "verified": 1},  # no clock: left out
     ]
@@ -507,6 +508,7 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert [(g["rows_bucket"], g["drafted"], g["rounds"]) for g in by] == [(4, 2, 2), (1, 0, 1)]
     assert [by[0][k] for k in ("ms", "host_ms", "tokens_per_row", "verified_per_row")] == [3.0, 1.5, 1.5, 2.5]
     assert by[1]["tokens_per_row"] == by[1]["verified_per_row"] == 1.0
+    assert [g["walked"] for g in by] == [1, 0]  # the round that read its width back
     assert by[0]["priced_ms"] == pytest.approx(1e3 * cost.round_time(3, 2))
     assert by[1]["priced_ms"] == pytest.approx(1.0) and _by_length(steps, None)[0]["priced_ms"] is None
     # rows verified (ℓ) and accepted (n): position 1 reached by three rows, accepted by two;
@@ -519,6 +521,18 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert _estimate(aware, rounds) == pytest.approx([(2 + 1) / (3 + 1), (1 + 1) / (1 + 1)])
     assert _estimate(Truncated(aware, 2), rounds) == _estimate(aware, rounds)
     assert _estimate(Fixed(None), rounds) is None and _estimate(None, rounds) is None
+    hw = HardwareAware(explore_every=2)  # the first round walks, the second explores a whole draft
+    assert _walk_state(hw) == {"realised": None, "clock": []}
+    for walked, ms in [(True, 2.0), (False, 4.0)]:  # 3 rows, each accepting both drafts: 9 tokens
+        assert hw.width(hw.draft_length(3, 2, cost)) == (None if walked else 2)
+        hw.observe_round(np.array([2, 2, 2]), np.array([2, 2, 2]))
+        hw.observe_time(ms)
+    state = _walk_state(Truncated(hw, 2))
+    assert state["realised"] == 0.0  # the walk kept every draft whole: it saved nothing
+    clock = [(c["rows_bucket"], c["walked"], c["rounds"]) for c in state["clock"]]
+    assert clock == [(4, False, 1), (4, True, 1)]
+    assert [c["tokens_per_ms"] for c in state["clock"]] == pytest.approx([9 / 4.0, 9 / 2.0])
+    assert _walk_state(aware) is None and _walk_state(None) is None
 
 
 def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):

@@ -173,10 +173,10 @@ def _main(argv, watch) -> dict:
     )  # fmt: skip
     _print_by_length(
         rows,
-        "rounds by rows bucket and drafted length: count, measured/priced/host/launch/policy ms, "
+        "rounds by rows bucket and drafted length: count (walked), measured/priced/host/launch/policy ms, "
         "tokens/verified a row",
         lambda g: (
-            f"{g['rounds']}, {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/{g['host_ms']:.2f}/"
+            f"{g['rounds']} ({g['walked']}), {g['ms']:.2f}/{_num(g, 'priced_ms'):.2f}/{g['host_ms']:.2f}/"
             f"{g['launch_ms']:.2f}/{g['policy_ms']:.2f}, "
             f"{g['tokens_per_row']:.2f}/{g['verified_per_row']:.2f}"
         ),

@@ -120,7 +120,8 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
     """One timed run's point: throughput, per-user speed, τ, verify budget, round means, the rounds
     by drafted length (``by_length``), the acceptance per draft position the rounds realised
     (``acceptance``) and, for a policy that keeps one, its estimate of it after the run
-    (``acceptance_estimate``): what a scheduler's choices are judged against."""
+    (``acceptance_estimate``): what a scheduler's choices are judged against; for a walking policy
+    its reasons to walk after the run (``walk_state``)."""
     step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
     total_s = sum(step_s.values())
     toks: dict = {}
@@ -143,6 +144,7 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
         "by_length": _by_length(res.steps, cost),
         "acceptance": _realised_acceptance(res.rounds),
         "acceptance_estimate": _estimate(policy, res.rounds),
+        "walk_state": _walk_state(policy),
     }
 
 
@@ -193,8 +195,9 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     ``launch_ms`` and ``policy_ms`` of it putting the round on the device and the policy's calls;
     ``launch_parts`` the launch by part, ``engine.LAUNCH_PARTS``: where a length's launch differs), the
     tokens they emitted and the positions they verified per live row (the anchor included: below
-    1 + drafted where a walk cut the draft), and the cost table's price of them as the engine prices
-    them (``priced_ms``, the whole draft verified; None without a table). Measured against priced,
+    1 + drafted where a walk cut the draft), how many of them walked (``walked``: read their width
+    back), and the cost table's price of them as the engine prices them (``priced_ms``, the whole
+    draft verified; None without a table). Measured against priced,
     rate against rate, it shows where a scheduler's model of the rounds was wrong."""
     groups: dict[tuple[int, int], np.ndarray] = {}
     for s in steps:
@@ -202,16 +205,16 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
             continue
         priced = 1e3 * cost.round_times(s["batch"], s["drafted"])[s["drafted"]] if cost is not None else 0.0
         parts = s.get("launch_parts") or {}  # steps recorded without them count 0
-        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(9 + len(LAUNCH_PARTS)))
+        g = groups.setdefault((rows_bucket(s["batch"]), int(s["drafted"])), np.zeros(10 + len(LAUNCH_PARTS)))
         g += (1, s["ms"], s.get("host_ms") or 0.0, s.get("launch_ms") or 0.0, s.get("policy_ms") or 0.0,
-              s["tokens"], s["verified"], s["batch"], priced,
+              s["tokens"], s["verified"], s["batch"], priced, (s.get("readback_ms") or 0.0) > 0,
               *(parts.get(p, 0.0) for p in LAUNCH_PARTS))  # fmt: skip
     return [
         {"rows_bucket": b, "drafted": d, "rounds": int(n), "ms": ms / n, "host_ms": host / n,
          "launch_ms": launch / n, "policy_ms": policy / n, "tokens_per_row": tokens / rows,
          "verified_per_row": verified / rows, "priced_ms": priced / n if cost is not None else None,
-         "launch_parts": {p: float(v / n) for p, v in zip(LAUNCH_PARTS, parts)}}
-        for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced, *parts) in sorted(
+         "walked": int(walked), "launch_parts": {p: float(v / n) for p, v in zip(LAUNCH_PARTS, parts)}}
+        for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced, walked, *parts) in sorted(
             groups.items(), key=lambda g: (-g[0][0], g[0][1]))
     ]  # fmt: skip
 
@@ -231,6 +234,13 @@ def _estimate(policy: Policy | None, rounds) -> list[float] | None:
     acceptance = getattr(policy.base, "acceptance", None) if policy is not None else None
     n = max((r.proposed for r in rounds), default=0)
     return None if acceptance is None or n == 0 else [float(c) for c in acceptance(n)]
+
+
+def _walk_state(policy: Policy | None) -> dict | None:
+    """After the run, a walking policy's reasons to walk (``HardwareAware.walk_state``); None for
+    the others."""
+    state = getattr(policy.base, "walk_state", None) if policy is not None else None
+    return None if state is None else state()
 
 
 def _median_run(runs: list[dict]) -> dict:

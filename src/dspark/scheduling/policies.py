@@ -834,6 +834,17 @@ class HardwareAware(Policy):
             return None
         return bool(walked[0] / walked[1] > whole[0] / whole[1])
 
+    def walk_state(self) -> dict:
+        """What decides whether a round walks, as it stands: the share of the largest saving that
+        walks realised (None before any), and per rows bucket the clock of walked and whole-draft
+        rounds (tokens per ms, decayed; rounds timed). For a run's record: where walks go on though
+        they cost more than they save, it says which of the two let them."""
+        clock = [
+            {"rows_bucket": b, "walked": w, "tokens_per_ms": t / ms if ms > 0 else None, "rounds": int(n)}
+            for (b, w), (t, ms, n) in sorted(self._clock.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
+        ]
+        return {"realised": self._realised, "clock": clock}
+
     def width(self, drafted: int) -> int | None:
         return None if self._walk else drafted
 
