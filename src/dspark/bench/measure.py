@@ -197,8 +197,8 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     tokens they emitted and the positions they verified per live row (the anchor included: below
     1 + drafted where a walk cut the draft), how many of them walked (``walked``: read their width
     back), and the cost table's price of them as the engine prices them (``priced_ms``, the whole
-    draft verified; None without a table). Measured against priced,
-    rate against rate, it shows where a scheduler's model of the rounds was wrong."""
+    draft verified; None without a table). Measured against priced, rate against rate, it shows where
+    a scheduler's model of the rounds was wrong."""
     groups: dict[tuple[int, int], np.ndarray] = {}
     for s in steps:
         if s.get("ms") is None or not s.get("batch"):
