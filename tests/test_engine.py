@@ -801,6 +801,26 @@ def test_generate_freezes_the_heap_and_reports_host_time(small_target):
         gc.unfreeze()
 
 
+def test_rounds_with_one_off_work_are_not_timed_for_the_policy(small_target, monkeypatch):
+    """A round whose record names one-off work (``events``: a graph capture, a compile, a GC pass)
+    is kept in the steps but not handed to the policy's clock; every other round is, in order."""
+    from dspark.decoding.stall_watch import StallWatch
+
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
+    calls = iter(range(10_000))  # every third round met a GC pass
+    stalled = lambda self: {"gc_passes": 1} if next(calls) % 3 == 1 else {}  # noqa: E731
+    monkeypatch.setattr(StallWatch, "increments", stalled)
+    timed = []
+    pol = Fixed(None)
+    pol.observe_time = timed.append
+    res = Engine(t, drafter, pol, temperature=0, concurrency=2, max_new_tokens=8, eos_token_ids=()).generate(
+        prompts_for(t, 3, seed=2)
+    )
+    clean = [s["ms"] for s in res.steps if not s["events"]]
+    assert len(clean) < len(res.steps) and timed == clean
+
+
 class ReadsBack(Fixed):
     """The whole block, with a width the engine reads back (a confidence-driven policy's path)."""
 

@@ -842,7 +842,10 @@ class Engine:
             # one-off work since the previous round's record (graph captures, compiles, GC passes)
             "events": self._watch.increments() if self._watch is not None else {},
         }
-        if self.drafter is not None:
+        if self.drafter is not None and not info["events"]:
+            # A round that met one-off work (a graph captured, a frame compiled, a GC pass, the
+            # allocator grown) timed that work too: the policies' clocks, which keep a decaying
+            # mean per kind of round, would carry it for many rounds of that kind.
             self.policy.observe_time(info["ms"])
         return recs, ended, info
 

@@ -608,7 +608,8 @@ class Policy:
 
     def observe_time(self, ms: float) -> None:
         """A completed round's duration (ms on the device's timeline, idle gaps included; the
-        host's clock on the CPU), right after its ``observe_round`` / ``observe_shadow``."""
+        host's clock on the CPU), right after its ``observe_round`` / ``observe_shadow``; not
+        called for a round that met one-off work (its record's ``events``)."""
 
     def reset(self) -> None:
         """A new ``generate``: forget the state of the rounds in flight (stateless policies have
