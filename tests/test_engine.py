@@ -804,11 +804,13 @@ def test_generate_freezes_the_heap_and_reports_host_time(small_target):
 def test_rounds_with_one_off_work_are_not_timed_for_the_policy(small_target, monkeypatch):
     """A round whose record names one-off work (``events``: a graph capture, a compile, a GC pass)
     is kept in the steps but not handed to the policy's clock; every other round is, in order."""
+    from itertools import count
+
     from dspark.decoding.stall_watch import StallWatch
 
     t = small_target
     drafter = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
-    calls = iter(range(10_000))  # every third round met a GC pass
+    calls = count()  # every third round met a GC pass
     stalled = lambda self: {"gc_passes": 1} if next(calls) % 3 == 1 else {}  # noqa: E731
     monkeypatch.setattr(StallWatch, "increments", stalled)
     timed = []
