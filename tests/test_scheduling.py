@@ -1003,6 +1003,12 @@ def test_hardware_aware_drafts_what_pays_and_reads_back_only_when_it_pays():
         pol.draft_length(4, 5, None)
 
 
+def _walking_to(width: int, drafted: int, rows: int = 64) -> np.ndarray:
+    """Confidences [rows, drafted] (a shadow round's, on the host) whose walk stops at ``width``:
+    every position up to it certain, none past it."""
+    return np.repeat((np.arange(drafted) < width)[None], rows, 0).astype(np.float32)
+
+
 def test_hardware_aware_reads_back_while_its_walks_pay():
     """The read-back pays only if walking shortens the verification: walks that keep every block
     whole (a strong drafter at R = 1, issue 18's 0.23 ms a round) turn it off; then one round in
@@ -1022,7 +1028,7 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
             m = pol.draft_length(64, 7, cost)
             conf = torch.full((64, m), 0.5)
             real = pol.width(m) is None
-            shadow = pol.shadow_lengths(conf, cost)
+            shadow = pol.shadow_inputs(conf, cost)
             assert not (real and shadow is not None)  # a round walks for real or in the shadow
             # the engine calibrates the confidences only for a round that walks, really or not
             assert pol.reads_confidences() == (real or shadow is not None)
@@ -1031,10 +1037,12 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
             shadows.append(shadow is not None)
             verified = width_of(m) if real else m
             pol.observe_round(np.full(64, verified), np.full(64, verified))  # every one accepted
-            if shadow is not None:
-                pol.observe_shadow(np.full(64, width_of(m)))
+            if shadow is not None:  # confidences whose walk stops at width_of(γ_d)
+                pol.observe_shadow(_walking_to(width_of(m), m))
         return walked, shadows
 
+    walk = [int(pol._walk_lengths(torch.from_numpy(_walking_to(w, 7)), cost).max()) for w in range(8)]
+    assert walk == list(range(8))  # the shadow confidences below walk where they should
     # Largest saving 0.9 ms > 0.2: the first rounds walk; each keeps the whole block (saves 0).
     first, _ = rounds(3, lambda m: m)
     assert first[0] and pol._realised < 0.2 / 0.9
@@ -1046,7 +1054,7 @@ def test_hardware_aware_reads_back_while_its_walks_pay():
     assert not any(cut[:4]) and sum(cut[-8:]) == 7
     # A policy without shadows (the default) never computes one; those that need no confidences
     # read none, the others read them every round.
-    assert Fixed().shadow_lengths(torch.full((2, 3), 0.5)) is None
+    assert Fixed().shadow_inputs(torch.full((2, 3), 0.5)) is None
     assert not any(p.reads_confidences() for p in (Fixed(), Mtp1(), DraftAware()))
     assert Threshold().reads_confidences() and Truncated(Threshold(), 3).reads_confidences()
     with pytest.raises(ValueError, match="explore_every"):
@@ -1108,7 +1116,7 @@ def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
     # one real walk in 4 (not a shadow) to keep the walked clock current.
     later = rounds(8, 2.6, 2.7)
     assert later == [False, False, False, True] * 2
-    assert pol.shadow_lengths(torch.full((64, 7), 0.5), cost) is None
+    assert pol.shadow_inputs(torch.full((64, 7), 0.5), cost) is None
     # Walks become the faster way (0.5 ms: 384 tokens/ms): the clock brings them back once the
     # exploring walks outweigh the old ones.
     assert rounds(48, 0.5, 2.7)[-4:] == [True, True, True, False]

@@ -729,7 +729,7 @@ class Engine:
             lengths = (
                 self.policy.lengths(scores, self.cost).to(device=device, dtype=torch.long).clamp(0, drafted)
             )
-            shadow = self.policy.shadow_lengths(scores, self.cost)  # read back with the outcome, unused here
+            shadow = self.policy.shadow_inputs(scores, self.cost)  # read back with the outcome, unused here
             g = self.policy.width(drafted)
             policy_s += time.perf_counter() - tp
             if g is None:
@@ -784,7 +784,7 @@ class Engine:
         t0 = time.perf_counter()
         timing = self._clock.read(rnd.stamp)  # waits for the round's copies
         t1 = time.perf_counter()
-        host = {k: v.tolist() for k, v in rnd.out.items()}
+        host = {k: v.tolist() for k, v in rnd.out.items() if k != "shadow"}  # the policy reads that one
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
         eos, record = self.eos, self.record_rounds
@@ -820,7 +820,7 @@ class Engine:
             tp = time.perf_counter()
             live = np.asarray(rows, dtype=np.int64)  # the host copies, indexed without a Python loop
             self.policy.observe_round(rnd.out["lengths"].numpy()[live], rnd.out["accepted"].numpy()[live])
-            if "shadow" in host:
+            if "shadow" in rnd.out:
                 self.policy.observe_shadow(rnd.out["shadow"].numpy()[live])
             policy_s += time.perf_counter() - tp
         wait_s = t1 - t0

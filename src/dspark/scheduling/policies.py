@@ -587,7 +587,7 @@ class Policy:
         return None
 
     def reads_confidences(self) -> bool:
-        """Whether this round's ``lengths`` or ``shadow_lengths`` read the confidences' values (asked
+        """Whether this round's ``lengths`` or ``shadow_inputs`` read the confidences' values (asked
         after ``draft_length``). When not, the engine neither calibrates them (unless it records
         them) nor expects them: the policy gets a tensor of their shape."""
         return self.needs_confidence
@@ -595,16 +595,17 @@ class Policy:
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """A completed round's verified lengths and accepted counts (live rows only)."""
 
-    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
-        """In a round whose width was known in advance: the lengths the policy would have chosen
-        had it looked at the confidences, computed on the device and read back with the round's
-        outcome (``observe_shadow``), never used for this round's verification; None (the
+    def shadow_inputs(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+        """In a round whose width was known in advance: what the policy needs of this round's
+        confidences to learn which lengths it would have chosen had it looked at them (a tensor
+        with a row per request, typically the confidences themselves), copied to the host with the
+        round's outcome (``observe_shadow``), never used for this round's verification; None (the
         default): nothing to learn. Lets a policy find out whether looking pays without paying a
-        read-back."""
+        read-back, nor the host's launches of the look on the round's critical path."""
         return None
 
-    def observe_shadow(self, lengths: np.ndarray) -> None:
-        """A completed round's ``shadow_lengths`` (live rows only), right after its ``observe_round``."""
+    def observe_shadow(self, inputs: np.ndarray) -> None:
+        """A completed round's ``shadow_inputs`` (live rows only), right after its ``observe_round``."""
 
     def observe_time(self, ms: float) -> None:
         """A completed round's duration (ms on the device's timeline, idle gaps included; the
@@ -727,8 +728,8 @@ class HardwareAware(Policy):
     any walk): at a high τ the walk keeps nearly every block whole and stops paying for its
     read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
     the round verifies its whole draft like the others (nothing read back, the same cost as fixed
-    γ), and the walk's lengths, computed on the device beside it (``shadow_lengths``), come back
-    with the round's outcome to update the estimate, so it follows the workload for free.
+    γ), and its confidences come back with the round's outcome (``shadow_inputs``), to be walked
+    on the host and update the estimate (``observe_shadow``), so it follows the workload for free.
     The estimate prices the walk with the cost table; the clock has the last word: per rows
     bucket it times completed rounds that walked and rounds that verified the whole draft (tokens
     per ms on the device's timeline, ``observe_time``; an average that decays by ``decay`` a round)
@@ -860,17 +861,22 @@ class HardwareAware(Policy):
             return e
         return self._walk_lengths(confidences, cost)
 
-    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+    def shadow_inputs(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
         if not self._shadow or _empty(confidences) is not None:
             return None
-        return self._walk_lengths(confidences, _need_cost(self, cost))
+        _need_cost(self, cost)
+        return confidences  # walked on the host once they arrive (``observe_shadow``)
 
     def _walk_lengths(self, confidences: Tensor, cost: CostModel) -> Tensor:
-        """Algorithm 1's lengths on this round's confidences (see the class docstring)."""
+        """Algorithm 1's lengths on this round's confidences (see the class docstring). A padded
+        walk runs on the host: its width is read back anyway, and one copy of R x γ_d confidences
+        costs less than launching the walk's dozen small kernels, which took the host 0.9 ms while
+        the device idled (the H200, R = 64: ``lengths`` 0.90 ms in walk rounds, 0.06-0.10 in
+        whole-draft ones)."""
         R, G = confidences.shape
         if cost.padded:
-            depth = _leading_run(depth_path(confidences, cost, cost.readback_ms))
-            return depth.expand(R).clone()
+            depth = int(_leading_run(depth_path(confidences.detach().cpu(), cost, cost.readback_ms)))
+            return _filled(self._full, R, depth, confidences.device)
         rows, j, a_sorted = admission_order(confidences, keep_dead=True)
         theta = _live_path(a_sorted, j, R, cost, G)
         # Θ_best is always the previous path entry until the break, so the number admitted is
@@ -905,9 +911,11 @@ class HardwareAware(Policy):
         sums[1] = self.decay * sums[1] + ms
         sums[2] += 1
 
-    def observe_shadow(self, lengths: np.ndarray) -> None:
-        if self._observed is not None:
-            self._learn(lengths)
+    def observe_shadow(self, inputs: np.ndarray) -> None:
+        """``inputs``: the shadow round's confidences (live rows), walked here on the host."""
+        if self._observed is not None and np.size(inputs):
+            walked = self._walk_lengths(torch.from_numpy(np.ascontiguousarray(inputs)), self._observed[3])
+            self._learn(walked.numpy())
 
     def _learn(self, walked: np.ndarray) -> None:
         """Fold the share of the largest saving that a walk's lengths realised into the estimate."""
@@ -1142,11 +1150,11 @@ class Truncated(Policy):
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self.inner.observe_round(lengths, accepted)
 
-    def shadow_lengths(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
-        return self.inner.shadow_lengths(confidences[:, : self.gamma], cost)
+    def shadow_inputs(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
+        return self.inner.shadow_inputs(confidences[:, : self.gamma], cost)
 
-    def observe_shadow(self, lengths: np.ndarray) -> None:
-        self.inner.observe_shadow(lengths)
+    def observe_shadow(self, inputs: np.ndarray) -> None:
+        self.inner.observe_shadow(inputs)
 
     def observe_time(self, ms: float) -> None:
         self.inner.observe_time(ms)
