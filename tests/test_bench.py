@@ -14,9 +14,22 @@ from test_evaluate import _bench, _save
 from dspark.bench import e2e, engine_sps
 from dspark.bench import measure as measure_mod
 from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, run_noise
+from dspark.bench.sps import fewer_drafts_cost_no_more
 from dspark.decoding.engine import Engine
 from dspark.scheduling.cost import CostModel
 from dspark.scheduling.policies import Fixed
+
+
+def test_a_round_with_fewer_drafts_is_priced_no_higher():
+    """Timing noise only adds time, and a round that drafts fewer positions does less work: a time
+    above a longer draft's is lowered to it (the H200's R = 16 row, γ_d = 1, 2 above 3..7), the
+    others kept as measured."""
+    measured = {0: 1.08, 1: 1.62, 2: 1.69, 3: 1.47, 4: 1.50, 5: 1.55, 6: 1.57, 7: 1.59}
+    assert fewer_drafts_cost_no_more(measured) == {
+        0: 1.08, 1: 1.47, 2: 1.47, 3: 1.47, 4: 1.50, 5: 1.55, 6: 1.57, 7: 1.59
+    }  # fmt: skip
+    assert fewer_drafts_cost_no_more({2: 3.0, 5: 1.0}) == {2: 1.0, 5: 1.0}  # only the lengths given
+    assert fewer_drafts_cost_no_more({}) == {}
 
 
 def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
@@ -25,8 +38,8 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
     report = engine_sps.main(
         ["--tokens", "1,4,8", "--widths", "1,4", "--context", "16", "--repeats", "1", "--warmup", "0",
          "--out", str(out), "--cost-table", str(cost), "--drafter-dir", str(drafter), "--overhead",
-         "--rounds", "1,2", "--round-context", "8", "--draft-parts", "1,2", "--kernels", "2",
-         "--attention-splits", "1", "target=tiny"]
+         "--rounds", "1,2", "--round-context", "8", "--round-passes", "2", "--draft-parts", "1,2",
+         "--kernels", "2", "--attention-splits", "1", "target=tiny"]
     )  # fmt: skip
     saved = json.loads(out.read_text())
     assert saved["rows"] == report["rows"]
@@ -61,6 +74,11 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         int(m): {int(r): t for r, t in v.items()} for m, v in saved["round_len_ms"].items()
     }
     assert all(sorted(v) == [1, 2] and min(v.values()) > 0 for v in model.round_len_ms.values())
+    assert saved["round_passes"] == 2
+    for r in (1, 2):  # the least of two passes, made non-decreasing in γ_d (then in R)
+        by_length = [model.round_len_ms[m][r] for m in range(5)]
+        assert by_length == sorted(by_length)
+    assert all(v[1] <= v[2] for v in model.round_len_ms.values())
     assert model.round_time(2, 4) == pytest.approx(model.round_len_ms[4][2] * 1e-3)
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:

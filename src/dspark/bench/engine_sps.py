@@ -47,6 +47,9 @@ def _parse(argv):
     )
     ap.add_argument("--rounds", default="", help="row counts to time whole rounds at, per drafted length")
     ap.add_argument("--round-context", type=int, default=None, help="the rounds' prompt length (--context)")
+    ap.add_argument(
+        "--round-passes", type=int, default=3, help="passes over the drafted lengths per R, the least kept"
+    )
     ap.add_argument("--draft-parts", default="", help="row counts to time the draft step's parts at")
     ap.add_argument(
         "--kernels", default="",
@@ -148,8 +151,9 @@ def _main(argv, watch) -> dict:
         if args.rounds:
             rows = [int(r) for r in args.rounds.split(",")]
             report["round_context"] = args.round_context or ctx
+            report["round_passes"] = args.round_passes
             report["round_len_ms"] = round_times(
-                target, drafter, rows, report["round_context"], args.compile, **temp
+                target, drafter, rows, report["round_context"], args.compile, passes=args.round_passes, **temp
             )
             cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
             save()
