@@ -382,6 +382,21 @@ def test_training_layers_compile_once_for_every_batch_shape(tiny_target):
     assert counter.frame_count == 1
 
 
+def test_validation_runs_the_draft_layers_eagerly(tiny_target):
+    """Training on CUDA runs compiled wrappers of the draft layers; a step without grad (validation,
+    the sanity check) runs the layers themselves, so no second set of graphs is compiled for it."""
+    drafter = make(tiny_target, "dspark", "markov")
+    drafter.compile_training = True
+    cuda = torch.device("cuda")  # a device name only: wrapping compiles nothing until called
+    compiled = drafter.training_layers(cuda)
+    assert len(compiled) == len(drafter.layers)
+    assert all(c is not layer and c._orig_mod is layer for c, layer in zip(compiled, drafter.layers))
+    with torch.no_grad():
+        assert all(a is b for a, b in zip(drafter.training_layers(cuda), drafter.layers))
+    assert drafter.training_layers(cuda) is compiled  # made once
+    assert all(a is b for a, b in zip(drafter.training_layers(torch.device("cpu")), drafter.layers))
+
+
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_grouped_query_attention_folds_heads_instead_of_repeating_keys(with_mask):
     """The draft layer's attention with G = 3 query heads per KV head (context keys before the

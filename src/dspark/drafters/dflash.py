@@ -300,8 +300,12 @@ class BlockDrafter(Drafter):
 
     def training_layers(self, device) -> list:
         """The draft layers as the training step runs them: compiled wrappers (sharing the
-        parameters, kept out of the module tree) when `compile` is set and the step is on CUDA."""
-        if self.compile_training in (False, "false") or device.type != "cuda":
+        parameters, kept out of the module tree) when `compile` is set and the step is on CUDA and
+        builds a graph for backward. Validation (no grad) runs the layers eagerly, their flex
+        attention compiled alone: no-grad graphs of whole layers were two more compilations in the
+        sanity check (166 s of an H200 session, 2026-12-05) and one more for the last, partial
+        validation batch inside the training clock, to serve ~40 batches a validation."""
+        if self.compile_training in (False, "false") or device.type != "cuda" or not torch.is_grad_enabled():
             return list(self.layers)
         if self._compiled_layers is None:
             self._compiled_layers = [compile_for_training(layer) for layer in self.layers]  # not registered
