@@ -79,11 +79,14 @@ EOF
   python3 - $run/summary.json <<'EOF' || true
 import json, sys
 
-ms = json.load(open(sys.argv[1]))["throughput"].get("step_ms")
+t = json.load(open(sys.argv[1]))["throughput"]
+ms = t.get("step_ms")
 if ms:
     slow = ms["slowest"]
     print(f"ms per step: median {ms['median']:.1f}, slowest {slow['ms_per_step']:.1f} "
           f"(steps {slow['from_step']}-{slow['to_step']})")
+print(f"seconds: setup (data, sanity check) {t.get('setup_seconds', float('nan')):.0f}, "
+      f"steps {t['seconds']:.0f}, validation {t['validation_seconds']:.0f}")
 EOF
 }
 

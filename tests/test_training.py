@@ -48,6 +48,7 @@ def test_train_export_and_resume(tmp_path, data_dir):
         assert key in metrics
     summary = json.loads((out / "summary.json").read_text())
     assert summary["throughput"]["tokens_per_s"] > 0
+    assert summary["throughput"]["setup_seconds"] > 0  # the data and the sanity check, before step 1
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])

@@ -106,6 +106,8 @@ class Throughput(L.Callback):
         self.start = None
         self.elapsed = 0.0
         self.val_seconds = 0.0
+        self.setup_seconds = 0.0  # fit start to the training loop's (``on_train_start``)
+        self._fit_start = None
         self.excluded_seconds = 0.0  # see exclude
         self._val_start = None
         self.steady_mark = None  # (time, tokens, samples, batches, paused seconds) at the end of warm-up
@@ -124,8 +126,15 @@ class Throughput(L.Callback):
         n = getattr(getattr(trainer, "datamodule", None), "train_tokens", None)
         return None if n is None else int(n)
 
+    def on_fit_start(self, trainer, module) -> None:
+        self._fit_start = time.perf_counter()
+
     def on_train_start(self, trainer, module) -> None:
         self._host_base = self._host_tokens(trainer)
+        # What a run spends before its first step (data, the sanity check and its compilation): a
+        # session's minutes that no training clock counts.
+        if self._fit_start is not None:
+            self.setup_seconds = time.perf_counter() - self._fit_start
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.start is None:
@@ -216,6 +225,7 @@ class Throughput(L.Callback):
             "seconds": self.elapsed,
             "validation_seconds": self.val_seconds,
             "excluded_seconds": self.excluded_seconds,
+            "setup_seconds": self.setup_seconds,
             "tokens_per_s": self.tokens * self.world_size / e,
             "samples_per_s": self.samples * self.world_size / e,
         }
