@@ -90,8 +90,10 @@ step=${1:?start | wait SECONDS | pipeline}
 
 bundle() {  # results and logs; the evaluation folders (rounds, generations) apart, in case they are large
   mkdir -p "${OUT:?}" outputs/h200/out/logs
-  for log in outputs/h200/*.log; do  # each training / evaluation log's last 300 lines
-    [ -f "$log" ] && tr '\r' '\n' < "$log" | tail -300 > "outputs/h200/out/logs/$(basename "$log")"
+  for log in outputs/h200/*.log; do  # each training / evaluation log's last 300 lines but progress bars, then its last 5
+    [ -f "$log" ] || continue
+    { tr '\r' '\n' < "$log" | grep -av -E '(it/s|s/it)[],]' | tail -300; echo "== last lines"
+      tr '\r' '\n' < "$log" | tail -5; } > "outputs/h200/out/logs/$(basename "$log")"
   done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
   # The pieces (PACK_DATA, keep, cachekeep), each its own file: PACK_PER_CALL (3, 45 MiB) not sent by an
