@@ -397,6 +397,28 @@ def test_validation_runs_the_draft_layers_eagerly(tiny_target):
     assert all(a is b for a, b in zip(drafter.training_layers(torch.device("cpu")), drafter.layers))
 
 
+def test_every_draft_layer_trains_on_an_input_that_requires_grad(tiny_target, batch):
+    """Dynamo guards on an input's requires_grad: the first layer's input (frozen embeddings of the
+    block's tokens) would take a graph of its own beside the later layers'. Under no grad nothing
+    is made to require one."""
+    ids, lm, step = batch
+    drafter = make(tiny_target, "dspark", "markov")
+    seen = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].requires_grad))
+        for layer in drafter.layers
+    ]
+    anchors = torch.tensor([[5, 9], [4, 10]])
+    drafter.train_forward(step.taps, ids, lm, anchors, Shared.of(tiny_target))
+    assert seen == [True] * len(drafter.layers)
+    seen.clear()
+    with torch.no_grad():
+        drafter.train_forward(step.taps, ids, lm, anchors, Shared.of(tiny_target))
+    assert seen == [False] * len(drafter.layers)
+    for hook in hooks:
+        hook.remove()
+
+
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_grouped_query_attention_folds_heads_instead_of_repeating_keys(with_mask):
     """The draft layer's attention with G = 3 query heads per KV head (context keys before the

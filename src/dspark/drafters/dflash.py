@@ -379,6 +379,10 @@ class BlockDrafter(Drafter):
             ctx_kv = self.training_context_kv(taps)
         anchor_tokens = torch.gather(input_ids, 1, anchors.clamp(min=0))
         x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, A·block, d]
+        if torch.is_grad_enabled() and not x.requires_grad:
+            # The first layer's input then requires grad as every later layer's does, so one compiled
+            # graph serves them all: the first layer's own cost ~20 s of the H200's training clock.
+            x = x.detach().requires_grad_()
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.block_size, device=x.device)).flatten(1)
         with phase("block_mask"):
             mask = self.training_mask(anchors, t, x.device)
