@@ -303,8 +303,9 @@ class BlockDrafter(Drafter):
         parameters, kept out of the module tree) when `compile` is set and the step is on CUDA and
         builds a graph for backward. Validation (no grad) runs the layers eagerly, their flex
         attention compiled alone: no-grad graphs of whole layers were two more compilations in the
-        sanity check (166 s of an H200 session, 2026-12-05) and one more for the last, partial
-        validation batch inside the training clock, to serve ~40 batches a validation."""
+        sanity check (which took 166 s of an H200 session, 2026-12-05, the GPU tests beside it) and
+        one more for the last, partial validation batch inside the training clock, to serve ~40
+        batches a validation."""
         if self.compile_training in (False, "false") or device.type != "cuda" or not torch.is_grad_enabled():
             return list(self.layers)
         if self._compiled_layers is None:
@@ -381,7 +382,8 @@ class BlockDrafter(Drafter):
         x = self.block_inputs(anchor_tokens, shared).flatten(1, 2)  # [B, A·block, d]
         if torch.is_grad_enabled() and not x.requires_grad:
             # The first layer's input then requires grad as every later layer's does, so one compiled
-            # graph serves them all: the first layer's own cost ~20 s of the H200's training clock.
+            # graph serves them all (the H200, 2026-12-05: a second graph for the first layer; the
+            # ten steps that compiled both took 50 s of the training clock).
             x = x.detach().requires_grad_()
         pos = (anchors.clamp(min=0)[..., None] + torch.arange(self.block_size, device=x.device)).flatten(1)
         with phase("block_mask"):

@@ -864,15 +864,14 @@ class HardwareAware(Policy):
     def shadow_inputs(self, confidences: Tensor, cost: CostModel | None = None) -> Tensor | None:
         if not self._shadow or _empty(confidences) is not None:
             return None
-        _need_cost(self, cost)
-        return confidences  # walked on the host once they arrive (``observe_shadow``)
+        return confidences  # walked on the host once they arrive (``observe_shadow``), at the plan's cost
 
     def _walk_lengths(self, confidences: Tensor, cost: CostModel) -> Tensor:
         """Algorithm 1's lengths on this round's confidences (see the class docstring). A padded
         walk runs on the host: its width is read back anyway, and one copy of R x γ_d confidences
         costs less than launching the walk's dozen small kernels, which took the host 0.9 ms while
-        the device idled (the H200, R = 64: ``lengths`` 0.90 ms in walk rounds, 0.06-0.10 in
-        whole-draft ones)."""
+        the device idled (the H200, R = 64: ``lengths`` 0.90-0.92 ms in the slowest walk rounds,
+        0.06-0.10 in whole-draft ones)."""
         R, G = confidences.shape
         if cost.padded:
             depth = int(_leading_run(depth_path(confidences.detach().cpu(), cost, cost.readback_ms)))
