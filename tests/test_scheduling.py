@@ -1128,6 +1128,40 @@ def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
         HardwareAware(min_timed=0)
 
 
+def test_hardware_aware_explores_in_the_shadow_where_walks_neither_pay_nor_save():
+    """Issue 18's H100 run (T = 1, R = 64): walks kept every block whole (the estimate: they save
+    nothing) and the clock timed walked rounds at 0.4 of whole ones' tokens per ms, yet one round
+    in ``explore_every`` still walked for real, paying the read-back only to confirm it. A real
+    walk explores only while the estimate says walks pay and the clock alone rules them out;
+    once both agree, the exploring round walks in the shadow (nothing read back)."""
+    cost = CostModel({1: 2.0, 64: 2.4, 128: 2.6, 512: 3.3}, draft_ms={64: 1.5}, padded=True, readback_ms=0.2)
+    pol = HardwareAware(explore_every=4, min_timed=2)
+    for _ in range(10):
+        pol.observe_round(np.full(64, 7), np.full(64, 7))
+
+    def rounds(n, width):
+        """Walks (real or shadow) stop at ``width``; a walked round emits 0.4 of a whole one's
+        tokens per ms."""
+        real, shadows = [], []
+        for _ in range(n):
+            m = pol.draft_length(64, 7, cost)
+            real.append(pol.width(m) is None)
+            shadow = pol.shadow_inputs(torch.full((64, m), 0.5), cost)
+            shadows.append(shadow is not None)
+            verified = min(width, m) if real[-1] else m
+            pol.observe_round(np.full(64, verified), np.full(64, verified))
+            if shadow is not None:
+                pol.observe_shadow(_walking_to(min(width, m), m))
+            pol.observe_time(2.7 * (verified + 1) / (m + 1) / 0.4 if real[-1] else 2.7)
+        return real, shadows
+
+    real, _ = rounds(12, width=2)  # walks cut (they would pay) but the clock times them slower
+    assert pol._clocked_walk(64) is False and real[-4:] == [False, False, False, True]  # re-timed
+    real, shadows = rounds(24, width=7)  # now walks keep every block whole: they save nothing
+    assert pol._realised < 0.2 / 0.9
+    assert not any(real[8:]) and sum(shadows[8:]) == 4  # one round in 4 explores, in the shadow
+
+
 def test_draft_aware_choice_is_lossless_and_anticipation_is_not():
     """Exact enumeration (2 requests, γ = 2, token-dependent c2): a draft length fixed before the
     draft — any value, e.g. the one DraftAware plans from earlier rounds — reproduces the target

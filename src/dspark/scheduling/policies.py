@@ -737,7 +737,9 @@ class HardwareAware(Policy):
     clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
     whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
     before any), so a table that misprices the walk (the read-back's idle device, the walk's own
-    kernels, a flatter verify curve than profiled) costs a few rounds, not the run.
+    kernels, a flatter verify curve than profiled) costs a few rounds, not the run. Where the
+    estimate agrees with the clock that walks do not pay, the exploring round walks in the shadow
+    instead: a real walk would only pay its read-back to confirm it.
     Losslessness is untouched: every choice uses completed rounds only, and a shadow walk never
     shortens the round it sees.
 
@@ -813,11 +815,17 @@ class HardwareAware(Policy):
         if drafted > 0 and largest > cost.readback_ms:  # a walk that saved all of it would pay
             clocked = self._clocked_walk(rows)
             expected = largest * (1.0 if self._realised is None else self._realised)
-            walk = expected > cost.readback_ms if clocked is None else clocked
+            pays = expected > cost.readback_ms  # what the table and the walks' savings say
+            walk = pays if clocked is None else clocked
             self._since_explore += 1
             if self._since_explore >= self.explore_every:  # this round runs the other way
                 self._since_explore = 0
-                walk, shadow = (False, False) if walk else (clocked is not None, clocked is None)
+                # Not walking: a real walk only to time walks again where the estimate says they
+                # pay and the clock alone ruled them out; else a shadow walk, which costs nothing.
+                # (H100, T = 1, R = 64: walks saved nothing, yet one round in 32 walked for real,
+                # at 0.4 of a whole-draft round's tokens per ms.)
+                retime = pays and clocked is False
+                walk, shadow = (False, False) if walk else (retime, not retime)
         self._walk, self._shadow = walk, shadow
         self._plans.append((rows, drafted, walk, cost))
         return drafted
