@@ -80,16 +80,20 @@ def test_engine_sps_writes_json_and_cost_table(tiny_target, tmp_path):
         assert by_length == sorted(by_length)
     assert all(v[1] <= v[2] for v in model.round_len_ms.values())
     assert model.round_time(2, 4) == pytest.approx(model.round_len_ms[4][2] * 1e-3)
+    # ... and target-only decoding's rounds beside them: the floor of a plain round.
+    floor = {int(r): ms for r, ms in saved["target_round_ms"].items()}
+    assert sorted(floor) == [1, 2] and 0 < floor[1] <= floor[2]
+    assert model.meta["target_round_ms"] == saved["target_round_ms"]  # the cost table carries it
     assert [p["rows"] for p in saved["draft_parts"]] == [1, 2]
     for part in saved["draft_parts"]:
         assert all(v > 0 for k, v in part.items() if k.endswith("_ms") and k != "sequential_head_ms")
         head = part["head_sampling_graph_ms"] - part["parallel_sampling_graph_ms"]
         assert part["sequential_head_ms"] == max(0.0, head)  # what the head adds to parallel sampling
     assert saved["attention_splits"] == []  # the kernel alone: CUDA only
-    # --kernels: the verify step at widths 1 and γ + 1, the draft step and a plain round's step, each
-    # profiled (CPU ops here)
+    # --kernels: the verify step at widths 1 and γ + 1, the draft step, a plain round's step and
+    # target-only's step beside it, each profiled (CPU ops here)
     assert [(k["step"], k["rows"], k["width"]) for k in saved["kernels"]] == [
-        ("verify", 2, 1), ("verify", 2, 5), ("draft", 2, 4), ("plain", 2, 1)
+        ("verify", 2, 1), ("verify", 2, 5), ("draft", 2, 4), ("plain", 2, 1), ("target_only", 2, 1)
     ]  # fmt: skip
     for k in saved["kernels"]:
         assert k["kernel_ms"] > 0 and k["kernels"] > 0 and k["top"]

@@ -11,7 +11,8 @@ token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row cou
 length γ_d = 1..γ, with ``--overhead`` a whole round's cost beyond its steps and what reading its
 verify width back costs, with ``--rounds`` whole rounds as the engine runs them per row count and
 drafted length γ_d = 0..γ (at ``--round-context``, default ``--context``: the workload's typical
-context, since a round's attention reads it), which the draft-aware policies then price, with
+context, since a round's attention reads it), which the draft-aware policies then price, and
+target-only decoding's rounds beside them (``target_round_ms``: the floor of a plain round), with
 ``--draft-parts`` the draft step's parts, with ``--kernels`` each step's kernels (count, device
 time, the costliest) from an eager, profiled run, with ``--attention-splits`` the cache-attention
 kernel alone per row count and width, unsplit against split (``dspark.bench.attention_splits``).
@@ -92,6 +93,7 @@ def _main(argv, watch) -> dict:
         round_times,
         row_counts,
         step_kernels,
+        target_round_times,
         verify_step_times,
         width_curves,
     )
@@ -156,6 +158,15 @@ def _main(argv, watch) -> dict:
                 target, drafter, rows, report["round_context"], args.compile, passes=args.round_passes, **temp
             )
             cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
+            save()
+            # The floor a plain round is held to: what the drafter context's upkeep costs above it.
+            report["target_round_ms"] = floor = target_round_times(
+                target, rows, report["round_context"], args.compile, passes=args.round_passes, **temp
+            )
+            plain = report["round_len_ms"][0]
+            print("plain round above target-only: " + "  ".join(
+                f"R={r}: {plain[r] - floor[r]:+.3f} ms ({plain[r] / floor[r] - 1:+.1%})" for r in rows
+            ), flush=True)  # fmt: skip
             save()
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]

@@ -36,6 +36,7 @@ __all__ = [
     "row_counts",
     "served",
     "step_kernels",
+    "target_round_times",
     "verify_step_times",
 ]
 
@@ -169,8 +170,9 @@ def step_kernels(
 ) -> list[dict]:
     """Per row count R, the kernels of a round's steps, run eagerly and profiled
     (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
-    writes the drafter's context, as in a round), the draft step of the whole block, and a plain
-    round's step (``plain``: what a round that drafts nothing costs a drafter engine). Without a
+    writes the drafter's context, as in a round), the draft step of the whole block, a plain
+    round's step (``plain``: what a round that drafts nothing costs a drafter engine) and
+    target-only decoding's step beside it (``target_only``: the plain round's floor). Without a
     drafter, the verify step at width 1 and 8."""
     from .kernel_profile import kernel_table
 
@@ -178,20 +180,24 @@ def step_kernels(
     gamma = int(drafter.gamma) if drafter is not None else 7
     widths = [1, gamma + 1]
     cap = capacity(ctx, widths)
-    if drafter is not None:
-        eng = _draft_engine(target, drafter, rows, ctx, cap, compile, temperature)
-    else:
-        eng = FastEngine(
+
+    def target_only() -> FastEngine:
+        e = FastEngine(
             target, None, concurrency=max(rows), buckets=rows, capacity=cap, compile=compile,
             temperature=temperature,
         )  # fmt: skip
-        eng._allocate(cap)
-    eng.bank, eng.use_graphs = None, False  # eager: the profiler sees every kernel
+        e._allocate(cap)
+        return e
+
+    floor = target_only()
+    eng = floor if drafter is None else _draft_engine(target, drafter, rows, ctx, cap, compile, temperature)
     out = []
     with torch.inference_mode():
-        for buf in eng.static.k + eng.static.v:
-            buf.normal_()
-        eng.static.lengths.fill_(ctx)
+        for e in {eng, floor}:
+            e.bank, e.use_graphs = None, False  # eager: the profiler sees every kernel
+            for buf in e.static.k + e.static.v:
+                buf.normal_()
+            e.static.lengths.fill_(ctx)
         for r in rows:
             first = len(out)
             for w in widths:
@@ -211,6 +217,8 @@ def step_kernels(
                     lambda i=ids, p=pos: eng._plain_step(i, p), device, steps=4 * max(eng.deferred_context, 2)
                 )
                 out.append({"step": "plain", "rows": r, "width": 1, **table})
+                table = kernel_table(lambda i=ids, p=pos: floor._target_step(i, p), device)
+                out.append({"step": "target_only", "rows": r, "width": 1, **table})
             for row in out[first:]:
                 names = ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in row["top"][:3])
                 print(
@@ -363,6 +371,29 @@ def round_times(
             out[m][r] = max([ms, *out[m].values()])
         times = "  ".join(f"γ_d={m}: {out[m][r]:.3f}" for m in out)
         print(f"round R={r}: {times} ms", flush=True)
+    return out
+
+
+def target_round_times(
+    target, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32,
+    temperature: float = 1.0, passes: int = 3,
+) -> dict[int, float]:  # fmt: skip
+    """Target-only decoding's rounds ``{R: ms}`` timed like ``round_times`` (an engine without a
+    drafter, the least of ``passes`` medians): the floor a drafter engine's plain round (γ_d = 0:
+    target-only's step plus the drafter context's upkeep) is held to, and what it costs above it."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    eng = FastEngine(
+        target, None, Fixed(None), temperature=temperature, concurrency=max(rows_all), max_new_tokens=tokens,
+        buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
+    )  # fmt: skip
+    eng.prepare(_round_requests(target, max(rows_all), ctx))
+    out: dict[int, float] = {}
+    for r in rows_all:
+        reqs = _round_requests(target, r, ctx)
+        ms = min(_median_round_ms(eng, reqs, Fixed(None)) for _ in range(passes))
+        out[r] = max([ms, *out.values()])  # like round_times: non-decreasing in R
+        print(f"target-only round R={r}: {out[r]:.3f} ms", flush=True)
     return out
 
 
