@@ -30,7 +30,7 @@ What changes against the plain engine (``engine.py``), and nothing else:
 Random numbers are drawn in the plain engine's order from the same generator (a drafting round's
 in one draw and one copy: ``_propose``), so on the CPU the fast engine reproduces the plain one
 token for token (tested; at T = 0 nothing random is read). What a round launches beside its
-captured steps is held to a budget (tested: 8-18 operations by the kind of round). A
+captured steps is held to a budget (tested: 8-17 operations by the kind of round). A
 round reads nothing back (the engine's ``_launch`` / ``_complete``), except the verify width under
 a policy whose width depends on the confidences; its graphs are keyed by rows bucket and verify
 width (target) or drafted length (draft).
@@ -208,6 +208,10 @@ class FastEngine(Engine):
                 slots = capacity + (-(capacity + block)) % 16
                 self.dcache = self.drafter.new_cache(rows, self.device, capacity=slots + block)
                 self.dcache.block_slots = block
+                # The drafter's context spans exactly the target's committed positions (a plain
+                # round's deferred ones included): one lengths tensor serves both caches, so a
+                # round's commit, a prefill and a row move update it once.
+                self.dcache.length = self.static.lengths
             # Static inputs of the captured steps.
             width = self.max_width
             self.in_ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
@@ -227,9 +231,7 @@ class FastEngine(Engine):
     def _reset_state(self) -> None:
         self._stashed = 0  # the caches are cleared: nothing left to write
         if self.static is not None:
-            self.static.lengths.zero_()
-            if self.drafter is not None:
-                self.dcache.length.zero_()
+            self.static.lengths.zero_()  # the drafter's context lengths too (the same tensor)
 
     def _draft_cache(self, rows: int) -> DraftCache:
         c = self.dcache
@@ -275,8 +277,7 @@ class FastEngine(Engine):
         self._stash_rows = max(self._stash_rows, rows.stop)
 
     def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
-        self._write_context(taps, positions, row0)
-        self.dcache.length[row0 : row0 + taps.shape[0]] = valid.sum(1)
+        self._write_context(taps, positions, row0)  # its lengths: the prompt's, set by the prefill
 
     def _stage(self, ids: Tensor, positions: Tensor) -> int:
         """Copy a step's inputs into the static buffers; returns the rows the step runs."""
@@ -427,9 +428,7 @@ class FastEngine(Engine):
         # are its next step's inputs, not its context's: nothing of them to keep here.
         r = kept.shape[0]
         # add_ on the views: `x[:r] += y` would also copy the sum onto itself, a launch more.
-        self.static.lengths[:r].add_(kept)
-        if self.drafter is not None:
-            self.dcache.length[:r].add_(kept)
+        self.static.lengths[:r].add_(kept)  # the drafter's context lengths too (the same tensor)
 
     def _keep_rows(self, index: Tensor, order: list[int]) -> None:
         # The ring's entries are by row: they move with their rows (a flush here would write the whole
@@ -439,7 +438,7 @@ class FastEngine(Engine):
         if not moves:
             return
         dst, src = (self._to_device(torch.tensor(rows, dtype=torch.long)) for rows in zip(*moves))
-        self.static.move_rows(dst, src)
+        self.static.move_rows(dst, src)  # the lengths of both caches (the same tensor) among them
         if self._stashed:
             move_rows([self.ring_taps, self.ring_pos], dst, src, dim=1)
         if self.drafter is not None:
@@ -448,7 +447,6 @@ class FastEngine(Engine):
                 move_rows([*self.dcache.k, *self.dcache.v], dst, src)
             else:
                 move_rows([kv], dst, src, dim=2)
-            move_rows([self.dcache.length], dst, src)
 
 
 ENGINES = ("plain", "fast")
