@@ -193,7 +193,7 @@ def step_kernels(
     eng = floor if drafter is None else _draft_engine(target, drafter, rows, ctx, cap, compile, temperature)
     out = []
     with torch.inference_mode():
-        for e in {eng, floor}:
+        for e in dict.fromkeys((eng, floor)):  # one engine without a drafter
             e.bank, e.use_graphs = None, False  # eager: the profiler sees every kernel
             for buf in e.static.k + e.static.v:
                 buf.normal_()
@@ -383,11 +383,7 @@ def target_round_times(
     target-only's step plus the drafter context's upkeep) is held to, and what it costs above it."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    eng = FastEngine(
-        target, None, Fixed(None), temperature=temperature, concurrency=max(rows_all), max_new_tokens=tokens,
-        buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
-    )  # fmt: skip
-    eng.prepare(_round_requests(target, max(rows_all), ctx))
+    eng, _ = _round_engine(target, None, rows_all, ctx, compile, tokens, temperature)
     out: dict[int, float] = {}
     for r in rows_all:
         reqs = _round_requests(target, r, ctx)
