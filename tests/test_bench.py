@@ -160,6 +160,8 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert slow["batch"] >= 1 and slow["host_ms"] > 0
         assert isinstance(slow["events_near"], dict) and isinstance(r["events"], dict)
         assert r["host_ms_per_round"] > 0 and r["wait_ms_per_round"] >= 0
+        # the host's cycle holds a launch, a completion and the work between rounds (the engine's tests)
+        assert 0 <= r["between_ms_per_round"] < r["cycle_ms_per_round"]
         # the policy's calls are part of the host's work, and there are none without a drafter
         assert 0 <= r["policy_ms_per_round"] < r["host_ms_per_round"]
         assert (r["policy_ms_per_round"] > 0) == (r["run"] != "target_only")

@@ -802,6 +802,34 @@ def test_generate_freezes_the_heap_and_reports_host_time(small_target):
         gc.unfreeze()
 
 
+def test_joining_requests_are_timed_between_rounds(small_target, monkeypatch):
+    """Each round after the first reports the host's cycle (from the previous round's completion to
+    its own) and, of it, the work between rounds: a joining request's prefill lands there, in the
+    cycle it ran in, and in no round's own host work."""
+    import time
+
+    t = small_target
+    eng = Engine(t, None, temperature=0, concurrency=2, eos_token_ids=())
+    prefill, joins = eng._prefill, []
+
+    def slow_prefill(*args, **kwargs):
+        joins.append(len(joins))
+        time.sleep(0.05)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "_prefill", slow_prefill)
+    budgets = [2, 12, 4, 9, 3]  # rows free up one at a time: three joins of one request each
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts_for(t, 5, seed=2), budgets)]
+    res = eng.generate(reqs)
+    first, *rest = res.steps
+    assert "cycle_ms" not in first  # its cycle would hold the first prefill
+    for s in rest:
+        assert s["cycle_ms"] >= s["between_ms"] + s["wait_ms"] and s["between_ms"] >= 0
+    assert len(joins) == 4  # the first two requests' prefill, then the three joins
+    assert sum(s["between_ms"] >= 50 for s in rest) == len(joins) - 1
+    assert all(s["host_ms"] < 50 for s in res.steps)
+
+
 def test_rounds_with_one_off_work_are_not_timed_for_the_policy(small_target, monkeypatch):
     """A round whose record names one-off work (``events``: a graph capture, a compile, a GC pass)
     is kept in the steps but not handed to the policy's clock; every other round is, in order."""

@@ -16,11 +16,12 @@ in the numbers. Reported per point, from the engine's own round timings (prefill
 ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the
 mean round's time on the device's timeline (and its median and slowest round, with the one-off work
 counted around it: graph captures, compiles, GC passes), the device's work, the host's own work,
-its waits for a read-back of the verify width, the device's idle gap before the round, and the
-drafted positions; the drafter's speed-up over target-only at the same R, over the whole run and at
-the load R (``at_load``: the rounds that ran with R's rows, the drain left out: the speeds a server
-holding R requests sees); and per R, both ways, the best policy against target-only and whether
-hardware_aware beats every fixed length (``goals``). Each point
+its waits for a read-back of the verify width, the host's cycle from one round's completion to the
+next and of it the work between rounds (requests leaving and joining), the device's idle gap before
+the round, and the drafted positions; the drafter's speed-up over target-only at the same R, over the
+whole run and at the load R (``at_load``: the rounds that ran with R's rows, the drain left out: the
+speeds a server holding R requests sees); and per R, both ways, the best policy against target-only
+and whether hardware_aware beats every fixed length (``goals``). Each point
 also keeps its rounds by rows bucket and drafted length, measured against the cost table's price
 (``by_length``), the acceptance per draft position the rounds realised and the scheduler's
 estimate of it: where a choice went wrong. The fast engine compiles the target and the drafter on
@@ -158,7 +159,7 @@ def _main(argv, watch) -> dict:
         report,
         ["T", "run", "R", "tok/s/user", "aggregate tok/s", "τ", "speed-up/user", "speed-up aggregate",
          "drafted", "round ms", "median ms", "max ms", "gpu ms", "host ms", "launch ms", "policy ms",
-         "read-back ms", "gap ms"],
+         "read-back ms", "cycle ms", "between ms", "gap ms"],
         [
             [f"{row['temperature']:g}", row["run"], f"{row['concurrency']}", f"{row['tps_per_user']:.1f}",
              f"{row['throughput']:.0f}", _tau(row), f"{row.get('speedup_per_user', 1.0):.2f}x",
@@ -166,8 +167,8 @@ def _main(argv, watch) -> dict:
              *(f"{_num(row, k):.2f}" for k in ("ms_per_round", "median_ms_per_round", "max_ms_round",
                                                 "gpu_ms_per_round", "host_ms_per_round",
                                                 "launch_ms_per_round", "policy_ms_per_round",
-                                                "readback_ms_per_round",
-                                                "gap_ms_per_round"))]
+                                                "readback_ms_per_round", "cycle_ms_per_round",
+                                                "between_ms_per_round", "gap_ms_per_round"))]
             for row in rows
         ],
     )  # fmt: skip

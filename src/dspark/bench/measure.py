@@ -259,7 +259,10 @@ def _round_means(steps: list[dict]) -> dict:
     device when it is shorter; of it ``launch_ms`` putting the round on the device, by part in
     ``launch_parts``, the rest reading its outcome, and ``policy_ms`` the scheduling policy's calls
     in both), the host's waits for the round's outcome (``wait_ms``) and for a read-back of its
-    verify width (``readback_ms``: a bubble on the device), the device's work
+    verify width (``readback_ms``: a bubble on the device), the host's clock from one round's
+    completion to the next (``cycle_ms``: where ``cycle_ms - wait_ms`` reaches ``ms``, the host sets
+    the pace) and of it the work outside launching and completing rounds (``between_ms``: requests
+    leaving and joining, the joiners' prefill), the device's work
     (``gpu_ms``, CUDA only), the device's idle time before the round (``gap_ms = ms - gpu_ms``:
     the host late, or device work between rounds such as row moves) and the positions drafted
     (``drafted``: 0 in a plain decoding round); ``slowest_round`` is that round's record;
@@ -273,7 +276,10 @@ def _round_means(steps: list[dict]) -> dict:
         return float(np.mean(v)) if v else None
 
     ms = values("ms")
-    keys = ("ms", "host_ms", "launch_ms", "policy_ms", "wait_ms", "readback_ms", "gpu_ms", "drafted")
+    keys = (
+        "ms", "host_ms", "launch_ms", "policy_ms", "wait_ms", "readback_ms", "cycle_ms", "between_ms",
+        "gpu_ms", "drafted",
+    )  # fmt: skip
     gaps = [s["ms"] - s["gpu_ms"] for s in steps if s.get("gpu_ms") is not None]
     parts = values("launch_parts")
     part_means = {p: float(np.mean([x[p] for x in parts])) for p in LAUNCH_PARTS} if parts else None

@@ -39,9 +39,13 @@ from the round's first operation to its last), ``host_ms`` (the host's own work 
 launching it and reading its outcome, waits excluded; of it ``launch_ms`` the launch, split by
 ``launch_parts`` into ``LAUNCH_PARTS``, and ``policy_ms`` the policy's calls), ``wait_ms`` (the
 host blocked on the round's outcome: its device work was the longer) and ``readback_ms`` (the host
-blocked on a read-back of the verify width, a bubble on the device); ``events`` counts the one-off work since
-the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which is where
-a round far slower than its median finds its cause. A round that drafts nothing runs
+blocked on a read-back of the verify width, a bubble on the device); ``cycle_ms`` is the host's clock
+from the previous round's completion to this one's (one pass of the rounds' loop: the next round's
+launch, this one's wait and completion, and ``between_ms``, the work outside launching and completing
+rounds: leaving and joining requests, the joiners' prefill, results handed over), so that the host
+sets the pace where ``cycle_ms - wait_ms`` reaches the round's ``ms``; ``events`` counts the one-off
+work since the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which
+is where a round far slower than its median finds its cause. A round that drafts nothing runs
 ``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
 such rounds and writes it in one batch before the next draft). While ``generate`` runs, Python's
 cyclic garbage collector is off and the objects alive before it are frozen out of it
@@ -483,6 +487,8 @@ class Engine:
         anchors = anchor_pos = None  # [R] long each, on the device
         step = 0
         pending: _Round | None = None  # launched, its outcome not read yet
+        cycle_start = None  # the host's clock when the previous round's completion ended
+        rounds_s = 0.0  # of the cycle since: in _launch and _complete
         with torch.inference_mode():  # an on_result that raises leaves state the next run resets
             while queue or live or pending is not None:
                 # Requests join behind the round in flight: the device runs their prefill after it
@@ -505,10 +511,18 @@ class Engine:
                 # round t would be void and is not launched.
                 launched = None
                 if any(item.finish is None and not (pending is not None and item.due()) for item in live):
+                    t0 = time.perf_counter()
                     launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
+                    rounds_s += time.perf_counter() - t0
                     step += 1
                 if pending is not None:
+                    t0 = time.perf_counter()
                     recs, ended, info = self._complete(pending)
+                    now = time.perf_counter()
+                    if cycle_start is not None:  # the first round's cycle would hold the first prefill
+                        info["cycle_ms"] = 1e3 * (now - cycle_start)
+                        info["between_ms"] = 1e3 * (now - cycle_start - rounds_s - (now - t0))
+                    cycle_start, rounds_s = now, 0.0
                     steps.append(info)
                     rounds.append(recs)
                     finished(ended)
