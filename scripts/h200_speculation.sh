@@ -19,7 +19,11 @@
 #   4. the measured frontier and the budget plot per temperature (Figs. 7 and 8: python -m
 #      dspark.schedule mode=e2e), and its check of the rounds against the cost table (cost_check);
 #   5. with SPEC_PROFILE (policy names), the host's work a round under cProfile per policy
-#      (python -m dspark.bench.round_profile, round_profile_<policy>.json; see below);
+#      (python -m dspark.bench.round_profile, round_profile_<policy>.json; see below); with
+#      HOST_LOAD="R µs" (e.g. "256 700"), the host-bound check: e2e at that R and the first temperature,
+#      target-only and fixed_0 (an engine that carries the drafter, never drafting), with a busy wait
+#      of µs before each round's completion (e2e --host-load-us; host_load_T<t>.json): whether the same
+#      launches cost more once the host sets the pace (compare their launch_parts with e2e_T<t>.json's);
 #   6. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
 #      and the draft step's LM head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
 #      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
@@ -107,6 +111,16 @@ for p in ${SPEC_PROFILE:-}; do
     --concurrency "${SPEC_PROFILE_R:-16,64}" --temperature "$profile_t" --cost-table "$OUT/cost_table_T$profile_t.json" \
     --out "$OUT/round_profile_$p.json" 2>&1 | quiet | tail -60
 done
+if [ -n "${HOST_LOAD:-}" ]; then
+  read -r load_r load_us <<< "$HOST_LOAD"
+  load_t=${E2E_TEMPERATURES:-0 1}
+  load_t=${load_t%% *}
+  stage "host-bound check: R = $load_r, T = $load_t, $load_us µs of host load a round"  # ~1-2 min
+  timeout 240 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
+    --concurrency "$load_r" --max-new-tokens 128 --temperature "$load_t" --repeats "${E2E_REPEATS:-3}" \
+    --waves "${E2E_WAVES:-1}" --policies fixed_0 --host-load-us "$load_us" \
+    --cost-table "$OUT/cost_table_T$load_t.json" --out "$OUT/host_load_T$load_t.json" 2>&1 | quiet | tail -12
+fi
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
 if [ "${SPEC_KERNELS:-1}" = 1 ]; then
   stage "the decoding kernels against what they replace"  # ~60 s: bias_argmax, nucleus, the LM head

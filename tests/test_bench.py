@@ -487,6 +487,23 @@ def test_measure_takes_the_repeats_in_turns_across_policies(tiny_target, monkeyp
     assert [len(out[name][0]["repeats"]) for name in policies] == [3, 3, 3]
 
 
+def test_measure_host_load_lengthens_the_host_cycle_and_changes_no_round(tiny_target):
+    """The diagnostic host load (e2e --host-load-us): a busy wait before each round's completion,
+    in the host's cycle but not in the round's own host work, the rounds themselves unchanged."""
+    drafter = Oracle(tiny_target, gamma=3)
+    prompts = prompts_for(tiny_target, 3, seed=2)
+    points = {}
+    for load in (0.0, 2e5):  # 200 ms: far above a round of the tiny target on a CPU
+        out = measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, temperature=1.0,
+                      max_new_tokens=12, seed=3, warmup=False, host_load_us=load)  # fmt: skip
+        points[load] = out["fixed"][0]
+    loaded, free = points[2e5], points[0.0]
+    assert (loaded["tau"], loaded["rounds"]) == (free["tau"], free["rounds"])
+    assert loaded["cycle_ms_per_round"] >= 200 > loaded["host_ms_per_round"]
+    with pytest.raises(ValueError, match="host_load_us"):
+        measure(tiny_target, drafter, {"fixed": Fixed(None)}, [2], prompts, host_load_us=-1)
+
+
 def test_measure_waves_queue_requests_behind_the_slots(tiny_target, monkeypatch):
     """waves=3 at R = 2: six requests behind two slots (a request that ends hands its slot on), so
     the rounds run two rows until the queue runs dry; waves=1: the prompt repeated to fill the two."""

@@ -68,6 +68,11 @@ def _parse(argv):
         help="timed runs per point, same seed; the run of median throughput is reported (all listed)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--host-load-us", type=float, default=0.0,
+        help="diagnostic: a busy wait of this many µs before each round's completion, every run alike, "
+        "so the host sets the pace (do launches cost more then?); 0, the default, for none",
+    )  # fmt: skip
     ap.add_argument("--out", default="e2e.json")
     return ap.parse_known_args(argv)
 
@@ -101,6 +106,8 @@ def _main(argv, watch) -> dict:
         raise ConfigError(f"--repeats {args.repeats}: give at least 1 timed run per point (default 3)")
     if args.waves < 1:
         raise ConfigError(f"--waves {args.waves}: give at least 1 request per slot (default 1)")
+    if not args.host_load_us >= 0:
+        raise ConfigError(f"--host-load-us {args.host_load_us}: give a busy wait of >= 0 µs (0: none)")
     texts = first_turns(args.benchmark, args.benchmark_dir, args.prompts)  # fails fast on a bad name
     cost = CostModel.load(args.cost_table) if args.cost_table else None
     priced = None if cost is None else cost.meta.get("temperature")  # engine_sps --temperature
@@ -132,6 +139,7 @@ def _main(argv, watch) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "waves": args.waves,
         "repeats": args.repeats,
+        "host_load_us": args.host_load_us,
         "gamma": gamma,
         "cost_table": None if cost is None else cost.to_dict(),
         "rows": [],
@@ -146,7 +154,7 @@ def _main(argv, watch) -> dict:
             rows, _ = compare(
                 target, drafter, names, [R], prompts, [temperature], cost=cost, calibration=calibration,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats, waves=args.waves,
-                engine_kind=args.engine, engine_kw=engine_kw,
+                engine_kind=args.engine, engine_kw=engine_kw, host_load_us=args.host_load_us,
             )  # fmt: skip
             these += rows
             report["rows"] += rows

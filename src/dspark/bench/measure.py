@@ -5,6 +5,7 @@ from recorded rounds, is ``dspark.scheduling.replay``."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -41,6 +42,7 @@ def measure(
     progress: bool = False,
     engine_kind: str = "plain",
     engine_kw: dict | None = None,
+    host_load_us: float = 0.0,
 ) -> dict[str, list[dict]]:
     """Run the engine per policy and concurrency; time its decode rounds.
 
@@ -57,15 +59,18 @@ def measure(
     rounds, so only their timing differs; an adaptive one starts each from what it learnt), taken in
     turns across the policies, each turn starting one policy later; the point is the run of median
     throughput and lists every run's speeds (``repeats``), so one run's one-off stall neither sets the
-    point nor goes unseen."""
+    point nor goes unseen.
+    ``host_load_us``: a diagnostic load on the host (``load_host``), 0 for none."""
     if not prompts:
         raise ValueError("measured mode needs at least one prompt")
     if int(repeats) < 1 or int(waves) < 1:
         raise ValueError(f"repeats and waves must be >= 1, got {repeats} and {waves}")
+    if not host_load_us >= 0:
+        raise ValueError(f"host_load_us must be >= 0 µs, got {host_load_us}")
     first = next(iter(policies.values()))
 
     def engine(R: int, n_new: int):
-        return build_engine(
+        built = build_engine(
             engine_kind,
             target,
             drafter,
@@ -79,6 +84,7 @@ def measure(
             record_confidence=False,  # the points need tokens and acceptance: no confidences read back
             **(engine_kw or {}),
         )
+        return load_host(built, host_load_us)
 
     if warmup:  # one-off costs (allocator growth, lazy kernels) stay out of the first point
         engine(1, 2).generate([list(prompts[0])])
@@ -114,6 +120,26 @@ def measure(
     if bar is not None:
         bar.close()
     return out
+
+
+def load_host(engine, us: float):
+    """A diagnostic: ``engine`` with every round's completion preceded by a busy wait of ``us`` µs
+    (in the host's ``cycle_ms``, not in the round's ``host_ms``), which puts the host in the
+    pace-setter's seat of runs it would otherwise keep ahead of. Whether the same launches then cost
+    more (H100, T = 1, R = 256: the draft-aware schedulers' plain rounds, host-bound, launched
+    1.5-1.6x slower than target-only's same code) says if being host-bound is itself the cost."""
+    if us <= 0:
+        return engine
+    complete = engine._complete
+
+    def loaded(rnd):
+        until = time.perf_counter() + 1e-6 * us
+        while time.perf_counter() < until:  # busy: a sleep would hand the core away
+            pass
+        return complete(rnd)
+
+    engine._complete = loaded
+    return engine
 
 
 def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = None) -> dict:
