@@ -24,6 +24,9 @@
 #      target-only and fixed_0 (an engine that carries the drafter, never drafting), with a busy wait
 #      of µs before each round's completion (e2e --host-load-us; host_load_T<t>.json): whether the same
 #      launches cost more once the host sets the pace (compare their launch_parts with e2e_T<t>.json's);
+#      with PIPELINE_CHECK="R policies" (e.g. "256 fixed_0,draft_aware,hardware_aware"), e2e at that R and
+#      the first temperature with two rounds launched ahead of the one read (--pipeline 2;
+#      pipeline_T<t>.json) against e2e_T<t>.json's one (E2E_PIPELINE sets the main runs' own);
 #   6. unless SPEC_KERNELS=0, the kernel benchmarks, last: the greedy draft kernel, the top-p kernel
 #      and the draft step's LM head against the steps they replace, as graph replays (python -m dspark.bench.decode_kernels,
 #      decode_kernels.json); one target layer's functions eager, with every size symbolic, as the engine
@@ -85,7 +88,7 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
   # E2E_LIMIT (s): four waves at T = 1 ran past 420 s before R = 256 on the H200 (2026-12-05), at T = 0 354 s on an H100.
   timeout "${E2E_LIMIT:-$([ $t = 0 ] && echo 420 || echo 600)}" python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
-    --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-1}" \
+    --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-1}" --pipeline "${E2E_PIPELINE:-1}" \
     --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
     --out "$OUT/e2e_T$t.json" 2>&1 | quiet | tail -80
 done
@@ -120,6 +123,16 @@ if [ -n "${HOST_LOAD:-}" ]; then
     --concurrency "$load_r" --max-new-tokens 128 --temperature "$load_t" --repeats "${E2E_REPEATS:-3}" \
     --waves "${E2E_WAVES:-1}" --policies fixed_0 --host-load-us "$load_us" \
     --cost-table "$OUT/cost_table_T$load_t.json" --out "$OUT/host_load_T$load_t.json" 2>&1 | quiet | tail -12
+fi
+if [ -n "${PIPELINE_CHECK:-}" ]; then
+  read -r pipe_r pipe_policies <<< "$PIPELINE_CHECK"
+  pipe_t=${E2E_TEMPERATURES:-0 1}
+  pipe_t=${pipe_t%% *}
+  stage "two rounds ahead: R = $pipe_r, T = $pipe_t, $pipe_policies"  # ~1-2 min
+  timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
+    --concurrency "$pipe_r" --max-new-tokens 128 --temperature "$pipe_t" --repeats "${E2E_REPEATS:-3}" \
+    --waves "${E2E_WAVES:-1}" --policies "$pipe_policies" --pipeline 2 \
+    --cost-table "$OUT/cost_table_T$pipe_t.json" --out "$OUT/pipeline_T$pipe_t.json" 2>&1 | quiet | tail -14
 fi
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
 if [ "${SPEC_KERNELS:-1}" = 1 ]; then

@@ -141,6 +141,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert report["waves"] == 1  # the default: one batch of R requests
+    assert report["pipeline"] == 1 and report["host_load_us"] == 0  # one round ahead, no diagnostic load
     assert report["compile_fallbacks"] == []  # nothing compiled on the CPU, nothing given up
     assert all(set(c) == {"kernel", "key", "runs"} for c in report["kernel_checks"])  # the self-checks run
     assert report["repeats"] == 2 and all(len(r["repeats"]) == 2 for r in report["rows"])

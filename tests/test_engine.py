@@ -654,6 +654,61 @@ def test_the_prefills_token_is_read_with_the_next_round(small_target, monkeypatc
 
 
 @pytest.mark.parametrize("kind", ["plain", "fast"])
+def test_two_rounds_ahead_give_the_same_tokens(small_target, kind):
+    """``pipeline=2``: round t goes onto the device before round t - 2 is read, so two rounds are
+    in flight before the first read; finished requests ride along one round more, their tokens
+    dropped. Greedy tokens and finishes are one round ahead's, with budgets from 0 to 26, an EOS,
+    and a queue that refills the rows, target-only and with a drafter."""
+    t = small_target
+    prompts = prompts_for(t, 7, seed=9)
+    free = Engine(t, None, temperature=0, max_new_tokens=26, eos_token_ids=()).generate(prompts)
+    eos = free.generations[3].tokens[4]  # request 3 ends on its fifth token
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 26, 0, 22, 1, 17, 2])]
+    dspark = make_drafter(t, "dspark", "markov", gamma=3, seed=1)[0]
+
+    def spied(eng, name, events):
+        inner = getattr(eng, name)
+
+        def call(*args):
+            events.append(name)
+            return inner(*args)
+
+        setattr(eng, name, call)
+
+    for drafter in (None, dspark):
+        results, events = {}, []
+        for pipeline in (1, 2):
+            eng = build_engine(
+                kind, t, drafter, temperature=0, concurrency=3, eos_token_ids=[eos], seed=1, pipeline=pipeline
+            )
+            if pipeline == 2:
+                spied(eng, "_launch", events)
+                spied(eng, "_complete", events)
+            results[pipeline] = eng.generate(reqs)
+        one, two = ([(g.tokens, g.finish) for g in results[p].generations] for p in (1, 2))
+        assert two == one
+        assert events[:4] == ["_launch", "_launch", "_launch", "_complete"]
+        assert events.count("_launch") == events.count("_complete") == len(results[2].steps)
+        assert "eos" in {finish for _, finish in one}
+    with pytest.raises(ValueError, match="pipeline"):
+        Engine(t, None, pipeline=3)
+
+
+def test_two_rounds_ahead_are_lossless(small_target, stat_prompt, exact):
+    """Planned two rounds ahead (``pipeline=2``), DraftAware chooses each round's draft length from
+    outcomes one round older: still before the draft exists, so the tokens keep the target's
+    distribution. 500 rows at a time, as the one-round-ahead test."""
+    drafter = Oracle(small_target, gamma=4)
+    pol, cost = DraftAware(), DRAFT_AWARE_COST
+    samples, _ = _first_three(
+        small_target, drafter, stat_prompt, seed=5, policy=pol, concurrency=500, cost=cost, pipeline=2
+    )
+    drafted = set(_first_three.last.drafted)
+    assert_matches(samples, exact, N_SAMPLES, f"pipeline 2 / draft_aware (drafted {sorted(drafted)})")
+    assert 2 in drafted, drafted
+
+
+@pytest.mark.parametrize("kind", ["plain", "fast"])
 def test_requests_join_behind_the_round_in_flight(small_target, kind):
     """A request that takes a freed row is prefilled while the round launched before is still in
     flight (its outcome not read): the host goes on to launch the next round without waiting for

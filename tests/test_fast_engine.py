@@ -333,6 +333,21 @@ def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     assert [g.tokens for g in again.generations] == [g.tokens for g in plain.generate(reqs[:2]).generations]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_engine_reproduces_plain_engine_two_rounds_ahead(small_target, temperature):
+    """``pipeline=2`` (round t launched before round t - 2 is read) in both engines: the same
+    tokens, acceptance and draft lengths under a policy that chooses them from completed rounds."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "markov", gamma=4, seed=3)[0]
+    reqs = seven_requests(t)
+    plain, fast = _engines(t, drafter, temperature, seed=7, pipeline=2)
+    for eng in (plain, fast):
+        eng.set_policy(Cycling())
+    a, b = plain.generate(reqs), fast.generate(reqs)
+    assert_same_rounds(b, a)
+    assert len({s["drafted"] for s in a.steps}) > 2  # the policy's choices varied
+
+
 def test_one_draw_of_a_rounds_uniforms_takes_the_numbers_of_one_draw_each():
     """The fast engine draws a round's uniforms (the drafter's, u_accept, u_sample) at once, where
     the plain engine draws them in turn: the same numbers only because a CPU generator fills a
@@ -780,10 +795,12 @@ def test_compiled_gemma3_layers_match_eager(gemma3_target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["fixed", "cycling", "draft_aware", "hardware_aware"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_cuda_graphs_reproduce_eager(small_target, policy, temperature, pipeline):
     """Under every kind of choice (the whole block, draft graphs per drafted length and plain
-    rounds, a width read back): graph replay == the eager static path (== the plain engine at T = 0),
-    every round is timed on the device, and none captures a graph or compiles a kernel."""
+    rounds, a width read back), one or two rounds launched ahead of the one read: graph replay ==
+    the eager static path (== the plain engine at T = 0), every round is timed on the device, and
+    none captures a graph or compiles a kernel."""
     t = small_target.to("cuda")
     try:
         drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0].to("cuda")
@@ -797,7 +814,7 @@ def test_cuda_graphs_reproduce_eager(small_target, policy, temperature):
             pol = Cycling() if policy == "cycling" else build_policy(policy, defaults=untimed)
             gen = torch.Generator("cuda").manual_seed(7)
             common = dict(temperature=temperature, concurrency=5, eos_token_ids=(), cost=POLICY_COST)
-            return cls(t, drafter, pol, generator=gen, **common, **kw)
+            return cls(t, drafter, pol, generator=gen, pipeline=pipeline, **common, **kw)
 
         graphed_engine = engine(FastEngine, graphs=True, compile=False)
         eager_engine = engine(FastEngine, graphs=False, compile=False)

@@ -69,6 +69,11 @@ def _parse(argv):
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--pipeline", type=int, default=1, choices=[1, 2],
+        help="rounds launched ahead of the one the host reads (the engine's pipeline): 2 keeps a round "
+        "queued on the device while the host reads one",
+    )  # fmt: skip
+    ap.add_argument(
         "--host-load-us", type=float, default=0.0,
         help="diagnostic: a busy wait of this many µs before each round's completion, every run alike, "
         "so the host sets the pace (do launches cost more then?); 0, the default, for none",
@@ -139,6 +144,7 @@ def _main(argv, watch) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "waves": args.waves,
         "repeats": args.repeats,
+        "pipeline": args.pipeline,
         "host_load_us": args.host_load_us,
         "gamma": gamma,
         "cost_table": None if cost is None else cost.to_dict(),
@@ -147,7 +153,7 @@ def _main(argv, watch) -> dict:
     }
     # One concurrency at a time, the report rewritten after each: a run cut off by a time limit keeps
     # every point it finished (policies start afresh at each R, so each point stands alone).
-    engine_kw = {"compile": args.compile} if args.engine == "fast" else None
+    engine_kw = {"pipeline": args.pipeline, **({"compile": args.compile} if args.engine == "fast" else {})}
     for temperature in temperatures:
         these = []
         for R in conc:

@@ -201,9 +201,9 @@ class _Live:
     # nothing back; the first round after it does, and emits this token before its own.
     first: tuple[Tensor, int] | None = None
 
-    def due(self) -> bool:
-        """The next round's token exhausts the budget."""
-        return len(self.tokens) + (self.first is not None) + 1 >= self.budget
+    def due(self, rounds: int = 1) -> bool:
+        """The next ``rounds`` rounds' tokens (one at least each) exhaust the budget."""
+        return len(self.tokens) + (self.first is not None) + rounds >= self.budget
 
 
 @dataclass
@@ -333,6 +333,11 @@ class Engine:
         record_confidence: with ``record_rounds``, keep each round's confidences in its records
             (the calibration's evidence); False copies none back (2 · R · γ floats a round read on
             the host: timed runs that only need the tokens and acceptance).
+        pipeline: rounds launched ahead of the one the host reads (1: round t goes onto the device
+            before round t - 1 is read; 2: before t - 2, so the device has a round queued while the
+            host reads, where the host's cycle is as long as a round). Each one more lets a finished
+            request ride along one more round (its tokens dropped) and plans rounds from outcomes one
+            round older: still non-anticipating.
     """
 
     _static_sampling = False  # top-p by candidates with host syncs; FastEngine sorts statically
@@ -358,6 +363,7 @@ class Engine:
         refill: int = 1,
         record_rounds: bool = True,
         record_confidence: bool = True,
+        pipeline: int = 1,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -365,6 +371,9 @@ class Engine:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if top_k < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
+        if pipeline not in (1, 2):
+            raise ValueError(f"pipeline must be 1 or 2 rounds launched ahead of the one read, got {pipeline}")
+        self.pipeline = int(pipeline)
         self.target = target
         self.drafter = drafter
         self.temperature = float(temperature)
@@ -486,11 +495,11 @@ class Engine:
         """Prefill, launch and complete rounds until every request is done (``generate``)."""
         anchors = anchor_pos = None  # [R] long each, on the device
         step = 0
-        pending: _Round | None = None  # launched, its outcome not read yet
+        pending: deque[_Round] = deque()  # launched, their outcomes not read yet, oldest first
         cycle_start = None  # the host's clock when the previous round's completion ended
         rounds_s = 0.0  # of the cycle since: in _launch and _complete
         with torch.inference_mode():  # an on_result that raises leaves state the next run resets
-            while queue or live or pending is not None:
+            while queue or live or pending:
                 # Requests join behind the round in flight: the device runs their prefill after it
                 # (its rows' moves and writes follow that round's in stream order), and nothing of
                 # the prefill is read back, so the host goes on to launch the next round at once.
@@ -504,20 +513,22 @@ class Engine:
                     anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                     self._clock.mark()
                     continue
-                # Launch round t, then read round t - 1 while the device runs t: the host never
-                # waits for the round it has just launched (a request that ended in round t - 1
-                # rides along in round t, its tokens discarded). Every round emits a token, so a
-                # request one token short of its budget surely ends in round t - 1: when all do,
-                # round t would be void and is not launched.
+                # Launch round t, then read round t - p (p = ``pipeline``) while the device runs the
+                # rounds after it: the host never waits for a round it has just launched (a request
+                # that ended in round t - p rides along in the rounds after it, its tokens
+                # discarded). Every round emits a token, so a request as many tokens short of its
+                # budget as rounds are in flight surely ends in them: when all do, round t would be
+                # void and is not launched; the host reads the oldest round instead.
                 launched = None
-                if any(item.finish is None and not (pending is not None and item.due()) for item in live):
+                if any(item.finish is None and not (pending and item.due(len(pending))) for item in live):
                     t0 = time.perf_counter()
                     launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
                     rounds_s += time.perf_counter() - t0
                     step += 1
-                if pending is not None:
+                    pending.append(launched)
+                if pending and (len(pending) > self.pipeline or launched is None):
                     t0 = time.perf_counter()
-                    recs, ended, info = self._complete(pending)
+                    recs, ended, info = self._complete(pending.popleft())
                     now = time.perf_counter()
                     if cycle_start is not None:  # the first round's cycle would hold the first prefill
                         info["cycle_ms"] = 1e3 * (now - cycle_start)
@@ -526,7 +537,6 @@ class Engine:
                     steps.append(info)
                     rounds.append(recs)
                     finished(ended)
-                pending = launched
                 anchors, anchor_pos = self._retire(live, anchors, anchor_pos)
                 if bar is not None and steps:  # τ over the rounds so far, from the steps' sums
                     tokens = sum(s["tokens"] for s in steps[-64:])

@@ -133,15 +133,15 @@ class FastEngine(Engine):
     # ---- static state ---------------------------------------------------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
         budget = max(self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens) for r in reqs)
-        # Its last round may write γ + 1 positions past the budget, and the round it rides along
-        # in before its row is freed γ + 1 more.
-        need = max(len(r.prompt) for r in reqs) + budget + 2 * (self._gamma + 1)
+        # Its last round may write γ + 1 positions past the budget, and each round it rides along
+        # in before its row is freed (``pipeline`` of them) γ + 1 more.
+        need = max(len(r.prompt) for r in reqs) + budget + (self.pipeline + 1) * (self._gamma + 1)
         if self.fixed_capacity is not None:
             if need > self.fixed_capacity:
                 raise ValueError(
-                    f"a request needs {need} cache positions (prompt + max_new_tokens + 2·(gamma + 1)) "
-                    f"but the fast engine's capacity is {self.fixed_capacity}: raise engine capacity or "
-                    f"shorten it"
+                    f"a request needs {need} cache positions (prompt + max_new_tokens + (pipeline + 1)"
+                    f"·(gamma + 1)) but the fast engine's capacity is {self.fixed_capacity}: raise engine "
+                    f"capacity or shorten it"
                 )
             need = self.fixed_capacity
         else:
