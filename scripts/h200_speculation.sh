@@ -114,25 +114,26 @@ for p in ${SPEC_PROFILE:-}; do
     --concurrency "${SPEC_PROFILE_R:-16,64}" --temperature "$profile_t" --cost-table "$OUT/cost_table_T$profile_t.json" \
     --out "$OUT/round_profile_$p.json" 2>&1 | quiet | tail -60
 done
+# One more e2e point at R and the first temperature (HOST_LOAD, PIPELINE_CHECK): e2e_point NAME R POLICIES FLAGS...
+first_t=${E2E_TEMPERATURES:-0 1}
+first_t=${first_t%% *}
+e2e_point() {
+  local name=$1 r=$2 policies=$3
+  shift 3
+  timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
+    --concurrency "$r" --max-new-tokens 128 --temperature "$first_t" --repeats "${E2E_REPEATS:-3}" \
+    --waves "${E2E_WAVES:-1}" --policies "$policies" --cost-table "$OUT/cost_table_T$first_t.json" \
+    --out "$OUT/${name}_T$first_t.json" "$@" 2>&1 | quiet | tail -14
+}
 if [ -n "${HOST_LOAD:-}" ]; then
   read -r load_r load_us <<< "$HOST_LOAD"
-  load_t=${E2E_TEMPERATURES:-0 1}
-  load_t=${load_t%% *}
-  stage "host-bound check: R = $load_r, T = $load_t, $load_us µs of host load a round"  # ~1-2 min
-  timeout 240 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
-    --concurrency "$load_r" --max-new-tokens 128 --temperature "$load_t" --repeats "${E2E_REPEATS:-3}" \
-    --waves "${E2E_WAVES:-1}" --policies fixed_0 --host-load-us "$load_us" \
-    --cost-table "$OUT/cost_table_T$load_t.json" --out "$OUT/host_load_T$load_t.json" 2>&1 | quiet | tail -12
+  stage "host-bound check: R = $load_r, T = $first_t, $load_us µs of host load a round"  # ~1-2 min
+  e2e_point host_load "$load_r" fixed_0 --host-load-us "$load_us"
 fi
 if [ -n "${PIPELINE_CHECK:-}" ]; then
   read -r pipe_r pipe_policies <<< "$PIPELINE_CHECK"
-  pipe_t=${E2E_TEMPERATURES:-0 1}
-  pipe_t=${pipe_t%% *}
-  stage "two rounds ahead: R = $pipe_r, T = $pipe_t, $pipe_policies"  # ~1-2 min
-  timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
-    --concurrency "$pipe_r" --max-new-tokens 128 --temperature "$pipe_t" --repeats "${E2E_REPEATS:-3}" \
-    --waves "${E2E_WAVES:-1}" --policies "$pipe_policies" --pipeline 2 \
-    --cost-table "$OUT/cost_table_T$pipe_t.json" --out "$OUT/pipeline_T$pipe_t.json" 2>&1 | quiet | tail -14
+  stage "two rounds ahead: R = $pipe_r, T = $first_t, $pipe_policies"  # ~1-2 min
+  e2e_point pipeline "$pipe_r" "$pipe_policies" --pipeline 2
 fi
 # The kernel benchmarks last: the e2e runs are what the study is for, and a machine can go back.
 if [ "${SPEC_KERNELS:-1}" = 1 ]; then
