@@ -655,10 +655,10 @@ def test_the_prefills_token_is_read_with_the_next_round(small_target, monkeypatc
 
 @pytest.mark.parametrize("kind", ["plain", "fast"])
 def test_two_rounds_ahead_give_the_same_tokens(small_target, kind):
-    """``pipeline=2``: round t goes onto the device before round t - 2 is read, so two rounds are
-    in flight before the first read; finished requests ride along one round more, their tokens
-    dropped. Greedy tokens and finishes are one round ahead's, with budgets from 0 to 26, an EOS,
-    and a queue that refills the rows, target-only and with a drafter."""
+    """``pipeline=2``: round t goes onto the device before round t - 2 is read (three rounds are
+    launched before the first read); finished requests ride along one round more, their tokens
+    dropped. Greedy tokens and finishes are those of ``pipeline=1``, with budgets from 0 to 26, an
+    EOS, and a queue that refills the rows, target-only and with a drafter."""
     t = small_target
     prompts = prompts_for(t, 7, seed=9)
     free = Engine(t, None, temperature=0, max_new_tokens=26, eos_token_ids=()).generate(prompts)

@@ -334,10 +334,10 @@ class Engine:
             (the calibration's evidence); False copies none back (2 · R · γ floats a round read on
             the host: timed runs that only need the tokens and acceptance).
         pipeline: rounds launched ahead of the one the host reads (1: round t goes onto the device
-            before round t - 1 is read; 2: before t - 2, so the device has a round queued while the
-            host reads, where the host's cycle is as long as a round). Each one more lets a finished
-            request ride along one more round (its tokens dropped) and plans rounds from outcomes one
-            round older: still non-anticipating.
+            before round t - 1 is read; 2: before t - 2, so the device keeps a round queued while the
+            host reads one, for a host whose cycle is about as long as a round). Each one more lets a
+            finished request ride along one more round (its tokens dropped) and plans rounds from
+            outcomes one round older: still non-anticipating.
     """
 
     _static_sampling = False  # top-p by candidates with host syncs; FastEngine sorts statically
@@ -532,7 +532,7 @@ class Engine:
                     now = time.perf_counter()
                     if cycle_start is not None:  # the first round's cycle would hold the first prefill
                         info["cycle_ms"] = 1e3 * (now - cycle_start)
-                        info["between_ms"] = 1e3 * (now - cycle_start - rounds_s - (now - t0))
+                        info["between_ms"] = 1e3 * (t0 - cycle_start - rounds_s)  # outside both calls
                     cycle_start, rounds_s = now, 0.0
                     steps.append(info)
                     rounds.append(recs)
