@@ -842,7 +842,10 @@ class Engine:
         policy_s = rnd.policy_s
         if self.drafter is not None:
             tp = time.perf_counter()
-            live = np.asarray(rows, dtype=np.int64)  # the host copies, indexed without a Python loop
+            # The host copies of the live rows: all of them at a steady load, and no index then (one
+            # built from R = 256 row numbers and applied took 7 of the ~33 µs of a plain round's
+            # policy work on a CPU).
+            live = slice(None) if batch == len(rnd.items) else np.asarray(rows, dtype=np.int64)
             self.policy.observe_round(rnd.out["lengths"].numpy()[live], rnd.out["accepted"].numpy()[live])
             if "shadow" in rnd.out:
                 self.policy.observe_shadow(rnd.out["shadow"].numpy()[live])
