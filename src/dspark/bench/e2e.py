@@ -153,7 +153,9 @@ def _main(argv, watch) -> dict:
     }
     # One concurrency at a time, the report rewritten after each: a run cut off by a time limit keeps
     # every point it finished (policies start afresh at each R, so each point stands alone).
-    engine_kw = {"pipeline": args.pipeline, **({"compile": args.compile} if args.engine == "fast" else {})}
+    engine_kw = {"pipeline": args.pipeline}
+    if args.engine == "fast":
+        engine_kw["compile"] = args.compile
     for temperature in temperatures:
         these = []
         for R in conc:

@@ -93,7 +93,6 @@ def _main(argv, watch) -> dict:
         round_times,
         row_counts,
         step_kernels,
-        target_round_times,
         verify_step_times,
         width_curves,
     )
@@ -160,9 +159,11 @@ def _main(argv, watch) -> dict:
             cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
             save()
             # The floor a plain round is held to: what the drafter context's upkeep costs above it.
-            report["target_round_ms"] = floor = target_round_times(
-                target, rows, report["round_context"], args.compile, passes=args.round_passes, **temp
-            )
+            floor = round_times(  # no drafter: target-only's rounds
+                target, None, rows, report["round_context"], args.compile, lengths=[0],
+                passes=args.round_passes, **temp,
+            )[0]  # fmt: skip
+            report["target_round_ms"] = floor
             plain = report["round_len_ms"][0]
             print("plain round above target-only: " + "  ".join(
                 f"R={r}: {plain[r] - floor[r]:+.3f} ms ({plain[r] / floor[r] - 1:+.1%})" for r in rows

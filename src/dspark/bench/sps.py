@@ -36,7 +36,6 @@ __all__ = [
     "row_counts",
     "served",
     "step_kernels",
-    "target_round_times",
     "verify_step_times",
 ]
 
@@ -355,11 +354,14 @@ def round_times(
     What the sum of separately timed steps misses is in it: the eager work between the graphs,
     the steps' overlap, how a round's cost really changes with γ_d; the draft-aware choices read
     it (``CostModel.round_len_ms``). Each R's times made non-decreasing in γ_d
-    (``fewer_drafts_cost_no_more``), then ascending R lifted to the running maximum like ``cost_curve``."""
+    (``fewer_drafts_cost_no_more``), then ascending R lifted to the running maximum like ``cost_curve``.
+    Without a drafter (``lengths=[0]``): target-only decoding's rounds, the floor a drafter engine's
+    plain round (target-only's step plus the drafter context's upkeep) is held to."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens, temperature)
     wanted = list(range(drafter.gamma + 1) if lengths is None else lengths)
+    who = "round" if drafter is not None else "target-only round"
     out: dict[int, dict[int, float]] = {m: {} for m in wanted}
     for r in rows_all:
         reqs = _round_requests(target, r, ctx)
@@ -370,26 +372,7 @@ def round_times(
         for m, ms in fewer_drafts_cost_no_more(measured).items():
             out[m][r] = max([ms, *out[m].values()])
         times = "  ".join(f"γ_d={m}: {out[m][r]:.3f}" for m in out)
-        print(f"round R={r}: {times} ms", flush=True)
-    return out
-
-
-def target_round_times(
-    target, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32,
-    temperature: float = 1.0, passes: int = 3,
-) -> dict[int, float]:  # fmt: skip
-    """Target-only decoding's rounds ``{R: ms}`` timed like ``round_times`` (an engine without a
-    drafter, the least of ``passes`` medians): the floor a drafter engine's plain round (γ_d = 0:
-    target-only's step plus the drafter context's upkeep) is held to, and what it costs above it."""
-    if passes < 1:
-        raise ValueError(f"passes must be >= 1, got {passes}")
-    eng, _ = _round_engine(target, None, rows_all, ctx, compile, tokens, temperature)
-    out: dict[int, float] = {}
-    for r in rows_all:
-        reqs = _round_requests(target, r, ctx)
-        ms = min(_median_round_ms(eng, reqs, Fixed(None)) for _ in range(passes))
-        out[r] = max([ms, *out.values()])  # like round_times: non-decreasing in R
-        print(f"target-only round R={r}: {out[r]:.3f} ms", flush=True)
+        print(f"{who} R={r}: {times} ms", flush=True)
     return out
 
 

@@ -201,7 +201,7 @@ class _Live:
     # nothing back; the first round after it does, and emits this token before its own.
     first: tuple[Tensor, int] | None = None
 
-    def due(self, rounds: int = 1) -> bool:
+    def due(self, rounds: int) -> bool:
         """The next ``rounds`` rounds' tokens (one at least each) exhaust the budget."""
         return len(self.tokens) + (self.first is not None) + rounds >= self.budget
 
@@ -520,7 +520,8 @@ class Engine:
                 # budget as rounds are in flight surely ends in them: when all do, round t would be
                 # void and is not launched; the host reads the oldest round instead.
                 launched = None
-                if any(item.finish is None and not (pending and item.due(len(pending))) for item in live):
+                ahead = len(pending)
+                if any(item.finish is None and not (ahead and item.due(ahead)) for item in live):
                     t0 = time.perf_counter()
                     launched, anchors, anchor_pos = self._launch(live, anchors, anchor_pos, step)
                     rounds_s += time.perf_counter() - t0
