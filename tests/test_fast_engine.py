@@ -34,8 +34,9 @@ def test_prepare_verifies_every_width_once_without_touching_the_random_stream(
     small_target, monkeypatch, with_drafter
 ):
     """The rejection kernel is compiled per verify width: ``prepare`` runs it at each width
-    0..γ on the real steps' outputs, so no timed round meets a new width (a compilation stall),
-    and the engine's random stream is the same afterwards (runs stay reproducible)."""
+    0..γ on the real steps' outputs (width 0 also inside the plain step it captures), so no timed
+    round meets a new width (a compilation stall), and the engine's random stream is the same
+    afterwards (runs stay reproducible)."""
     import dspark.decoding.fast_engine as fe
 
     t = small_target
@@ -51,8 +52,9 @@ def test_prepare_verifies_every_width_once_without_touching_the_random_stream(
     )
     state = eng.generator.get_state()
     with torch.inference_mode():
+        eng._plain_step(eng.in_ids[:2, :1].clone(), eng.in_pos[:2, :1].clone(), draw=False)
         eng._warm_verify(2)
-    assert widths == list(range((3 if with_drafter else 0) + 1))
+    assert widths == ([0, 0, 1, 2, 3] if with_drafter else [0])  # the plain step's, then γ = 3's
     assert torch.equal(eng.generator.get_state(), state)
 
 

@@ -46,8 +46,9 @@ rounds: leaving and joining requests, the joiners' prefill, results handed over)
 sets the pace where ``cycle_ms - wait_ms`` reaches the round's ``ms``; ``events`` counts the one-off
 work since the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which
 is where a round far slower than its median finds its cause. A round that drafts nothing runs
-``_plain_step``: target-only decoding's step (the fast engine defers the drafter's context of
-such rounds and writes it in one batch before the next draft). While ``generate`` runs, Python's
+``_plain_step``: target-only decoding's step with its token (its ``target`` part holds both; the
+fast engine draws the token inside the step's graph, and defers the drafter's context of such
+rounds and writes it in one batch before the next draft). While ``generate`` runs, Python's
 cyclic garbage collector is off and the objects alive before it are frozen out of it
 (``gc.freeze``): the rounds leave no cyclic garbage (a test holds them to it), so a collection
 could only stall them; a pass over the process's heap (the model, torch.compile's caches) takes a
@@ -84,7 +85,7 @@ from ..scheduling.policies import Fixed, Policy
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
 from .stall_watch import StallWatch
-from .verify import one_hot_drafts, verify
+from .verify import VerifyResult, one_hot_drafts, verify
 
 __all__ = [
     "Engine",
@@ -587,11 +588,15 @@ class Engine:
             nxt = _following_tokens(drafts, res.accepted, res.next_token)
             self.drafter.extend_context(self._dcache, taps, positions, valid, nxt, self.shared)
 
-    def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The target step of a round that drafted nothing (ids [R, 1]): target-only decoding's.
-        Here the target step itself; the committed anchors' features reach the drafter in
-        ``_commit`` as in any round (``FastEngine`` defers them)."""
-        return self._target_step(ids, positions)
+    def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[VerifyResult, Tensor | None]:
+        """The round that drafted nothing (ids [R, 1]): target-only decoding's step and its token,
+        as the verification of no drafts (accepted 0); with the step's taps. Here the target step,
+        then ``_verify``; the committed anchors' features reach the drafter in ``_commit`` as in
+        any round (``FastEngine`` defers them, and draws the token inside its step)."""
+        r = ids.shape[0]
+        probs, taps = self._target_step(ids, positions)
+        none = self._constant(torch.zeros, r, 0)
+        return self._verify(probs, None, none, self._constant(torch.zeros, r), 0), taps
 
     def _keep_rows(self, index: Tensor, order: list[int]) -> None:
         """Keep rows ``index`` (``order`` on the host: new row i is old row order[i])."""
@@ -775,10 +780,11 @@ class Engine:
         # the argmax tokens [R, G+1] in the fast engine's greedy rounds.
         if drafted:
             target_out, taps = self._target_step(ids, positions)
-        else:  # nothing drafted: target-only decoding's step
-            target_out, taps = self._plain_step(ids, positions)
-        mark()
-        res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
+            mark()
+            res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
+        else:  # nothing drafted: target-only decoding's step, which also chooses the next token
+            res, taps = self._plain_step(ids, positions)
+            mark()
         mark()
         n = res.accepted
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they

@@ -10,7 +10,8 @@ What changes against the plain engine (``engine.py``), and nothing else:
     (``buckets``) and verify width, then replayed; live requests are kept in rows 0..R-1 so the
     graphs read plain views; bucket padding rows are free rows, so their writes are harmless;
   * verification uses ``dspark.kernels.rejection_verify`` (Triton on CUDA, its reference on CPU),
-    which never synchronises with the host; at T = 0 rounds carry tokens, not distributions: the
+    which never synchronises with the host; a round that drafts nothing runs it inside its step's
+    graph (its ``u_sample`` staged before the replay); at T = 0 rounds carry tokens, not distributions: the
     target step returns its argmax tokens, a fused draft step no probabilities, and
     ``greedy_verify`` compares tokens (``verify`` on one-hot distributions: tested), so no [R, G, V]
     tensor is built and no verification uniforms are drawn;
@@ -49,7 +50,7 @@ from ..kernels.rejection import rejection_verify
 from .engine import Engine, Request
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, move_rows
-from .verify import greedy_verify, one_hot_drafts
+from .verify import VerifyResult, greedy_verify, one_hot_drafts
 
 __all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
 
@@ -160,10 +161,10 @@ class FastEngine(Engine):
         top = bucket_for(self.concurrency, self.buckets)
         with torch.inference_mode():
             for rows in (b for b in self.buckets if b <= top):
-                for w in range(1, self._gamma + 2):
+                for w in range(1, self._gamma + 2) if self.drafter is not None else ():
                     self._target_step(self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone())
+                self._plain_step(self.in_ids[:rows, :1].clone(), self.in_pos[:rows, :1].clone(), draw=False)
                 if self.deferred_context:
-                    self._plain_step(self.in_ids[:rows, :1].clone(), self.in_pos[:rows, :1].clone())
                     self._flush_context()
                 for drafted in range(1, self._gamma + 1):
                     self._draft_step(
@@ -176,16 +177,16 @@ class FastEngine(Engine):
         self._reset_state()
 
     def _warm_verify(self, rows: int) -> None:
-        """Verify once at every width 0..γ on the real steps' outputs: the rejection kernel's width
-        is a compile-time constant, and a width first met inside a timed round would stall it for
-        the kernel's compilation. Draws its uniforms apart: the engine's random stream is untouched.
-        Greedy rounds do not run the kernel."""
-        if self.greedy:
+        """Verify once at every width 0..γ of a drafting round on the real steps' outputs: the
+        rejection kernel's width is a compile-time constant, and a width first met inside a timed
+        round would stall it for the kernel's compilation. Draws its uniforms apart: the engine's
+        random stream is untouched. Greedy rounds do not run the kernel; a target-only engine's
+        only width, 0, ran in its plain step's capture."""
+        if self.greedy or self.drafter is None:  # width 0 ran in the plain step's capture
             return
-        drafted = self._gamma if self.drafter is not None else 0
-        if drafted:
-            anchors, anchor_pos = self.in_anchor[:rows].clone(), self.in_anchor_pos[:rows].clone()
-            prop = self._draft_step(anchors, anchor_pos, self.in_u[:rows].clone(), drafted)
+        drafted = self._gamma
+        anchors, anchor_pos = self.in_anchor[:rows].clone(), self.in_anchor_pos[:rows].clone()
+        prop = self._draft_step(anchors, anchor_pos, self.in_u[:rows].clone(), drafted)
         for g in range(drafted + 1):
             ids, pos = self.in_ids[:rows, : g + 1].clone(), self.in_pos[:rows, : g + 1].clone()
             probs, _ = self._target_step(ids, pos)
@@ -219,6 +220,8 @@ class FastEngine(Engine):
             self.in_anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.in_anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.in_u = torch.zeros(rows, max(self._gamma, 1), device=self.device)
+            self.in_u_plain = torch.zeros(rows, device=self.device)  # a plain step's u_sample
+            self.no_lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
             if self.deferred_context:  # the ring of plain rounds' taps and positions
                 k, dtype = self.deferred_context, self.target.dtype
                 self.ring_taps = torch.zeros(k, rows, self.target.tap_dim, device=self.device, dtype=dtype)
@@ -303,28 +306,65 @@ class FastEngine(Engine):
             return step(r), None
         return self.bank.run(("target", rows, w), lambda: step(rows))[:r], None
 
-    def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
-        """Target-only decoding's width-1 step; with a drafter its taps go to the ring (one copy)
-        instead of through the drafter's context layers."""
-        if not self.deferred_context:
-            return self._target_step(ids, positions)
+    def _plain_step(self, ids: Tensor, positions: Tensor, draw: bool = True) -> tuple[VerifyResult, None]:
+        """Target-only decoding's width-1 step, its token chosen inside it: the argmax, or at T > 0
+        verification of no drafts (the rejection kernel on p_t with the round's ``u_sample``,
+        staged before the step). Verifying beside the captured step cost the host 0.2 ms a round at
+        T = 1, R = 256 on the H100 (``-d``: the kernel's launcher and the uniforms' copy), a seventh of the
+        host's work where the draft-aware schedulers' plain rounds were host-bound. With a drafter,
+        the step's taps go to the ring (one copy) instead of through the drafter's context layers.
+        ``draw=False`` (capturing the graph) leaves the random stream alone: stale uniforms stand in."""
         r = ids.shape[0]
-        if self._stashed == self.deferred_context or (self._stashed and r != self._stash_rows):
+        ring = bool(self.deferred_context)
+        if ring and (self._stashed == self.deferred_context or (self._stashed and r != self._stash_rows)):
             self._flush_context()
-        self.ring_slot.fill_(self._stashed)  # which ring entry this step writes (no host sync)
+        if ring:
+            self.ring_slot.fill_(self._stashed)  # which ring entry this step writes (no host sync)
+        if draw and not self.greedy:
+            self._draw_into(self.in_u_plain[:r])  # ``_verify_uniforms`` of no drafts: u_sample
 
         def step(rows: int) -> Tensor:
             i, p = self.in_ids[:rows, :1], self.in_pos[:rows, :1]
-            hidden, taps = self.static.forward(i, p, taps=True)
-            self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, taps[:, 0][None].to(self.ring_taps.dtype))
-            self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
-            return self._target_choice(self.target.lm_head(hidden, upcast=not self.greedy))
+            hidden, taps = self.static.forward(i, p, taps=self.drafter is not None)
+            if ring:
+                entry = taps[:, 0][None].to(self.ring_taps.dtype)
+                self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, entry)
+                self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
+            elif self.drafter is not None:
+                self._write_context(taps, p, 0)
+            return self._plain_token(self.target.lm_head(hidden, upcast=not self.greedy), rows)
 
         rows = self._stage(ids, positions)
-        self._stashed, self._stash_rows = self._stashed + 1, r
+        if ring:
+            self._stashed, self._stash_rows = self._stashed + 1, r
         if self.bank is None:
-            return step(r), None
-        return self.bank.run(("target", rows, "plain"), lambda: step(rows))[:r], None
+            tokens = step(r)
+        else:
+            tokens = self.bank.run(("target", rows, "plain"), lambda: step(rows))[:r]
+        return VerifyResult(self._constant(torch.zeros, r), tokens, width=0), None
+
+    def _plain_token(self, logits: Tensor, rows: int) -> Tensor:
+        """The next token [rows] of a plain step's logits [rows, 1, V]: what ``_verify`` of no drafts
+        gives (``greedy_verify``'s target token; ``rejection_verify``'s draw from p_t)."""
+        if self.greedy:
+            return logits[:, 0].argmax(-1)
+        probs = self._target_probs(logits)
+        none = self.in_ids[:rows, :0]
+        u = (self.in_u[:rows, :0], self.in_u_plain[:rows])
+        out = rejection_verify(
+            probs, one_hot_drafts(none, probs.shape[-1]), none, self.no_lengths[:rows], uniforms=u,
+            impl=self.verify_impl,
+        )  # fmt: skip
+        return out.next_token
+
+    def _draw_into(self, buffer: Tensor) -> None:
+        """``_uniform(*buffer.shape)`` straight into a static buffer: from a CPU generator, one pinned
+        copy (``_uniform`` then ``copy_`` would be two)."""
+        if self.generator.device.type == "cpu" and buffer.device.type == "cuda":
+            u = torch.rand(buffer.shape, generator=self.generator, pin_memory=True)
+            buffer.copy_(u, non_blocking=True)
+        else:
+            buffer.copy_(self._uniform(*buffer.shape))
 
     def _flush_context(self) -> None:
         """Write the ring's taps into the drafter's context, all entries at once (one graph per
@@ -363,8 +403,6 @@ class FastEngine(Engine):
         return self._draft_step(anchors, anchor_pos, u[: r * g].view(r, g), drafted)
 
     def _verify_uniforms(self, drafts: Tensor, drafted: int) -> tuple[Tensor, Tensor]:
-        if not drafted:
-            return super()._verify_uniforms(drafts, drafted)
         planned, u_accept, u_sample = self._round_u  # drawn with the round's draft (``_propose``)
         self._round_u = None
         assert planned == drafted, "verification's uniforms belong to this round's draft"
@@ -412,7 +450,7 @@ class FastEngine(Engine):
     def _verify(self, target_probs, draft_probs, drafts, lengths, drafted: int):
         if self.greedy:  # target_probs holds the target's argmax tokens (_target_choice)
             return greedy_verify(target_probs, drafts, lengths)
-        if draft_probs is None:  # a round that drafted nothing
+        if draft_probs is None:  # a proposal without distributions: refused at T > 0
             draft_probs = self._one_hot_drafts(drafts, target_probs.shape[-1])
         return rejection_verify(
             target_probs,
