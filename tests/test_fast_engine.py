@@ -986,16 +986,16 @@ class _EagerBank:
 
 
 def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeypatch):
-    """What a round launches beside its captured steps costs the host a few µs each: a budget per
-    kind of round. A target-only round: the step's inputs (the anchors with the drafts, their
-    positions), two staging copies, the step, verification (T = 0: nothing, the target's own token
-    is the next; T = 1: the rejection kernel and the draw of its uniforms), the tokens kept, the
-    next positions, the caches' lengths (one tensor for the target's and the drafter's): 8 at T = 0, 10
-    at T = 1. A plain round of an engine that carries a drafter adds the ring's slot, and every 8th the
-    ring's flush. A drafting round adds the draft step, its two staging copies (three at T = 1: the
-    uniforms) and the lengths' clamp, and at T = 0 the greedy comparison's six ops (equal, cast, run,
-    count, cut at ℓ, gather). (Before session 2026-12-04-i, counted alike: 17, 20 and 31 at T = 0, 17,
-    20 and 27 at T = 1; before the drafter's context shared the target's lengths, 10 and 18 at T = 0,
+    """What a round launches beside its captured steps costs the host a few µs each: a budget per kind of
+    round. A target-only round: the step's inputs (the anchors with the drafts, their positions), two
+    staging copies, the step (which also chooses the token: the rejection kernel of a round that drafts
+    nothing runs inside it), at T = 1 the draw of its uniform and the copy into the step's buffer, the
+    tokens kept, the next positions, the caches' lengths (one tensor for the target's and the drafter's):
+    8 at T = 0, 10 at T = 1. A plain round of an engine that carries a drafter adds the ring's slot, and
+    every 8th the ring's flush. A drafting round adds the draft step, its two staging copies (three at T =
+    1: the uniforms) and the lengths' clamp, and at T = 0 the greedy comparison's six ops (equal, cast,
+    run, count, cut at ℓ, gather). (Before session 2026-12-04-i, counted alike: 17, 20 and 31 at T = 0,
+    17, 20 and 27 at T = 1; before the drafter's context shared the target's lengths, 10 and 18 at T = 0,
     12 and 16 at T = 1.)"""
     import dspark.decoding.fast_engine as fe
 
