@@ -992,8 +992,8 @@ def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeyp
     nothing runs inside it), at T = 1 the draw of its uniform and the copy into the step's buffer, the
     tokens kept, the next positions, the caches' lengths (one tensor for the target's and the drafter's):
     8 at T = 0, 10 at T = 1. A plain round of an engine that carries a drafter adds the ring's slot, and
-    every 8th the ring's flush. A drafting round adds the draft step, its two staging copies (three at T =
-    1: the uniforms) and the lengths' clamp, and at T = 0 the greedy comparison's six ops (equal, cast,
+    every 8th the ring's flush. A drafting round adds the draft step, its two staging copies (three at
+    T = 1: the uniforms) and the lengths' clamp, and at T = 0 the greedy comparison's six ops (equal, cast,
     run, count, cut at ℓ, gather). (Before session 2026-12-04-i, counted alike: 17, 20 and 31 at T = 0,
     17, 20 and 27 at T = 1; before the drafter's context shared the target's lengths, 10 and 18 at T = 0,
     12 and 16 at T = 1.)"""
