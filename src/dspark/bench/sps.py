@@ -170,8 +170,8 @@ def step_kernels(
     """Per row count R, the kernels of a round's steps, run eagerly and profiled
     (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
     writes the drafter's context, as in a round), the draft step of the whole block, a plain
-    round's step (``plain``: what a round that drafts nothing costs a drafter engine) and
-    target-only decoding's step beside it (``target_only``: the plain round's floor). Without a
+    round's step with its token's draw (``plain``: what a round that drafts nothing costs a drafter
+    engine) and target-only decoding's step beside it (``target_only``: the plain round's floor). Without a
     drafter, the verify step at width 1 and 8."""
     from .kernel_profile import kernel_table
 
@@ -216,7 +216,7 @@ def step_kernels(
                     lambda i=ids, p=pos: eng._plain_step(i, p), device, steps=4 * max(eng.deferred_context, 2)
                 )
                 out.append({"step": "plain", "rows": r, "width": 1, **table})
-                table = kernel_table(lambda i=ids, p=pos: floor._target_step(i, p), device)
+                table = kernel_table(lambda i=ids, p=pos: floor._plain_step(i, p), device)
                 out.append({"step": "target_only", "rows": r, "width": 1, **table})
             for row in out[first:]:
                 names = ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in row["top"][:3])
