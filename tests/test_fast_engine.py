@@ -986,17 +986,20 @@ class _EagerBank:
 
 
 def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeypatch):
-    """What a round launches beside its captured steps costs the host a few µs each: a budget per kind of
-    round. A target-only round: the step's inputs (the anchors with the drafts, their positions), two
-    staging copies, the step (which also chooses the token: the rejection kernel of a round that drafts
-    nothing runs inside it), at T = 1 the draw of its uniform and the copy into the step's buffer, the
-    tokens kept, the next positions, the caches' lengths (one tensor for the target's and the drafter's):
-    8 at T = 0, 10 at T = 1. A plain round of an engine that carries a drafter adds the ring's slot, and
-    every 8th the ring's flush. A drafting round adds the draft step, its two staging copies (three at
-    T = 1: the uniforms) and the lengths' clamp, and at T = 0 the greedy comparison's six ops (equal, cast,
-    run, count, cut at ℓ, gather). (Before session 2026-12-04-i, counted alike: 17, 20 and 31 at T = 0,
-    17, 20 and 27 at T = 1; before the drafter's context shared the target's lengths, 10 and 18 at T = 0,
-    12 and 16 at T = 1.)"""
+    """What a round launches beside its captured steps costs the host a few µs each on this CPU (about 50 on
+    the H100's host: target-only rounds launched 10 in 0.54 ms at T = 1, R = 256, in session h100-…-05-d):
+    a budget per kind of round. A target-only round: two staging copies of the step's inputs (the anchors
+    and their positions, views of the round's tensors), the step (which also chooses the token: the
+    rejection kernel of a round that drafts nothing runs inside it), at T = 1 the draw of its uniform and
+    the copy into the step's buffer, the next positions, the caches' lengths (one tensor for the target's
+    and the drafter's; every row keeps one token, a constant): 5 at T = 0, 7 at T = 1. A plain round of an
+    engine that carries a drafter adds the ring's slot, and every 8th the ring's flush. A drafting round
+    adds the draft step, its two staging copies (three at T = 1: the uniforms), the step's inputs (the
+    anchors with the drafts, their positions), the tokens kept and the lengths' clamp, and at T = 0 the
+    greedy comparison's six ops (equal, cast, run, count, cut at ℓ, gather). (Before the plain round's
+    token moved into its step, 8 and 10 for target-only rounds; before session 2026-12-04-i, counted
+    alike: 17, 20 and 31 at T = 0, 17, 20 and 27 at T = 1; before the drafter's context shared the
+    target's lengths, 10 and 18 at T = 0, 12 and 16 at T = 1.)"""
     import dspark.decoding.fast_engine as fe
 
     t = small_target
@@ -1012,8 +1015,8 @@ def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeyp
     monkeypatch.setattr(fe, "rejection_verify", one_kernel(fe.rejection_verify))  # Triton on CUDA
     drafter = make_drafter(t, "dspark", "markov", gamma=7, seed=1)[0]
     budget = {  # (T, round kind): launches a round outside its steps, at most
-        (0.0, "target_only"): 8, (0.0, "plain"): 9 + 1 / 8, (0.0, "fixed"): 17,
-        (1.0, "target_only"): 10, (1.0, "plain"): 11 + 1 / 8, (1.0, "fixed"): 15,
+        (0.0, "target_only"): 5, (0.0, "plain"): 6 + 1 / 8, (0.0, "fixed"): 17,
+        (1.0, "target_only"): 7, (1.0, "plain"): 8 + 1 / 8, (1.0, "fixed"): 15,
     }  # fmt: skip
     policies = {"plain": Fixed(0), "fixed": Fixed(None)}  # Fixed(0): every round drafts nothing
     for (temperature, kind), most in budget.items():
@@ -1039,6 +1042,7 @@ def test_rounds_launch_few_operations_outside_their_graphs(small_target, monkeyp
             res = eng.generate(prompts_for(t, 4, seed=3))
         assert {s["drafted"] for s in res.steps} == {0 if kind != "fixed" else 7}
         per_round = launches.count / len(res.steps)
+        print("COUNT", temperature, kind, per_round)
         assert per_round <= most + 1e-9, f"T = {temperature:g}, {kind}: {per_round:.2f} launches a round"
 
 

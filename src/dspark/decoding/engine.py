@@ -774,22 +774,27 @@ class Engine:
             lengths, drafts = self._constant(torch.zeros, r), self._constant(torch.zeros, r, 0)
             draft_probs = None
         mark()
-        ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
-        positions = anchor_pos[:, None] + self._constant(torch.arange, g + 1)
         # What the target step returns is what ``_verify`` reads: probabilities [R, G+1, V] here,
         # the argmax tokens [R, G+1] in the fast engine's greedy rounds.
         if drafted:
+            ids = torch.cat([anchors[:, None], drafts], dim=1)  # [R, G+1]; drafts past ℓ_r are padding
+            positions = anchor_pos[:, None] + self._constant(torch.arange, g + 1)
             target_out, taps = self._target_step(ids, positions)
             mark()
             res = self._verify(target_out, draft_probs, drafts, lengths, drafted)
+            kept = res.accepted + 1
         else:  # nothing drafted: target-only decoding's step, which also chooses the next token
+            # Its inputs are views and every row keeps one token: no launch for either (each one
+            # costs the host tens of µs, and a plain round's host work sets the pace at a high load).
+            ids, positions = anchors[:, None], anchor_pos[:, None]
             res, taps = self._plain_step(ids, positions)
+            kept = self._constant(torch.ones, r)
             mark()
         mark()
         n = res.accepted
         # Rows of finished requests (waiting for ``refill``) keep nothing and their anchor: they
         # stay in place, re-verifying the same position until they leave.
-        kept, next_anchors = n + 1, res.next_token
+        next_anchors = res.next_token
         idle = [item.finish is not None for item in live]
         if any(idle):
             mask = self._to_device(torch.tensor(idle))

@@ -288,7 +288,8 @@ class FastEngine(Engine):
         rows = bucket_for(r, self.buckets) if self.use_graphs else r
         self.in_ids[:r, :w].copy_(ids)
         self.in_pos[:r, :w].copy_(positions)
-        self.in_pos[r:rows].zero_()  # padding rows: free rows, harmless in-range writes
+        if rows > r:  # padding rows: free rows, harmless in-range writes
+            self.in_pos[r:rows].zero_()
         return rows
 
     def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
@@ -427,7 +428,8 @@ class FastEngine(Engine):
         rows = bucket_for(r, self.buckets) if self.use_graphs else r
         self.in_anchor[:r].copy_(anchors)
         self.in_anchor_pos[:r].copy_(anchor_pos)
-        self.in_anchor_pos[r:rows].zero_()
+        if rows > r:
+            self.in_anchor_pos[r:rows].zero_()
         if u is not None:  # None: greedy, the buffer's stale uniforms stand in (none is read)
             self.in_u[:r].copy_(u)
         key = ("draft", rows, drafted)
