@@ -741,19 +741,27 @@ def test_requests_join_behind_the_round_in_flight(small_target, kind):
     assert [g.tokens for g in res.generations] == [g.tokens for g in base.generations]
 
 
-def test_eos_stops_requests(small_target):
+@pytest.mark.parametrize("kind", ["oracle", "target_only", "target_only_fast"])
+def test_eos_stops_requests(small_target, kind):
+    """A request ends at its first EOS (kept) or at its budget, in drafting rounds (the oracle's)
+    and in rounds that draft nothing (target-only decoding's lean completion), on both engines."""
     t = small_target
     prompts = prompts_for(t, 4, seed=12)
+    budgets = [30, 30, 11, 30]
     free = Engine(t, None, temperature=0, max_new_tokens=30, eos_token_ids=()).generate(prompts)
     eos = free.generations[0].tokens[6]
-    res = Engine(
-        t, Oracle(t, gamma=4), temperature=0, max_new_tokens=30, concurrency=2, eos_token_ids=[eos], seed=13
-    ).generate(prompts)
-    for g, ref in zip(res.generations, free.generations):
-        cut = ref.tokens.index(eos) + 1 if eos in ref.tokens else len(ref.tokens)
+    drafter = Oracle(t, gamma=4) if kind == "oracle" else None
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    res = build_engine(
+        "fast" if kind.endswith("fast") else "plain", t, drafter, temperature=0, concurrency=2,
+        eos_token_ids=[eos], seed=13,
+    ).generate(reqs)  # fmt: skip
+    for g, ref, budget in zip(res.generations, free.generations, budgets):
+        cut = ref.tokens.index(eos) + 1 if eos in ref.tokens[:budget] else budget
         assert g.tokens == ref.tokens[:cut]
-        assert g.finish == ("eos" if eos in ref.tokens else "length")
+        assert g.finish == ("eos" if eos in ref.tokens[:budget] else "length")
     assert res.generations[0].finish == "eos" and len(res.generations[0].tokens) <= 7
+    assert {g.finish for g in res.generations} == {"eos", "length"}
 
 
 def test_refill_streaming_and_no_round_records(small_target):

@@ -824,31 +824,46 @@ class Engine:
         n_l, next_l, len_l, draft_l = host["accepted"], host["next"], host["lengths"], host["drafts"]
         kept, ended, rows = [], [], []
         eos, record = self.eos, self.record_rounds
-        # R rows a round: at a high load this loop is most of the host's work for it
-        for i, item in enumerate(rnd.items):
-            if item.first is not None:  # joined before this round: its prefill's token comes first
-                copy, j = item.first
-                item.first = None
-                self._emit(item, [int(copy[j])])
+        # R rows a round: at a high load these loops are most of the host's work for it
+        if rnd.drafted:
+            for i, item in enumerate(rnd.items):
+                if item.first is not None:  # joined before this round: its prefill's token comes first
+                    self._emit_first(item, ended)
+                if item.finish is not None:  # ended before this round's tokens: they are void
+                    continue
+                rows.append(i)
+                n = n_l[i]
+                new = draft_l[i][:n]  # a fresh list: the accepted drafts, then the new token
+                new.append(next_l[i])
+                if n + 1 < item.budget - len(item.tokens) and eos.isdisjoint(new):  # the request goes on
+                    item.tokens += new  # no test per token
+                    emitted = n + 1
+                else:
+                    emitted = self._emit(item, new)
+                    if item.finish is not None:
+                        ended.append(item)
+                if record:
+                    kept.append((i, item.req.id, item.rounds, emitted))
+                item.rounds += 1
+                item.accepted += n
+            tokens = sum(n_l[i] + 1 for i in rows)
+        else:  # nothing drafted: each live row gets its next token (the loop above, made lean: a
+            # third less host time at R = 256 on a CPU)
+            for i, (item, tok) in enumerate(zip(rnd.items, next_l)):
+                if item.first is not None:
+                    self._emit_first(item, ended)
                 if item.finish is not None:
+                    continue
+                rows.append(i)
+                if len(item.tokens) + 1 < item.budget and tok not in eos:
+                    item.tokens.append(tok)
+                else:  # its last token: kept, then the request ends
+                    self._emit(item, [tok])
                     ended.append(item)
-            if item.finish is not None:  # ended before this round's tokens: they are void
-                continue
-            rows.append(i)
-            n = n_l[i]
-            new = draft_l[i][:n]  # a fresh list: the accepted drafts, then the new token
-            new.append(next_l[i])
-            if n + 1 < item.budget - len(item.tokens) and eos.isdisjoint(new):  # the request goes on
-                item.tokens += new  # no test per token
-                emitted = n + 1
-            else:
-                emitted = self._emit(item, new)
-                if item.finish is not None:
-                    ended.append(item)
-            if record:
-                kept.append((i, item.req.id, item.rounds, emitted))
-            item.rounds += 1
-            item.accepted += n
+                if record:
+                    kept.append((i, item.req.id, item.rounds, 1))
+                item.rounds += 1
+            tokens = len(rows)
         batch = len(rows)  # the round's live rows
         recs = _RoundRows(rnd.step, batch, self._gamma, host, kept) if self.record_rounds else None
         policy_s = rnd.policy_s
@@ -869,7 +884,7 @@ class Engine:
             "batch": batch,
             "drafted": rnd.drafted,
             "verified": len(rnd.items) + sum(len_l),
-            "tokens": sum(n_l[i] + 1 for i in rows),
+            "tokens": tokens,
             "ms": timing.get("ms", 1e3 * (rnd.launch_s + rnd.readback_s + time.perf_counter() - t0)),
             "host_ms": host_ms,
             "launch_ms": 1e3 * rnd.launch_s,  # of host_ms: putting the round on the device
@@ -902,6 +917,15 @@ class Engine:
             )
         scale, offset = (t[: z.shape[1]].to(z.dtype) for t in self._affine_dev)
         return torch.sigmoid(torch.addcmul(offset, z, scale))
+
+    def _emit_first(self, item: _Live, ended: list[_Live]) -> None:
+        """The first token of a request that joined before this round (its prefill's), emitted
+        before the round's own."""
+        copy, j = item.first
+        item.first = None
+        self._emit(item, [int(copy[j])])
+        if item.finish is not None:
+            ended.append(item)
 
     def _emit(self, item: _Live, new: list[int]) -> int:
         """Append tokens until EOS or the budget, token by token; returns how many were kept.
