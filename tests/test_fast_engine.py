@@ -470,6 +470,33 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     )
 
 
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_rounds_without_a_ring_write_the_drafter_context_in_their_step(small_target, temperature):
+    """``deferred_context=0``: a plain round's step writes its anchors' context itself (width 1), and
+    the rounds equal the plain engine's, confidences included."""
+    t = small_target
+    drafter = make_drafter(t, "dspark", "rnn", gamma=4, seed=3)[0]
+    prompts = prompts_for(t, 5, seed=29)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [11, 30, 6, 24, 17])]
+    plain, fast = _engines(t, drafter, temperature, refill=2, deferred_context=0, seed=8)
+    plain.set_policy(Bursts())
+    fast.set_policy(Bursts())
+    writes = []
+    write = drafter.write_context
+    drafter.write_context = lambda cache, taps, pos, rows: (
+        writes.append(taps.shape[1]) or write(cache, taps, pos, rows)
+    )
+    try:
+        a, b = plain.generate(reqs), fast.generate(reqs)
+    finally:
+        del drafter.write_context
+    assert_same_rounds(b, a)
+    drafted = [s["drafted"] for s in b.steps]
+    assert drafted.count(0) > drafted.count(4) > 0
+    assert writes.count(1) == drafted.count(0)  # each plain round wrote its own context
+
+
 class PlainFirst(Cycling):
     """Plain rounds for the first ``plain`` launches of a generate, then the whole block."""
 

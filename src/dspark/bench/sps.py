@@ -171,8 +171,8 @@ def step_kernels(
     (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
     writes the drafter's context, as in a round), the draft step of the whole block, a plain
     round's step with its token's draw (``plain``: what a round that drafts nothing costs a drafter
-    engine) and target-only decoding's step beside it (``target_only``: the plain round's floor). Without a
-    drafter, the verify step at width 1 and 8."""
+    engine) and target-only decoding's step beside it (``target_only``: the plain round's floor).
+    Without a drafter, the verify step at width 1 and 8."""
     from .kernel_profile import kernel_table
 
     device = target.device

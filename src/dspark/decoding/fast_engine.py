@@ -11,8 +11,8 @@ What changes against the plain engine (``engine.py``), and nothing else:
     graphs read plain views; bucket padding rows are free rows, so their writes are harmless;
   * verification uses ``dspark.kernels.rejection_verify`` (Triton on CUDA, its reference on CPU),
     which never synchronises with the host; a round that drafts nothing runs it inside its step's
-    graph (its ``u_sample`` staged before the replay); at T = 0 rounds carry tokens, not distributions: the
-    target step returns its argmax tokens, a fused draft step no probabilities, and
+    graph (its ``u_sample`` staged before the replay); at T = 0 rounds carry tokens, not
+    distributions: the target step returns its argmax tokens, a fused draft step no probabilities, and
     ``greedy_verify`` compares tokens (``verify`` on one-hot distributions: tested), so no [R, G, V]
     tensor is built and no verification uniforms are drawn;
   * top-k / top-p filtering of p_t runs inside the target step's graph in its static form (one
@@ -310,10 +310,11 @@ class FastEngine(Engine):
     def _plain_step(self, ids: Tensor, positions: Tensor, draw: bool = True) -> tuple[VerifyResult, None]:
         """Target-only decoding's width-1 step, its token chosen inside it: the argmax, or at T > 0
         verification of no drafts (the rejection kernel on p_t with the round's ``u_sample``,
-        staged before the step). Verifying beside the captured step cost the host 0.2 ms a round at
-        T = 1, R = 256 on the H100 (``-d``: the kernel's launcher and the uniforms' copy), a seventh of the
-        host's work where the draft-aware schedulers' plain rounds were host-bound. With a drafter,
-        the step's taps go to the ring (one copy) instead of through the drafter's context layers.
+        staged before the step). Verifying beside the captured step (the kernel's launcher, the
+        uniforms' copy) took the H100's host 0.20 ms a round at T = 1, R = 256 in target-only rounds
+        and 0.29-0.30 ms in the draft-aware schedulers' (session ``-d``), a fifth of their host work
+        where that work set the pace. With a drafter, the step's taps go to the ring (one copy)
+        instead of through the drafter's context layers (without a ring: straight to the context).
         ``draw=False`` (capturing the graph) leaves the random stream alone: stale uniforms stand in."""
         r = ids.shape[0]
         ring = bool(self.deferred_context)
