@@ -470,7 +470,6 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     )
 
 
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_rounds_without_a_ring_write_the_drafter_context_in_their_step(small_target, temperature):
     """``deferred_context=0``: a plain round's step writes its anchors' context itself (width 1), and
