@@ -417,6 +417,20 @@ def _spied(engine):
     return calls
 
 
+@contextlib.contextmanager
+def _context_writes(drafter):
+    """The widths of the drafter's context writes made inside the block, in order."""
+    writes = []
+    write = drafter.write_context
+    drafter.write_context = lambda cache, taps, pos, rows: (
+        writes.append(taps.shape[1]) or write(cache, taps, pos, rows)
+    )
+    try:
+        yield writes
+    finally:
+        del drafter.write_context
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     """A round that drafts nothing runs the width-1 plain step (no draft, no drafter layers); the
@@ -435,15 +449,8 @@ def test_plain_rounds_defer_the_drafter_context(small_target, temperature):
     calls = _spied(fast)
     keep_rows, stashed_at_moves = fast._keep_rows, []
     fast._keep_rows = lambda index, order: stashed_at_moves.append(fast._stashed) or keep_rows(index, order)
-    writes = []
-    write = drafter.write_context
-    drafter.write_context = lambda cache, taps, pos, rows: (
-        writes.append(taps.shape[1]) or write(cache, taps, pos, rows)
-    )
-    try:
+    with _context_writes(drafter) as writes:
         a, b = plain.generate(reqs), fast.generate(reqs)
-    finally:
-        del drafter.write_context
     assert_same_rounds(b, a)
     drafted = [s["drafted"] for s in b.steps]
     assert drafted.count(0) > 2 * drafted.count(4) > 0
@@ -481,15 +488,8 @@ def test_plain_rounds_without_a_ring_write_the_drafter_context_in_their_step(sma
     plain, fast = _engines(t, drafter, temperature, refill=2, deferred_context=0, seed=8)
     plain.set_policy(Bursts())
     fast.set_policy(Bursts())
-    writes = []
-    write = drafter.write_context
-    drafter.write_context = lambda cache, taps, pos, rows: (
-        writes.append(taps.shape[1]) or write(cache, taps, pos, rows)
-    )
-    try:
+    with _context_writes(drafter) as writes:
         a, b = plain.generate(reqs), fast.generate(reqs)
-    finally:
-        del drafter.write_context
     assert_same_rounds(b, a)
     drafted = [s["drafted"] for s in b.steps]
     assert drafted.count(0) > drafted.count(4) > 0
