@@ -342,6 +342,9 @@ class FastEngine(Engine):
         if self.bank is None:
             tokens = step(r)
         else:
+            # The graph's own output, valid until the target family replays: read before that by
+            # this round's host copy and the next round's staging (an idle row's kept anchor may
+            # read a later round's token: its tokens are void).
             tokens = self.bank.run(("target", rows, "plain"), lambda: step(rows))[:r]
         return VerifyResult(self._constant(torch.zeros, r), tokens, width=0), None
 
