@@ -318,9 +318,9 @@ class FastEngine(Engine):
         ``draw=False`` (capturing the graph) leaves the random stream alone: stale uniforms stand in."""
         r = ids.shape[0]
         ring = bool(self.deferred_context)
-        if ring and (self._stashed == self.deferred_context or (self._stashed and r != self._stash_rows)):
-            self._flush_context()
         if ring:
+            if self._stashed == self.deferred_context or (self._stashed and r != self._stash_rows):
+                self._flush_context()
             self.ring_slot.fill_(self._stashed)  # which ring entry this step writes (no host sync)
         if draw and not self.greedy:
             self._draw_into(self.in_u_plain[:r])  # ``_verify_uniforms`` of no drafts: u_sample
