@@ -1082,7 +1082,7 @@ def test_hardware_aware_prices_a_draft_length_by_its_whole_rounds_only():
     assert any(walked) and not all(walked)
     timed = pol._rounds._stats[256][2]  # rounds timed per drafted length
     assert timed[7] == walked.count(False)  # the whole rounds only, both row counts in one bucket
-    assert pol._clocked_walk(256) is not None and pol._clocked_walk(129) == pol._clocked_walk(256)
+    assert pol._clocked_walk(256, 7) is not None and pol._clocked_walk(129, 7) == pol._clocked_walk(256, 7)
 
 
 def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
@@ -1091,10 +1091,11 @@ def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
     clock has ``min_timed`` rounds of each, HardwareAware walks only where walked rounds emitted
     more tokens per ms; one round in ``explore_every`` still runs the other way (a whole-draft
     round among walks, a real walk where the clock ruled walks out) so both clocks stay current.
-    Rows counts are timed apart: R = 16's clock says nothing about R = 64."""
+    Rows counts are timed apart: R = 16's clock says nothing about R = 64. (The table alone plans
+    the draft, always 7: the rounds' clock would explore other lengths, each timed apart.)"""
     cost = CostModel({1: 2.0, 16: 2.1, 64: 2.4, 128: 2.6, 512: 3.3}, draft_ms={64: 1.5}, padded=True,
                      readback_ms=0.2)  # fmt: skip
-    pol = HardwareAware(explore_every=4, min_timed=2)
+    pol = HardwareAware(explore_every=4, min_timed=2, round_clock=False)
     for _ in range(10):
         pol.observe_round(np.full(64, 7), np.full(64, 7))
 
@@ -1120,12 +1121,43 @@ def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
     # Walks become the faster way (0.5 ms: 384 tokens/ms): the clock brings them back once the
     # exploring walks outweigh the old ones.
     assert rounds(48, 0.5, 2.7)[-4:] == [True, True, True, False]
-    assert pol._clocked_walk(16) is None  # another row count: the table decides there
+    assert pol._clocked_walk(16, 7) is None  # another row count: the table decides there
     pol.observe_time(1.0)  # a time without a planned round is ignored
     pol.forget()
-    assert pol._clocked_walk(64) is None
+    assert pol._clocked_walk(64, 7) is None
     with pytest.raises(ValueError, match="min_timed"):
         HardwareAware(min_timed=0)
+
+
+def test_hardware_aware_weighs_a_walk_against_the_same_draft_verified_whole():
+    """Issue 18's H100 run (T = 0, R = 64): walked rounds, mostly 5 and 7 drafted, emitted more
+    tokens per ms than whole rounds, mostly 3 and 4 drafted, so walks stayed on in a run that lost
+    6.7 % to fixed γ = 3. Here walked γ_d = 7 rounds (192 tokens/ms) beat whole γ_d = 3 ones (128)
+    but not whole γ_d = 7 ones (205): once the clock has timed both ways at 7, walks stop there
+    but for one re-timing walk in ``explore_every``; at 3 (too little to save) nothing walks."""
+    cost = CostModel({1: 2.0, 64: 2.4, 256: 2.5, 512: 3.3}, draft_ms={64: 1.5}, padded=True, readback_ms=0.2)
+    pol = HardwareAware(explore_every=4, min_timed=2, round_clock=False)
+    for _ in range(10):
+        pol.observe_round(np.full(64, 7), np.full(64, 7))
+
+    def rounds(n, gamma):
+        walked = []
+        for _ in range(n):
+            m = pol.draft_length(64, gamma, cost)
+            assert m == gamma
+            walked.append(pol.width(m) is None)
+            verified = 2 if walked[-1] else m
+            pol.observe_round(np.full(64, verified), np.full(64, verified))
+            pol.observe_time(1.0 if walked[-1] else {3: 2.0, 7: 2.5}[m])
+        return walked
+
+    assert not any(rounds(4, 3))  # 0.1 ms to save at most: below the read-back
+    walked = rounds(16, 7)
+    assert walked[:4] == [True, True, True, False]  # the table says walk; one whole round in 4
+    assert pol._clocked_walk(64, 7) is False and pol._clocked_walk(64, 3) is None
+    assert walked[-8:] == [False, False, False, True] * 2  # a real walk in 4 re-times walks
+    lengths = {(c["drafted"], c["walked"]) for c in pol.walk_state()["clock"]}
+    assert lengths == {(3, False), (7, False), (7, True)}
 
 
 def test_hardware_aware_explores_in_the_shadow_where_walks_neither_pay_nor_save():
@@ -1135,7 +1167,7 @@ def test_hardware_aware_explores_in_the_shadow_where_walks_neither_pay_nor_save(
     walk explores only while the estimate says walks pay and the clock alone rules them out;
     once both agree, the exploring round walks in the shadow (nothing read back)."""
     cost = CostModel({1: 2.0, 64: 2.4, 128: 2.6, 512: 3.3}, draft_ms={64: 1.5}, padded=True, readback_ms=0.2)
-    pol = HardwareAware(explore_every=4, min_timed=2)
+    pol = HardwareAware(explore_every=4, min_timed=2, round_clock=False)  # the draft: always 7
     for _ in range(10):
         pol.observe_round(np.full(64, 7), np.full(64, 7))
 
@@ -1156,7 +1188,7 @@ def test_hardware_aware_explores_in_the_shadow_where_walks_neither_pay_nor_save(
         return real, shadows
 
     real, _ = rounds(12, width=2)  # walks cut (they would pay) but the clock times them slower
-    assert pol._clocked_walk(64) is False and real[-4:] == [False, False, False, True]  # re-timed
+    assert pol._clocked_walk(64, 7) is False and real[-4:] == [False, False, False, True]  # re-timed
     real, shadows = rounds(24, width=7)  # now walks keep every block whole: they save nothing
     assert pol._realised < 0.2 / 0.9
     assert not any(real[8:]) and sum(shadows[8:]) == 4  # one round in 4 explores, in the shadow

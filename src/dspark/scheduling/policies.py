@@ -731,9 +731,13 @@ class HardwareAware(Policy):
     γ), and its confidences come back with the round's outcome (``shadow_inputs``), to be walked
     on the host and update the estimate (``observe_shadow``), so it follows the workload for free.
     The estimate prices the walk with the cost table; the clock has the last word: per rows
-    bucket it times completed rounds that walked and rounds that verified the whole draft (tokens
-    per ms on the device's timeline, ``observe_time``; an average that decays by ``decay`` a round)
-    and, once it has ``min_timed`` of each, walks only where walking was faster. To keep both
+    bucket and drafted length it times completed rounds that walked and rounds that verified the
+    whole draft (tokens per ms on the device's timeline, ``observe_time``; an average that decays
+    by ``decay`` a round) and, once it has ``min_timed`` of each, walks only where walking was
+    faster. Rounds of one length only: a walked round is weighed against the same draft verified
+    whole, not against whole rounds of other lengths (the H100, T = 0, R = 64: walked rounds, mostly
+    γ_d = 5 and 7, emitted 66 tokens/ms against whole rounds' 64, mostly γ_d = 3 and 4, and kept
+    walks on in a run that lost 6.7 % to fixed γ = 3). To keep both
     clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
     whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
     before any), so a table that misprices the walk (the read-back's idle device, the walk's own
@@ -779,8 +783,8 @@ class HardwareAware(Policy):
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
         self._since_explore = 0
-        # (rows bucket, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
-        self._clock: dict[tuple[int, bool], list[float]] = {}
+        # (rows bucket, γ_d, walked) -> decayed [tokens, ms, rounds] of completed drafting rounds
+        self._clock: dict[tuple[int, int, bool], list[float]] = {}
         self._tokens = 0  # the tokens of the round observe_round just completed
         # (rows, γ_d, walked, cost) of launched rounds, oldest first; an engine has one or two in
         # flight, the bound only keeps a caller that never reports rounds from growing it.
@@ -813,7 +817,7 @@ class HardwareAware(Policy):
         walk, shadow = False, False
         largest = self._largest_saving(rows, drafted, cost) if drafted > 0 else 0.0
         if drafted > 0 and largest > cost.readback_ms:  # a walk that saved all of it would pay
-            clocked = self._clocked_walk(rows)
+            clocked = self._clocked_walk(rows, drafted)
             expected = largest * (1.0 if self._realised is None else self._realised)
             pays = expected > cost.readback_ms  # what the table and the walks' savings say
             walk = pays if clocked is None else clocked
@@ -835,11 +839,11 @@ class HardwareAware(Policy):
         """The verification a walk saves at most: ``R`` rows ``1 + γ_d`` wide against 1 wide (ms)."""
         return cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
 
-    def _clocked_walk(self, rows: int) -> bool | None:
-        """Whether walked rounds at ``rows`` emitted more tokens per ms than whole-draft ones;
-        None until the clock has ``min_timed`` of each."""
+    def _clocked_walk(self, rows: int, drafted: int) -> bool | None:
+        """Whether walked rounds of ``drafted`` positions at ``rows`` emitted more tokens per ms
+        than whole-draft ones of the same length; None until the clock has ``min_timed`` of each."""
         bucket = rows_bucket(rows)
-        walked, whole = self._clock.get((bucket, True)), self._clock.get((bucket, False))
+        walked, whole = self._clock.get((bucket, drafted, True)), self._clock.get((bucket, drafted, False))
         if walked is None or whole is None or min(walked[2], whole[2]) < self.min_timed:
             return None
         return bool(walked[0] / walked[1] > whole[0] / whole[1])
@@ -847,12 +851,13 @@ class HardwareAware(Policy):
     def walk_state(self) -> dict:
         """What decides whether a round walks, as it stands: the share of the largest saving that
         walks realised (None before any), and per rows bucket the clock of walked and whole-draft
-        rounds (tokens per ms, decayed; rounds timed). For a run's record: where walks go on though
-        they cost more than they save, it says which of the two let them."""
+        rounds of each drafted length (tokens per ms, decayed; rounds timed). For a run's record:
+        where walks go on though they cost more than they save, it says which of the two let them."""
         clock = [
-            {"rows_bucket": b, "walked": w, "tokens_per_ms": t / ms if ms > 0 else None, "rounds": int(n)}
-            for (b, w), (t, ms, n) in sorted(self._clock.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
-        ]
+            {"rows_bucket": b, "drafted": d, "walked": w, "tokens_per_ms": t / ms if ms > 0 else None,
+             "rounds": int(n)}
+            for (b, d, w), (t, ms, n) in sorted(self._clock.items(), key=lambda kv: (-kv[0][0], *kv[0][1:]))
+        ]  # fmt: skip
         return {"realised": self._realised, "clock": clock}
 
     def width(self, drafted: int) -> int | None:
@@ -909,8 +914,8 @@ class HardwareAware(Policy):
             self._rounds.observe(rows, drafted, ms, cost)
         if self._observed is None or not self._observed[1] or not ms > 0:  # unplanned or plain
             return
-        rows, _, walked, _ = self._observed
-        key = (rows_bucket(rows), walked)  # the rows bucket: the engine's graphs, as RoundClock keys
+        rows, drafted, walked, _ = self._observed
+        key = (rows_bucket(rows), drafted, walked)  # the rows bucket: the engine's graphs, as RoundClock's
         sums = self._clock.get(key)  # tokens and ms decay, rounds count
         if sums is None:
             sums = self._clock[key] = [0.0, 0.0, 0.0]
