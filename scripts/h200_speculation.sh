@@ -8,7 +8,8 @@
 #      the verify curve, the draft step per R and drafted length, a round's overhead beyond its
 #      steps and the cost of reading its width back, whole rounds per R and drafted length; with
 #      the first temperature's (unless SPEC_DIAGNOSE=0) the draft step's parts, the cache-attention
-#      kernel split against unsplit, each step's kernels at R = 1 and 256
+#      kernel split against unsplit, each step's kernels at R = 1 and 256 (SPEC_DIAGNOSE=kernels:
+#      these alone, among them a plain round's step against target-only's)
 #      (python -m dspark.bench.engine_sps); then
 #   3. python -m dspark.bench.e2e at that temperature with its table, R = 1, 16, 64, 256:
 #      target-only, fixed γ = 7, 5, 3 and 1 (mtp1), threshold, hardware_aware and draft_aware
@@ -73,8 +74,11 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
   # ones. Widths 1, 2, 4, 8: the verify step per width at each R (verify_width_ms), which prices a
   # padded walk's depths. Each e2e run has its own limit: T = 1 once got none left after T = 0.
   diagnose=()
-  if [ "${SPEC_DIAGNOSE:-1}" = 1 ] && [ -z "${diagnosed:-}" ]; then
-    diagnose=(--draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256)
+  if [ -z "${diagnosed:-}" ]; then
+    case "${SPEC_DIAGNOSE:-1}" in
+      1) diagnose=(--draft-parts 1,16,64,256 --attention-splits 1,16,64,256 --kernels 1,256) ;;
+      kernels) diagnose=(--kernels 1,256) ;;
+    esac
     diagnosed=1
   fi
   stage "cost table, T = $t"
