@@ -655,12 +655,20 @@ class Engine:
             self._constants, (make, shape, dtype), lambda: make(*shape, dtype=dtype, device=self.device)
         )
 
+    @property
+    def _pinned_draws(self) -> bool:
+        """A CPU generator feeding a CUDA device: its draws go through pinned memory and copy
+        asynchronously (a pageable copy would wait for the device to drain)."""
+        return self.generator.device.type == "cpu" and self.device.type == "cuda"
+
+    def _drawn(self, *shape: int) -> Tensor:
+        """``shape`` uniforms from the engine's generator, on the generator's device."""
+        if self._pinned_draws:
+            return torch.rand(*shape, generator=self.generator, pin_memory=True)
+        return torch.rand(*shape, generator=self.generator, device=self.generator.device)
+
     def _uniform(self, *shape: int) -> Tensor:
-        if self.generator.device.type == "cpu" and self.device.type == "cuda":
-            # Pinned and asynchronous: a pageable copy would wait for the device to drain.
-            u = torch.rand(*shape, generator=self.generator, pin_memory=True)
-            return u.to(self.device, non_blocking=True)
-        return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.device)
+        return self._drawn(*shape).to(self.device, non_blocking=self._pinned_draws)
 
     def _to_device(self, t: Tensor) -> Tensor:
         """A host tensor on the engine's device without waiting for the device (pinned copy)."""

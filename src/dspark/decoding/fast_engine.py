@@ -363,13 +363,9 @@ class FastEngine(Engine):
         return out.next_token
 
     def _draw_into(self, buffer: Tensor) -> None:
-        """``_uniform(*buffer.shape)`` straight into a static buffer: from a CPU generator, one pinned
+        """``_uniform(*buffer.shape)`` straight into a static buffer of the engine's device: one
         copy (``_uniform`` then ``copy_`` would be two)."""
-        if self.generator.device.type == "cpu" and buffer.device.type == "cuda":
-            u = torch.rand(buffer.shape, generator=self.generator, pin_memory=True)
-            buffer.copy_(u, non_blocking=True)
-        else:
-            buffer.copy_(self._uniform(*buffer.shape))
+        buffer.copy_(self._drawn(*buffer.shape), non_blocking=self._pinned_draws)
 
     def _flush_context(self) -> None:
         """Write the ring's taps into the drafter's context, all entries at once (one graph per
