@@ -2,7 +2,7 @@
 # H200, issue 18 (speculation that pays at every load), in about 11 minutes (29 at most):
 #   1. the fast engine's GPU tests (graphs under every policy, rounds launched without a host
 #      sync, the compiled drafter against the eager one), unless GPU_TESTS_DONE is set;
-#   2. per temperature (E2E_TEMPERATURES, default "0 1"; greedy rounds at T = 0 build no
+#   2. per temperature (E2E_TEMPERATURES, default "0 1", spaces or commas; greedy rounds at T = 0 build no
 #      distributions, so their steps cost less) the cost table, all of it at the e2e prompts' mean
 #      context (ROUND_CONTEXT, default 172: gsm8k's 108 prompt tokens plus half the 128 new ones):
 #      the verify curve, the draft step per R and drafted length, a round's overhead beyond its
@@ -57,6 +57,12 @@ stage() { echo "== $1 ($((SECONDS - started)) s)"; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 [ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
+# Spaces or commas: a comma list ("0,1", as the other lists are written) once ran no stage at all.
+temperatures=${E2E_TEMPERATURES:-0 1}
+temperatures=${temperatures//,/ }
+for t in $temperatures; do
+  [[ $t =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "E2E_TEMPERATURES: '$t' is not a temperature (e.g. \"0 1\" or 0,1)"; exit 2; }
+done
 
 if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data stage ran them
   # 26 tests: 112 s after a training run warmed the compiler's cache, 157 s on a fresh machine (2026-12-04-d).
@@ -67,7 +73,7 @@ if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data st
   echo "pytest exit status ${PIPESTATUS[0]}"
 fi
 
-for t in ${E2E_TEMPERATURES:-0 1}; do
+for t in $temperatures; do
   # A cost table per temperature (greedy rounds build no distributions: their steps cost less);
   # the diagnostics (draft parts, attention splits, kernels) once, with the first temperature's.
   # Every piece of the table at the workload's context: the policies price these rounds, not longer
@@ -98,7 +104,7 @@ for t in ${E2E_TEMPERATURES:-0 1}; do
 done
 
 stage "measured frontier"
-for t in ${E2E_TEMPERATURES:-0 1}; do
+for t in $temperatures; do
   timeout 60 python3 -m dspark.schedule mode=e2e e2e="$OUT/e2e_T$t.json" e2e_temperature=$t \
     out_dir="$WORK/frontier_T$t" hydra.run.dir="$WORK/hydra" 2>&1 | quiet | tail -8 &&
     cp "$WORK/frontier_T$t/fig7_frontier.png" "$OUT/fig7_T$t.png" &&
@@ -119,7 +125,7 @@ for p in ${SPEC_PROFILE:-}; do
     --out "$OUT/round_profile_$p.json" 2>&1 | quiet | tail -60
 done
 # One more e2e point at R and the first temperature (HOST_LOAD, PIPELINE_CHECK): e2e_point NAME R POLICIES FLAGS...
-first_t=${E2E_TEMPERATURES:-0 1}
+first_t=$temperatures
 first_t=${first_t%% *}
 e2e_point() {
   local name=$1 r=$2 policies=$3

@@ -678,3 +678,40 @@ def test_drafter_script_data_extra_reaches_the_data_and_the_train_step(tmp_path)
     assert len(prepare) == 1 and len(train) == 1, calls
     for call in (prepare[0], train[0]):
         assert extra in call and "data.num_prompts=500" in call and "smollm2_500_bfloat16" in call
+
+
+@pytest.mark.parametrize("temperatures", ["1 0", "1,0"])
+def test_speculation_script_takes_temperatures_with_spaces_or_commas(tmp_path, temperatures):
+    """E2E_TEMPERATURES="1,0" (written as the other lists are) once made every stage refuse it: both
+    spellings give each temperature its cost table and e2e run, the first one's diagnostics; a word
+    that is not a temperature stops the script before anything runs on the device."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "h200_speculation.sh", tmp_path / "scripts")
+    (tmp_path / "bin").mkdir()
+    for tool in ("python3", "nvidia-smi"):  # record the command lines; nothing runs
+        (tmp_path / "bin" / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n')
+        (tmp_path / "bin" / tool).chmod(0o755)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    calls = tmp_path / "calls.txt"
+    env = {**ENV, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CALLS": str(calls),
+           "GPU_TESTS_DONE": "1", "SPEC_DIAGNOSE": "kernels", "OUT": str(tmp_path / "out")}  # fmt: skip
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        calls.unlink(missing_ok=True)
+        command = ["bash", "scripts/h200_speculation.sh", str(drafter)]
+        env["E2E_TEMPERATURES"] = value
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    assert run(temperatures).returncode == 0
+    lines = calls.read_text().splitlines()
+    tables = [c for c in lines if "dspark.bench.engine_sps" in c]
+    e2e = [c for c in lines if "dspark.bench.e2e" in c]
+    assert [c.split("--temperature ")[1].split()[0] for c in tables] == ["1", "0"], tables
+    assert [c.split("--temperature ")[1].split()[0] for c in e2e] == ["1", "0"], e2e
+    assert "--kernels 1,256" in tables[0] and "--kernels" not in tables[1]
+
+    bad = run("0,x")
+    assert bad.returncode == 2 and "E2E_TEMPERATURES: 'x' is not a temperature" in bad.stdout
+    assert not any("dspark.bench" in c for c in calls.read_text().splitlines())
