@@ -53,16 +53,16 @@ T="target=${TARGET:-smollm2_135m} target.path=/root/stage target.device=cuda tar
 quiet() { grep -v -e "^Loading" -e "FutureWarning" -e "return forward_call"; }
 started=$SECONDS
 stage() { echo "== $1 ($((SECONDS - started)) s)"; }
-
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-[ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 # Spaces or commas: a comma list ("0,1", as the other lists are written) once ran no stage at all.
 temperatures=${E2E_TEMPERATURES:-0 1}
 temperatures=${temperatures//,/ }
 for t in $temperatures; do
   [[ $t =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "E2E_TEMPERATURES: '$t' is not a temperature (e.g. \"0 1\" or 0,1)"; exit 2; }
 done
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 
 if [ -z "${GPU_TESTS_DONE:-}" ]; then  # set by h200_session.sh when its data stage ran them
   # 26 tests: 112 s after a training run warmed the compiler's cache, 157 s on a fresh machine (2026-12-04-d).

@@ -684,7 +684,7 @@ def test_drafter_script_data_extra_reaches_the_data_and_the_train_step(tmp_path)
 def test_speculation_script_takes_temperatures_with_spaces_or_commas(tmp_path, temperatures):
     """E2E_TEMPERATURES="1,0" (written as the other lists are) once made every stage refuse it: both
     spellings give each temperature its cost table and e2e run, the first one's diagnostics; a word
-    that is not a temperature stops the script before anything runs on the device."""
+    that is not a temperature stops the script before it runs anything."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "h200_speculation.sh", tmp_path / "scripts")
     (tmp_path / "bin").mkdir()
@@ -714,4 +714,4 @@ def test_speculation_script_takes_temperatures_with_spaces_or_commas(tmp_path, t
 
     bad = run("0,x")
     assert bad.returncode == 2 and "E2E_TEMPERATURES: 'x' is not a temperature" in bad.stdout
-    assert not any("dspark.bench" in c for c in calls.read_text().splitlines())
+    assert not calls.exists()  # not even the install
