@@ -125,8 +125,7 @@ for p in ${SPEC_PROFILE:-}; do
     --out "$OUT/round_profile_$p.json" 2>&1 | quiet | tail -60
 done
 # One more e2e point at R and the first temperature (HOST_LOAD, PIPELINE_CHECK): e2e_point NAME R POLICIES FLAGS...
-first_t=$temperatures
-first_t=${first_t%% *}
+first_t=${temperatures%% *}
 e2e_point() {
   local name=$1 r=$2 policies=$3
   shift 3

@@ -655,20 +655,26 @@ def test_session_gputests_bg_before_generated_data_spares_the_data_stage_its_own
     assert (tmp_path / "out" / "bundle.tgz").exists()
 
 
+def _recording_tools(tmp_path: Path, *scripts: str) -> dict:
+    """A copy of ``scripts`` under tmp_path/scripts, and the environment that runs them with
+    ``python3`` and ``nvidia-smi`` that only record their command lines, one a line, in CALLS
+    (tmp_path/calls.txt): the scripts' orchestration without the device."""
+    (tmp_path / "scripts").mkdir()
+    for script in scripts:
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
+    (tmp_path / "bin").mkdir()
+    for tool in ("python3", "nvidia-smi"):
+        (tmp_path / "bin" / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n')
+        (tmp_path / "bin" / tool).chmod(0o755)
+    return {**ENV, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls.txt")}
+
+
 def test_drafter_script_data_extra_reaches_the_data_and_the_train_step(tmp_path):
     """DATA_EXTRA (the recipe, e.g. another target answering a staged prompt set) goes to both
     steps, so training asks for the very folder the data step built (its build key includes it)."""
-    (tmp_path / "scripts").mkdir()
-    for script in ("h200_drafter.sh", "h200_data.sh"):
-        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
-    (tmp_path / "bin").mkdir()
-    for tool in ("python3", "nvidia-smi"):  # record the command lines; nothing runs
-        (tmp_path / "bin" / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n')
-        (tmp_path / "bin" / tool).chmod(0o755)
     extra = "data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
-    env = {**ENV, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls.txt"),
-           "DSPARK_INSTALLED": "1", "SKIP_GPU_TESTS": "1", "DATA_EXTRA": extra, "N": "500",
-           "OUT": str(tmp_path / "out")}  # fmt: skip
+    env = {**_recording_tools(tmp_path, "h200_drafter.sh", "h200_data.sh"), "DSPARK_INSTALLED": "1",
+           "SKIP_GPU_TESTS": "1", "DATA_EXTRA": extra, "N": "500", "OUT": str(tmp_path / "out")}  # fmt: skip
     for step in (["data", "500"], ["train", "run", "1", "drafter=dspark"]):
         subprocess.run(["bash", "scripts/h200_drafter.sh", *step], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)  # fmt: skip
@@ -685,18 +691,12 @@ def test_speculation_script_takes_temperatures_with_spaces_or_commas(tmp_path, t
     """E2E_TEMPERATURES="1,0" (written as the other lists are) once made every stage refuse it: both
     spellings give each temperature its cost table and e2e run, the first one's diagnostics; a word
     that is not a temperature stops the script before it runs anything."""
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "h200_speculation.sh", tmp_path / "scripts")
-    (tmp_path / "bin").mkdir()
-    for tool in ("python3", "nvidia-smi"):  # record the command lines; nothing runs
-        (tmp_path / "bin" / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n')
-        (tmp_path / "bin" / tool).chmod(0o755)
+    env = {**_recording_tools(tmp_path, "h200_speculation.sh"), "GPU_TESTS_DONE": "1",
+           "SPEC_DIAGNOSE": "kernels", "OUT": str(tmp_path / "out")}  # fmt: skip
+    calls = Path(env["CALLS"])
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
-    calls = tmp_path / "calls.txt"
-    env = {**ENV, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "CALLS": str(calls),
-           "GPU_TESTS_DONE": "1", "SPEC_DIAGNOSE": "kernels", "OUT": str(tmp_path / "out")}  # fmt: skip
 
     def run(value: str) -> subprocess.CompletedProcess:
         calls.unlink(missing_ok=True)
