@@ -1082,7 +1082,7 @@ def test_hardware_aware_prices_a_draft_length_by_its_whole_rounds_only():
     assert any(walked) and not all(walked)
     timed = pol._rounds._stats[256][2]  # rounds timed per drafted length
     assert timed[7] == walked.count(False)  # the whole rounds only, both row counts in one bucket
-    assert pol._clocked_walk(256, 7) is not None and pol._clocked_walk(129, 7) == pol._clocked_walk(256, 7)
+    assert pol._clocked_walk(256, 7, cost) is not None and pol._clocked_walk(129, 7, cost) == pol._clocked_walk(256, 7, cost)
 
 
 def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
@@ -1111,22 +1111,47 @@ def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():
             pol.observe_time(ms_walked if walked[-1] else ms_whole)
         return walked
 
-    # The table says walk; round 4 is the whole-draft control round.
-    assert rounds(8, 2.6, 2.7) == [True, True, True, False] * 2
-    # The clock has 6 walked rounds (74 tokens/ms) and 2 whole ones (190): no more walks, except
-    # one real walk in 4 (not a shadow) to keep the walked clock current.
+    # The table says walk. Two walked rounds (74 tokens/ms) and no whole one yet: the clock weighs
+    # them against what a whole round is expected to emit (8 tokens a row in the table's 4.8 ms:
+    # 107 tokens/ms) and walks no more, but for one real walk in 4 (not a shadow) that re-times them.
+    assert rounds(2, 2.6, 2.7) == [True, True]
+    assert (64, 7, False) not in pol._clock and pol._clocked_walk(64, 7, cost) is False
+    assert rounds(6, 2.6, 2.7) == [False, True, False, False, False, True]
+    # Timed whole rounds (190 tokens/ms) say the same.
     later = rounds(8, 2.6, 2.7)
     assert later == [False, False, False, True] * 2
     assert pol.shadow_inputs(torch.full((64, 7), 0.5), cost) is None
     # Walks become the faster way (0.5 ms: 384 tokens/ms): the clock brings them back once the
     # exploring walks outweigh the old ones.
     assert rounds(48, 0.5, 2.7)[-4:] == [True, True, True, False]
-    assert pol._clocked_walk(16, 7) is None  # another row count: the table decides there
+    assert pol._clocked_walk(16, 7, cost) is None  # another row count: the table decides there
     pol.observe_time(1.0)  # a time without a planned round is ignored
     pol.forget()
-    assert pol._clocked_walk(64, 7) is None
+    assert pol._clocked_walk(64, 7, cost) is None
     with pytest.raises(ValueError, match="min_timed"):
         HardwareAware(min_timed=0)
+
+
+def test_hardware_aware_stops_slow_walks_before_it_has_timed_whole_rounds_of_their_length():
+    """Issue 18's H100 run (T = 1, R = 256, 2026-12-06): walked γ_d = 3 rounds emitted 93 tokens/ms
+    against whole ones' 116, but whole rounds among walks come one in ``explore_every`` (32), so
+    the clock waited on four of them and 102 rounds walked (the first run at 0.56 x target-only's
+    throughput). Here walks cut every block to 1 but cost 1.3 x a whole round: with the default
+    clock they stop after ``min_timed`` walked rounds, weighed against what a whole round of the
+    same length is expected to emit, not after the 31 they ran when whole rounds had to be timed."""
+    cost = CostModel({1: 1.0, 256: 1.6, 512: 2.0, 1024: 2.6, 2048: 4.0}, draft_ms={256: 1.2}, padded=True,
+                     readback_ms=0.08)  # fmt: skip
+    pol = HardwareAware()
+    walks = []  # the drafted length of each walked round
+    for _ in range(32):
+        m = pol.draft_length(256, 7, cost)
+        walked = pol.width(m) is None
+        walks += [m] if walked else []
+        lengths = np.full(256, 1 if walked else m)
+        pol.observe_round(lengths, np.minimum(np.arange(256) % 3, lengths))
+        pol.observe_time(cost.round_seconds(256, m)[m] * 1e3 * (1.3 if walked else 1.0))
+    assert walks.count(7) == pol.min_timed  # (a length the rounds' clock explores later walks anew)
+    assert pol._clock.get((256, 7, False), [0, 0, 0])[2] < pol.min_timed  # whole rounds of 7: untimed
 
 
 def test_hardware_aware_weighs_a_walk_against_the_same_draft_verified_whole():
@@ -1154,7 +1179,7 @@ def test_hardware_aware_weighs_a_walk_against_the_same_draft_verified_whole():
     assert not any(rounds(4, 3))  # 0.1 ms to save at most: below the read-back
     walked = rounds(16, 7)
     assert walked[:4] == [True, True, True, False]  # the table says walk; one whole round in 4
-    assert pol._clocked_walk(64, 7) is False and pol._clocked_walk(64, 3) is None
+    assert pol._clocked_walk(64, 7, cost) is False and pol._clocked_walk(64, 3, cost) is None
     assert walked[-8:] == [False, False, False, True] * 2  # a real walk in 4 re-times walks
     lengths = {(c["drafted"], c["walked"]) for c in pol.walk_state()["clock"]}
     assert lengths == {(3, False), (7, False), (7, True)}
@@ -1188,7 +1213,7 @@ def test_hardware_aware_explores_in_the_shadow_where_walks_neither_pay_nor_save(
         return real, shadows
 
     real, _ = rounds(12, width=2)  # walks cut (they would pay) but the clock times them slower
-    assert pol._clocked_walk(64, 7) is False and real[-4:] == [False, False, False, True]  # re-timed
+    assert pol._clocked_walk(64, 7, cost) is False and real[-4:] == [False, False, False, True]  # re-timed
     real, shadows = rounds(24, width=7)  # now walks keep every block whole: they save nothing
     assert pol._realised < 0.2 / 0.9
     assert not any(real[8:]) and sum(shadows[8:]) == 4  # one round in 4 explores, in the shadow

@@ -733,11 +733,16 @@ class HardwareAware(Policy):
     The estimate prices the walk with the cost table; the clock has the last word: per rows
     bucket and drafted length it times completed rounds that walked and rounds that verified the
     whole draft (tokens per ms on the device's timeline, ``observe_time``; an average that decays
-    by ``decay`` a round) and, once it has ``min_timed`` of each, walks only where walking was
+    by ``decay`` a round) and, once it has ``min_timed`` walked rounds, walks only where walking was
     faster. Rounds of one length only: a walked round is weighed against the same draft verified
     whole, not against whole rounds of other lengths (the H100, T = 0, R = 64: walked rounds, mostly
     γ_d = 5 and 7, emitted 66 tokens/ms against whole rounds' 64, mostly γ_d = 3 and 4, and kept
-    walks on in a run that lost 6.7 % to fixed γ = 3). To keep both
+    walks on in a run that lost 6.7 % to fixed γ = 3); until it has ``min_timed`` whole rounds of
+    that length, against what one is expected to emit per ms (the acceptance estimate's tokens over
+    the rounds' clock's price of the length), since whole rounds among walks come one in
+    ``explore_every`` (the H100, T = 1, R = 256: 102 walked γ_d = 3 rounds at 93 tokens/ms against 8
+    whole ones at 116 over the point's runs, the first run at 0.56 x target-only's throughput). To
+    keep both
     clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
     whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
     before any), so a table that misprices the walk (the read-back's idle device, the walk's own
@@ -817,7 +822,7 @@ class HardwareAware(Policy):
         walk, shadow = False, False
         largest = self._largest_saving(rows, drafted, cost) if drafted > 0 else 0.0
         if drafted > 0 and largest > cost.readback_ms:  # a walk that saved all of it would pay
-            clocked = self._clocked_walk(rows, drafted)
+            clocked = self._clocked_walk(rows, drafted, cost)
             expected = largest * (1.0 if self._realised is None else self._realised)
             pays = expected > cost.readback_ms  # what the table and the walks' savings say
             walk = pays if clocked is None else clocked
@@ -839,14 +844,29 @@ class HardwareAware(Policy):
         """The verification a walk saves at most: ``R`` rows ``1 + γ_d`` wide against 1 wide (ms)."""
         return cost.verify_rows_ms(rows, 1 + drafted) - cost.verify_rows_ms(rows, 1)
 
-    def _clocked_walk(self, rows: int, drafted: int) -> bool | None:
+    def _clocked_walk(self, rows: int, drafted: int, cost: CostModel) -> bool | None:
         """Whether walked rounds of ``drafted`` positions at ``rows`` emitted more tokens per ms
-        than whole-draft ones of the same length; None until the clock has ``min_timed`` of each."""
+        than whole-draft ones of the same length (timed, where the clock has ``min_timed`` of them,
+        else ``_whole_rate``); None until it has ``min_timed`` walked ones."""
         bucket = rows_bucket(rows)
         walked, whole = self._clock.get((bucket, drafted, True)), self._clock.get((bucket, drafted, False))
-        if walked is None or whole is None or min(walked[2], whole[2]) < self.min_timed:
+        if walked is None or walked[2] < self.min_timed:
             return None
-        return bool(walked[0] / walked[1] > whole[0] / whole[1])
+        if whole is not None and whole[2] >= self.min_timed:
+            return bool(walked[0] / walked[1] > whole[0] / whole[1])
+        return bool(walked[0] / walked[1] > self._whole_rate(rows, drafted, cost))
+
+    def _whole_rate(self, rows: int, drafted: int, cost: CostModel) -> float:
+        """Tokens per ms a round of ``rows`` rows verifying its whole ``drafted``-position draft is
+        expected to emit: the acceptance estimate's tokens over the round's price (the table's,
+        corrected by the rounds' clock where the policy keeps one)."""
+        tokens = rows * (1.0 + self._acceptance.accepted(drafted)[drafted])
+        seconds = (
+            cost.round_seconds(rows, drafted)[drafted]
+            if self._rounds is None
+            else float(self._rounds.times(rows, drafted, cost)[drafted])
+        )
+        return tokens / (1e3 * seconds)
 
     def walk_state(self) -> dict:
         """What decides whether a round walks, as it stands: the share of the largest saving that
