@@ -184,6 +184,15 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
         assert {g["drafted"] for g in r["by_length"]} == {want}
         assert all(g["priced_ms"] > 0 for g in r["by_length"])
+        plans = r["plans"]  # round by round, under the policy that weighs drafted lengths
+        if r["run"] != "dspark/draft_aware":
+            assert plans is None
+        else:  # the random drafter: every round plain, each of the 5 lengths weighed against it
+            assert plans["drafted"] == [0] * r["rounds"] == [0] * plans["plain_rounds"]
+            pairs = zip(plans["over_plain"], plans["clock_ratio"])
+            assert all(len(o) == len(c) == 5 and o[0] == 1.0 for o, c in pairs)
+            assert plans["plain_declined_faster"] == sum(max(o[1:]) > 1 for o in plans["over_plain"])
+            assert plans["drafting_rounds"] == 0 and plans["drafting_chosen_median"] is None
         load = r["at_load"]  # the rounds with R's rows: all at R = 1, those before the drain at R = 2
         assert 0 < load["rounds"] <= r["rounds"] and 0 < load["share"] <= 1 and load["throughput"] > 0
         assert r["concurrency"] > 1 or (load["rounds"] == r["rounds"] and load["share"] == pytest.approx(1))
@@ -535,7 +544,7 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     policy that keeps one, over the longest draft verified; and a walking policy's reasons to walk."""
     from types import SimpleNamespace
 
-    from dspark.bench.measure import _by_length, _estimate, _realised_acceptance, _walk_state
+    from dspark.bench.measure import _by_length, _estimate, _plans, _realised_acceptance, _walk_state
     from dspark.scheduling.policies import DraftAware, HardwareAware, Truncated
 
     steps = [
@@ -575,6 +584,18 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert clock == [(4, False, 1), (4, True, 1)]
     assert [c["tokens_per_ms"] for c in state["clock"]] == pytest.approx([9 / 4.0, 9 / 2.0])
     assert _walk_state(aware) is None and _walk_state(None) is None
+    # what decided each round's length: rates over plain's, and why the plain rounds were plain
+    planned = [
+        {"step": 0, "ms": 2.0, "batch": 3, "drafted": 2, "plan": ([100.0, 90.0, 120.0], [1.0, 1.0, 1.1])},
+        {"step": 1, "ms": 1.0, "batch": 3, "drafted": 0, "plan": ([100.0, 103.0, 101.0], [1.0, 1.0, 1.0])},
+        {"step": 2, "ms": 1.0, "batch": 2, "drafted": 0, "plan": ([100.0, 90.0, 80.0], [1.02, 1.0, 1.0])},
+    ]
+    p = _plans(planned)
+    assert p["over_plain"][0] == [1.0, 0.9, 1.2] and p["clock_ratio"][2] == [1.02, 1.0, 1.0]
+    assert (p["drafted"], p["rows"], p["walked"]) == ([2, 0, 0], [3, 3, 2], [0, 0, 0])
+    assert (p["plain_rounds"], p["plain_declined_faster"], p["drafting_rounds"]) == (2, 1, 1)
+    assert p["plain_best_draft_max"] == pytest.approx(1.03) and p["drafting_chosen_median"] == 1.2
+    assert _plans(steps) is None  # no policy weighed lengths
 
 
 def test_decode_kernels_bench_times_the_references_off_cuda(tmp_path):

@@ -1082,7 +1082,8 @@ def test_hardware_aware_prices_a_draft_length_by_its_whole_rounds_only():
     assert any(walked) and not all(walked)
     timed = pol._rounds._stats[256][2]  # rounds timed per drafted length
     assert timed[7] == walked.count(False)  # the whole rounds only, both row counts in one bucket
-    assert pol._clocked_walk(256, 7, cost) is not None and pol._clocked_walk(129, 7, cost) == pol._clocked_walk(256, 7, cost)
+    clocked = pol._clocked_walk(256, 7, cost)
+    assert clocked is not None and pol._clocked_walk(129, 7, cost) == clocked
 
 
 def test_hardware_aware_walks_only_where_the_clock_says_walking_is_faster():

@@ -203,6 +203,7 @@ def _main(argv, watch) -> dict:
         f"the launch by part, ms a round ({'/'.join(LAUNCH_PARTS)})",
         lambda g: "/".join(f"{g['launch_parts'][p]:.3f}" for p in LAUNCH_PARTS),
     )
+    _print_plans(rows)
     for temperature, checks in goals.items():
         for c in checks:
             print(f"T={temperature} R={c['concurrency']}: {_goals_line(c)}")
@@ -220,6 +221,25 @@ def _print_by_length(rows: list[dict], title: str, cell) -> None:
     for row in rows:
         cells = [f"b{g['rows_bucket']} γ{g['drafted']}: {cell(g)}" for g in row.get("by_length", [])]
         print(f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: " + "; ".join(cells))
+
+
+def _print_plans(rows: list[dict]) -> None:
+    """A line per point of a policy that weighs drafted lengths: its plain rounds and the drafts
+    they declined, its drafting rounds (``measure._plans``; round by round in the JSON)."""
+    planned = [r for r in rows if r.get("plans")]
+    if planned:
+        print(
+            "\nplans: plain rounds (declining a draft expected faster; the best draft's expected rate "
+            "over plain, median / max), drafting rounds (the chosen length's, median)"
+        )
+    for row in planned:
+        p = row["plans"]
+        print(
+            f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: plain {p['plain_rounds']} "
+            f"({p['plain_declined_faster']}; {_num(p, 'plain_best_draft_median'):.3f} / "
+            f"{_num(p, 'plain_best_draft_max'):.3f}), drafting {p['drafting_rounds']} "
+            f"({_num(p, 'drafting_chosen_median'):.3f})"
+        )
 
 
 def _goals_line(c: dict) -> str:

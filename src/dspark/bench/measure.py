@@ -171,6 +171,7 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
         "acceptance": _realised_acceptance(res.rounds),
         "acceptance_estimate": _estimate(policy, res.rounds),
         "walk_state": _walk_state(policy),
+        "plans": _plans(res.steps),
     }
 
 
@@ -243,6 +244,43 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
         for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced, walked, *parts) in sorted(
             groups.items(), key=lambda g: (-g[0][0], g[0][1]))
     ]  # fmt: skip
+
+
+def _plans(steps: list[dict]) -> dict | None:
+    """Round by round, under a policy that weighs drafted lengths (its records' ``plan``), what it
+    chose and on what grounds, to find where a load-aware scheduler drafts or declines: each
+    round's step, live rows, drafted length, whether it walked (read its width back) and ``ms``;
+    each length's expected rate as a multiple of a plain round's (``over_plain``) and the rounds'
+    clock's measured / priced ratio it was priced with (``clock_ratio``). Summed up: the plain
+    rounds, how many of them declined a draft expected to be faster (by less than the policy's
+    margin) and the best draft's expected rate over plain in them (median, max); the drafting
+    rounds and their chosen length's (median). None for other policies."""
+    planned = [s for s in steps if s.get("plan") is not None]
+    if not planned:
+        return None
+    over = [[round(r / rates[0], 4) for r in rates] for rates, _ in (s["plan"] for s in planned)]
+    drafted = [int(s["drafted"]) for s in planned]
+    best_draft = [max(o[1:], default=0.0) for o, d in zip(over, drafted) if d == 0]
+    chosen = [o[d] for o, d in zip(over, drafted) if d > 0]
+
+    def quantile(values, q):
+        return float(np.quantile(values, q)) if values else None
+
+    return {
+        "plain_rounds": len(best_draft),
+        "plain_declined_faster": sum(b > 1.0 for b in best_draft),
+        "plain_best_draft_median": quantile(best_draft, 0.5),
+        "plain_best_draft_max": quantile(best_draft, 1.0),
+        "drafting_rounds": len(chosen),
+        "drafting_chosen_median": quantile(chosen, 0.5),
+        "step": [s["step"] for s in planned],
+        "rows": [s["batch"] for s in planned],
+        "drafted": drafted,
+        "walked": [int((s.get("readback_ms") or 0.0) > 0) for s in planned],
+        "ms": [None if s.get("ms") is None else round(s["ms"], 4) for s in planned],
+        "over_plain": over,
+        "clock_ratio": [[round(r, 4) for r in s["plan"][1]] for s in planned],
+    }
 
 
 def _realised_acceptance(rounds) -> list[float | None]:

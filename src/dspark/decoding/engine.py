@@ -45,7 +45,8 @@ launch, this one's wait and completion, and ``between_ms``, the work outside lau
 rounds: leaving and joining requests, the joiners' prefill, results handed over), so that the host
 sets the pace where ``cycle_ms - wait_ms`` reaches the round's ``ms``; ``events`` counts the one-off
 work since the previous round's record (graph captures, compiles, GC passes: ``stall_watch``), which
-is where a round far slower than its median finds its cause. A round that drafts nothing runs
+is where a round far slower than its median finds its cause; ``plan``, under a policy that weighs
+drafted lengths, what decided this round's (``Policy.plan_record``). A round that drafts nothing runs
 ``_plain_step``: target-only decoding's step with its token (its ``target`` part holds both; the
 fast engine draws the token inside the step's graph, and defers the drafter's context of such
 rounds and writes it in one batch before the next draft). While ``generate`` runs, Python's
@@ -258,6 +259,7 @@ class _Round:
     marks: tuple[float, ...]
     readback_s: float = 0.0  # host time blocked on the verify width's read-back
     policy_s: float = 0.0  # of the launch, the policy's calls (its choices and their device work)
+    plan: tuple | None = None  # what decided ``drafted`` (``Policy.plan_record``), for the round's record
 
     @property
     def launch_s(self) -> float:
@@ -745,9 +747,11 @@ class Engine:
         device = self.device
         drafted = 0
         policy_s = 0.0
+        plan = None
         if self.drafter is not None:
             tp = time.perf_counter()
             drafted = max(0, min(int(self.policy.draft_length(r, self._gamma, self.cost)), self._gamma))
+            plan = self.policy.plan_record()
             policy_s = time.perf_counter() - tp
         mark()
         conf_logits = conf = shadow = None
@@ -819,7 +823,7 @@ class Engine:
         copies = self._to_host_all(out)
         stamp = self._clock.end()  # after the copies: reading them waits for this event
         mark()
-        rnd = _Round(step, list(live), drafted, copies, stamp, tuple(marks), readback_s, policy_s)
+        rnd = _Round(step, list(live), drafted, copies, stamp, tuple(marks), readback_s, policy_s, plan)
         return rnd, next_anchors, next_pos
 
     def _complete(self, rnd: _Round) -> tuple[_RoundRows | None, list[_Live], dict]:
@@ -904,6 +908,8 @@ class Engine:
             # one-off work since the previous round's record (graph captures, compiles, GC passes)
             "events": self._watch.increments() if self._watch is not None else {},
         }
+        if rnd.plan is not None:
+            info["plan"] = rnd.plan
         if self.drafter is not None and not info["events"]:
             # A round that met one-off work (a graph captured, a frame compiled, a GC pass, the
             # allocator grown) timed that work too: the policies' clocks, which keep a decaying

@@ -420,6 +420,7 @@ class RoundClock:
         self._since_explore = 0
         # rows bucket -> {γ: ``_ratios``}, until the bucket's next observed round changes them
         self._priced: dict[int, dict[int, tuple[list[float], list[bool]]]] = {}
+        self.last: tuple[list[float], list[float]] | None = None  # the last choice's rates and ratios
 
     def _ratios(self, rows: int, gamma: int) -> tuple[list[float], list[bool]]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
@@ -497,6 +498,7 @@ class RoundClock:
         ratio, timed = self._ratios(rows, gamma)
         times = cost.round_seconds(rows, gamma)
         rates = [n / (t * r) for n, t, r in zip(tokens, times, ratio)]
+        self.last = (rates, ratio)  # for a run's record (``Policy.plan_record``)
         best = _best(rates, margin)
         if not timed[best]:
             return best
@@ -591,6 +593,13 @@ class Policy:
         after ``draft_length``). When not, the engine neither calibrates them (unless it records
         them) nor expects them: the policy gets a tensor of their shape."""
         return self.needs_confidence
+
+    def plan_record(self) -> tuple[list[float], list[float]] | None:
+        """What decided the last ``draft_length``, for a run's record: the expected rate of each
+        drafted length ``0..γ`` (tokens per second) and the rounds' clock's measured / priced ratio
+        it priced each at; None (the default) for a policy that weighs no lengths. Shared lists:
+        the caller only reads them."""
+        return None
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         """A completed round's verified lengths and accepted counts (live rows only)."""
@@ -838,6 +847,9 @@ class HardwareAware(Policy):
         self._walk, self._shadow = walk, shadow
         self._plans.append((rows, drafted, walk, cost))
         return drafted
+
+    def plan_record(self) -> tuple[list[float], list[float]] | None:
+        return None if self._rounds is None else self._rounds.last
 
     @staticmethod
     def _largest_saving(rows: int, drafted: int, cost: CostModel) -> float:
@@ -1124,6 +1136,9 @@ class DraftAware(Policy):
         self._plans.append((rows, drafted, cost))
         return drafted
 
+    def plan_record(self) -> tuple[list[float], list[float]] | None:
+        return None if self.clock is None else self.clock.last
+
     def width(self, drafted: int) -> int:
         return drafted
 
@@ -1178,6 +1193,9 @@ class Truncated(Policy):
 
     def reads_confidences(self) -> bool:
         return self.inner.reads_confidences()
+
+    def plan_record(self) -> tuple[list[float], list[float]] | None:
+        return self.inner.plan_record()
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
         self.inner.observe_round(lengths, accepted)
