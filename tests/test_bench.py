@@ -184,15 +184,18 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
         assert {g["drafted"] for g in r["by_length"]} == {want}
         assert all(g["priced_ms"] > 0 for g in r["by_length"])
-        plans = r["plans"]  # round by round, under the policy that weighs drafted lengths
+        # round by round, under the policy that weighs drafted lengths, in each repeat (its sums in
+        # the median's point)
         if r["run"] != "dspark/draft_aware":
-            assert plans is None
+            assert r["plans"] is None and all(rep["plans"] is None for rep in r["repeats"])
         else:  # the random drafter: every round plain, each of the 5 lengths weighed against it
-            assert plans["drafted"] == [0] * r["rounds"] == [0] * plans["plain_rounds"]
-            pairs = zip(plans["over_plain"], plans["clock_ratio"])
-            assert all(len(o) == len(c) == 5 and o[0] == 1.0 for o, c in pairs)
-            assert plans["plain_declined_faster"] == sum(max(o[1:]) > 1 for o in plans["over_plain"])
-            assert plans["drafting_rounds"] == 0 and plans["drafting_chosen_median"] is None
+            assert r["plans"]["plain_rounds"] == r["rounds"] and "over_plain" not in r["plans"]
+            for plans in (rep["plans"] for rep in r["repeats"]):
+                assert plans["drafted"] == [0] * plans["plain_rounds"]
+                pairs = zip(plans["over_plain"], plans["clock_ratio"])
+                assert all(len(o) == len(c) == 5 and o[0] == 1.0 for o, c in pairs)
+                assert plans["plain_declined_faster"] == sum(max(o[1:]) > 1 for o in plans["over_plain"])
+                assert plans["drafting_rounds"] == 0 and plans["drafting_chosen_median"] is None
         load = r["at_load"]  # the rounds with R's rows: all at R = 1, those before the drain at R = 2
         assert 0 < load["rounds"] <= r["rounds"] and 0 < load["share"] <= 1 and load["throughput"] > 0
         assert r["concurrency"] > 1 or (load["rounds"] == r["rounds"] and load["share"] == pytest.approx(1))

@@ -246,6 +246,10 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     ]  # fmt: skip
 
 
+# ``_plans``' entries that hold a value per round
+PLAN_ROUNDS = ("step", "rows", "drafted", "walked", "ms", "over_plain", "clock_ratio")
+
+
 def _plans(steps: list[dict]) -> dict | None:
     """Round by round, under a policy that weighs drafted lengths (its records' ``plan``), what it
     chose and on what grounds, to find where a load-aware scheduler drafts or declines: each
@@ -308,13 +312,17 @@ def _walk_state(policy: Policy | None) -> dict | None:
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run of median throughput (the lower middle of an even count), with every run's speeds
-    and slowest round (its record and the one-off work around it: where a stalled run lost its time)."""
+    """The run of median throughput (the lower middle of an even count), with every run's speeds,
+    slowest round (its record and the one-off work around it: where a stalled run lost its time)
+    and ``plans`` (a load-aware policy's runs differ most: each starts from what the last learnt);
+    the median's own ``plans`` keeps its sums, its rounds being in ``repeats``."""
     if len(runs) == 1:
         return runs[0]
     order = sorted(range(len(runs)), key=lambda i: runs[i]["throughput"])
-    keys = ("throughput", "tps_per_user", "max_ms_round", "slowest_round")
-    return {**runs[order[(len(runs) - 1) // 2]], "repeats": [{k: r[k] for k in keys} for r in runs]}
+    keys = ("throughput", "tps_per_user", "max_ms_round", "slowest_round", "plans")
+    median = runs[order[(len(runs) - 1) // 2]]
+    plans = median["plans"] and {k: v for k, v in median["plans"].items() if k not in PLAN_ROUNDS}
+    return {**median, "plans": plans, "repeats": [{k: r[k] for k in keys} for r in runs]}
 
 
 def _round_means(steps: list[dict]) -> dict:
