@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -393,16 +394,18 @@ DRAFT_AWARE_COST = CostModel({500: 10.0, 1500: 10.0, 2000: 100.0}, draft_ms={500
 
 
 @pytest.mark.parametrize("kind", ["oracle", "dspark-markov"])
-@pytest.mark.parametrize("policy", ["cycling", "draft_aware"])
+@pytest.mark.parametrize("policy", ["cycling", "draft_aware", "draft_aware_probing"])
 def test_draft_length_chosen_before_drafting_is_lossless(small_target, stat_prompt, exact, kind, policy):
     """The draft-aware choices: how many positions to draft (fewer than γ: the drafter samples only
-    those), or none (a plain decoding round), decided each round from earlier rounds' outcomes.
+    those), or none (a plain decoding round), decided each round from earlier rounds' outcomes;
+    probing, a plain streak ends in a draft (here after 2 plain rounds, so that probes happen).
     500 rows at a time, so eight waves of rounds meet different choices."""
     if kind == "oracle":
         drafter = Oracle(small_target, gamma=4)
     else:
         drafter = make_drafter(small_target, "dspark", "markov", gamma=4)[0]
-    pol = Cycling() if policy == "cycling" else DraftAware()
+    probing = partial(DraftAware, probe_every=2)
+    pol = {"cycling": Cycling, "draft_aware": DraftAware, "draft_aware_probing": probing}[policy]()
     samples, _ = _first_three(
         small_target, drafter, stat_prompt, seed=4, policy=pol, concurrency=500, cost=DRAFT_AWARE_COST
     )
@@ -414,6 +417,9 @@ def test_draft_length_chosen_before_drafting_is_lossless(small_target, stat_prom
         assert 0 in drafted and len(drafted) >= 4, drafted
     else:
         assert 2 in drafted and (kind == "oracle" or 0 in drafted), drafted
+    if kind != "oracle" and policy != "cycling":  # plain rounds, then drafts again only by probes
+        seq = _first_three.last.drafted
+        assert any(a == 0 < b for a, b in zip(seq, seq[1:])) == (policy == "draft_aware_probing"), seq
 
 
 # 500 rows on a padded engine: one depth is nearly free, the next ones cost more and more, so

@@ -847,6 +847,50 @@ def test_load_aware_policies_draft_only_past_a_margin_over_plain_decoding(policy
     assert clock.choose(np.array([256.0, 384.0]), 256, cost(2.9)) == 1
 
 
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy):
+    """Issue 18's H100 run (2026-12-06, T = 0, R = 256): both load-aware schedulers went plain for
+    one of their three runs where drafting paid 7 % at the load. Only drafting rounds teach the
+    acceptance estimate, so a plain streak begun on a low estimate never ends by itself. Here one
+    drafted position pays 10 % at its true acceptance (0.6) and loses at 0.2: after unlucky rounds
+    at 0.2 the policy goes plain; without probes it stays plain, with ``probe_every = 16`` a probe
+    in every 16 plain rounds re-measures the position and drafting resumes. Where drafting does not
+    pay, the probes are all it drafts: one round in 16."""
+    drafting = 1.6 * 1.6 / 1.1  # ms: 1.6 tokens a row at 0.6, 10 % above a plain round's rate
+    rounds = {0: {1: 1.6, 256: 1.6}, 1: {1: drafting, 256: drafting}}
+    cost = CostModel({1: 1.0, 4096: 1.0}, round_len_ms=rounds)
+    true, unlucky = np.arange(256) % 5 < 3, np.arange(256) % 5 < 1  # accepted 60 % and 20 % of the time
+
+    def run(pol, n, accepted):
+        drafted = []
+        for _ in range(n):
+            m = pol.draft_length(256, 1, cost)
+            drafted.append(m)
+            pol.observe_round(np.full(256, m), (accepted & (m > 0)).astype(np.int64))
+        return drafted
+
+    def unlucky_policy(every):
+        """The policy and the plain rounds it has run since the estimate fell below the margin."""
+        pol = build_policy(policy, defaults={"check": False, "round_clock": False, "probe_every": every})
+        assert run(pol, 4, true) == [1] * 4  # drafting pays
+        lucky = run(pol, 3, unlucky)  # rounds at 0.2 until the estimate falls below the margin
+        assert lucky[-1] == 0
+        return pol, len(lucky) - 1 - max(i for i, m in enumerate(lucky) if m)
+
+    pol, _ = unlucky_policy(0)
+    assert run(pol, 100, true) == [0] * 100  # stuck: nothing drafts to learn otherwise
+    pol, plain = unlucky_policy(16)
+    back = run(pol, 64, true)
+    probe = 16 - plain - 1  # the 16th plain round in a row
+    assert back[:probe] == [0] * probe and back[probe] == 1
+    resumed = next(i for i in range(len(back)) if all(back[i:]))  # drafting for the rest of the run
+    assert resumed <= probe + 16 and back[probe:resumed].count(1) <= 2  # one or two probes
+    pol, plain = unlucky_policy(16)
+    assert [0] * plain + run(pol, 64 - plain, unlucky) == ([0] * 15 + [1]) * 4  # where it does not pay
+    with pytest.raises(ValueError, match="probe_every"):
+        build_policy(policy, defaults={"probe_every": -1})
+
+
 # Whole rounds priced flat in R: a plain round 2.0 ms, one drafted position 2.4, two 2.6. With every
 # position accepted half the time the table's best at 256 rows is to draft both (448 tokens / 2.6 ms).
 CLOCK_COST = CostModel(

@@ -542,6 +542,46 @@ def _best(rates: list[float], margin: float) -> int:
     return best if best == 0 or rates[best] >= (1.0 + margin) * rates[0] else 0
 
 
+# A load-aware policy that has run this many plain rounds in a row drafts the next one
+# (``PlainProbe``): what a plain streak costs where plain is right, against a lock on a stale estimate.
+PROBE_EVERY = 128
+
+
+class PlainProbe:
+    """Drafting tried once in ``every`` plain rounds in a row. The acceptance estimate learns only
+    from rounds that draft, so a policy that went plain on a low estimate keeps that estimate until
+    something drafts: one unlucky stretch could rule speculation out for the rest of a run (the
+    H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for one of their three
+    runs, where fixed γ = 3 ran 7 % above target-only at the load, and drafted again only in the
+    batch's drain). The probe drafts the length the plan ranks best among drafts and verifies it
+    whole, which measures every position it drafted; where plain decoding is right it costs a
+    fraction of a round in ``every`` (T = 1, R = 256 on the H100: ~0.3 ms a probe, 0.15 % at 128).
+    ``every = 0``: never. Counters only: non-anticipating."""
+
+    def __init__(self, every: int = PROBE_EVERY) -> None:
+        if int(every) < 0:
+            raise ValueError(f"probe_every must be >= 0 plain rounds (0: never probe), got {every}")
+        self.every = int(every)
+        self.fired = False  # whether the last call turned a plain round into a probe
+        self._plain = 0  # plain rounds in a row
+
+    def reset(self) -> None:
+        self._plain, self.fired = 0, False
+
+    def __call__(self, drafted: int, rates: list[float]) -> int:
+        """``drafted`` as planned, or the best draft by ``rates`` (per length ``0..γ``) where this
+        plain round ends a streak of ``every``."""
+        self.fired = False
+        if drafted or not self.every or len(rates) < 2:
+            self._plain = 0
+            return drafted
+        self._plain += 1
+        if self._plain < self.every:
+            return 0
+        self._plain, self.fired = 0, True
+        return max(range(1, len(rates)), key=rates.__getitem__)  # max: the first of equals
+
+
 def plan_draft(
     acceptance: np.ndarray, rows: int, cost: CostModel, clock: RoundClock | None, margin: float = 0.0
 ) -> int:
@@ -551,13 +591,25 @@ def plan_draft(
     return _plan(_accepted_sums(_floats(acceptance)), rows, cost, clock, margin)
 
 
-def _plan(accepted: list[float], rows: int, cost: CostModel, clock: RoundClock | None, margin: float) -> int:
+def _plan(
+    accepted: list[float],
+    rows: int,
+    cost: CostModel,
+    clock: RoundClock | None,
+    margin: float,
+    probe: PlainProbe | None = None,
+) -> int:
     """``plan_draft`` from the drafts a row is expected to get accepted (``_accepted_sums``): the
-    tokens ``R · (1 + accepted)`` a round of each length is expected to emit, priced alike."""
+    tokens ``R · (1 + accepted)`` a round of each length is expected to emit, priced alike; a
+    plain round may turn into ``probe``'s draft."""
     tokens = [rows * (1.0 + s) for s in accepted]
     if clock is None:
-        return _best([n / t for n, t in zip(tokens, cost.round_seconds(rows, len(tokens) - 1))], margin)
-    return clock.choose(tokens, rows, cost, margin)
+        rates = [n / t for n, t in zip(tokens, cost.round_seconds(rows, len(tokens) - 1))]
+        drafted = _best(rates, margin)
+    else:
+        drafted = clock.choose(tokens, rows, cost, margin)
+        rates = clock.last[0]
+    return drafted if probe is None else probe(drafted, rates)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -728,7 +780,8 @@ class HardwareAware(Policy):
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
     verify width) when speculation cannot pay at this load by ``plain_margin``; the same choice as
     ``DraftAware``, its cost table corrected by the rounds' clock (``RoundClock``;
-    ``round_clock=False``: the table alone). Then, if the verification it expects to save exceeds
+    ``round_clock=False``: the table alone), a long plain streak ended by a probe (``PlainProbe``,
+    ``probe_every``; a probe verifies its whole draft). Then, if the verification it expects to save exceeds
     ``cost.readback_ms``, it walks the round's confidences (the engine reads the width back);
     otherwise every row verifies its whole draft (width known, nothing read back). The expected
     saving is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide,
@@ -780,6 +833,7 @@ class HardwareAware(Policy):
         min_timed: int = 4,
         round_clock: bool = True,
         plain_margin: float = PLAIN_MARGIN,
+        probe_every: int = PROBE_EVERY,
     ) -> None:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
@@ -793,6 +847,8 @@ class HardwareAware(Policy):
         self._acceptance = AcceptanceEstimate(memory)
         self.memory = self._acceptance.memory
         self._rounds = RoundClock(decay) if round_clock else None  # what rounds of each γ_d really cost
+        self._probe = PlainProbe(probe_every)  # a draft after a long plain streak
+        self.probe_every = self._probe.every
         self._walk = True  # this round: decide from the confidences (the width is read back)
         self._shadow = False  # this round: verify the whole draft, walk in the shadow
         self._realised: float | None = None  # share of the largest saving walked rounds realised
@@ -815,6 +871,7 @@ class HardwareAware(Policy):
     def forget(self) -> None:
         """Drop the estimates too (a new drafter or workload)."""
         self._acceptance.reset()
+        self._probe.reset()
         self._realised, self._since_explore = None, 0
         self._clock.clear()
         if self._rounds is not None:
@@ -827,10 +884,12 @@ class HardwareAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = _plan(self._acceptance.accepted(gamma), rows, cost, self._rounds, self.plain_margin)
+        accepted = self._acceptance.accepted(gamma)
+        drafted = _plan(accepted, rows, cost, self._rounds, self.plain_margin, self._probe)
         walk, shadow = False, False
         largest = self._largest_saving(rows, drafted, cost) if drafted > 0 else 0.0
-        if drafted > 0 and largest > cost.readback_ms:  # a walk that saved all of it would pay
+        # A probe verifies its whole draft: it is there to measure the positions it drafts.
+        if drafted > 0 and largest > cost.readback_ms and not self._probe.fired:  # a walk could pay
             clocked = self._clocked_walk(rows, drafted, cost)
             expected = largest * (1.0 if self._realised is None else self._realised)
             pays = expected > cost.readback_ms  # what the table and the walks' savings say
@@ -1079,7 +1138,9 @@ class DraftAware(Policy):
     drafter. ``T`` is the cost table's, corrected by what the engine's completed rounds took
     (``RoundClock``, ``observe_time``; off with ``round_clock=False``, for choices that must not
     depend on timing). Every row then verifies its ``γ_d`` drafts: the engines verify rows
-    padded to the longest, so a shorter row would save nothing.
+    padded to the longest, so a shorter row would save nothing. After ``probe_every`` plain rounds
+    in a row the next round drafts anyway (``PlainProbe``), so the estimate, which only drafting
+    rounds update, cannot keep a run plain on a stale value.
 
     Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
     report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
@@ -1096,8 +1157,11 @@ class DraftAware(Policy):
         memory: float = 256.0,
         round_clock: bool = True,
         plain_margin: float = PLAIN_MARGIN,
+        probe_every: int = PROBE_EVERY,
     ) -> None:
         self.plain_margin = _margin(plain_margin)
+        self._probe = PlainProbe(probe_every)  # a draft after a long plain streak
+        self.probe_every = self._probe.every
         self._acceptance = AcceptanceEstimate(memory)
         self.memory = self._acceptance.memory
         self.decay = _decay(decay)  # the rounds clock's weight of a round one round later
@@ -1117,6 +1181,7 @@ class DraftAware(Policy):
     def forget(self) -> None:
         """Drop the acceptance estimate and the clock (a new drafter, workload or engine)."""
         self._acceptance.reset()
+        self._probe.reset()
         if self.clock is not None:
             self.clock.reset()
 
@@ -1132,7 +1197,8 @@ class DraftAware(Policy):
         cost = _need_cost(self, cost)
         if rows <= 0 or gamma <= 0:
             return 0
-        drafted = _plan(self._acceptance.accepted(gamma), rows, cost, self.clock, self.plain_margin)
+        accepted = self._acceptance.accepted(gamma)
+        drafted = _plan(accepted, rows, cost, self.clock, self.plain_margin, self._probe)
         self._plans.append((rows, drafted, cost))
         return drafted
 
