@@ -542,8 +542,8 @@ def _best(rates: list[float], margin: float) -> int:
     return best if best == 0 or rates[best] >= (1.0 + margin) * rates[0] else 0
 
 
-# A load-aware policy that has run this many plain rounds in a row drafts the next one
-# (``PlainProbe``): what a plain streak costs where plain is right, against a lock on a stale estimate.
+# A load-aware policy drafts after this many plain rounds in a row (``PlainProbe``): rare enough to
+# cost little where plain decoding is right, often enough to end a lock on a stale estimate in a run.
 PROBE_EVERY = 128
 
 
