@@ -262,7 +262,7 @@ def _plans(steps: list[dict]) -> dict | None:
     planned = [s for s in steps if s.get("plan") is not None]
     if not planned:
         return None
-    over = [[round(r / rates[0], 4) for r in rates] for rates, _ in (s["plan"] for s in planned)]
+    over = [[round(r / rates[0], 3) for r in rates] for rates, _ in (s["plan"] for s in planned)]
     drafted = [int(s["drafted"]) for s in planned]
     best_draft = [max(o[1:], default=0.0) for o, d in zip(over, drafted) if d == 0]
     chosen = [o[d] for o, d in zip(over, drafted) if d > 0]
@@ -281,9 +281,9 @@ def _plans(steps: list[dict]) -> dict | None:
         "rows": [s["batch"] for s in planned],
         "drafted": drafted,
         "walked": [int((s.get("readback_ms") or 0.0) > 0) for s in planned],
-        "ms": [None if s.get("ms") is None else round(s["ms"], 4) for s in planned],
+        "ms": [None if s.get("ms") is None else round(s["ms"], 3) for s in planned],
         "over_plain": over,
-        "clock_ratio": [[round(r, 4) for r in s["plan"][1]] for s in planned],
+        "clock_ratio": [[round(r, 3) for r in s["plan"][1]] for s in planned],
     }
 
 
