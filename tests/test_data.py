@@ -16,7 +16,7 @@ from conftest import BENCHMARKS, CONF
 from omegaconf import OmegaConf
 
 from dspark.core.errors import DataError
-from dspark.core.io import atomic_open, atomic_write_jsonl
+from dspark.core.io import atomic_open, atomic_write_json, atomic_write_jsonl, json_text
 from dspark.data import benchmarks as bm
 from dspark.data.generation import (
     Continuation,
@@ -571,6 +571,26 @@ def test_failing_write_leaves_no_half_written_shard(tiny, tmp_path):
         regen(tiny, tmp_path, write_rows=full_disk)
     assert list(tmp_path.iterdir()) == []  # neither the shard nor its temp file
     assert regen(tiny, tmp_path).written_shards == 3
+
+
+def test_json_files_keep_flat_lists_on_one_line(tmp_path):
+    """What ``atomic_write_json`` writes reads back as ``json.dump`` would have written it, its
+    nesting indented, a list of scalars a line (a per-round record: not a line per number)."""
+    obj = {
+        "a": [1, 2.5, None, "x", True],
+        "nested": {"b": [[0.1, 0.2], [0.3]], "c": [{"d": 1}, [], {}], 3: float("nan"), None: Path("p")},
+        "rounds": list(range(500)),
+        "empty": [],
+    }
+    path = tmp_path / "x.json"
+    atomic_write_json(path, obj)
+    text = path.read_text()
+    assert text.endswith("}\n") and json.loads(text) == json.loads(json.dumps(obj, default=str))
+    assert '"rounds": [0, 1, 2' in text and '"b": [\n' in text and "[0.1, 0.2]" in text
+    assert len(text.splitlines()) < 25
+    assert json_text([]) == "[]" and json_text({}) == "{}" and json_text(1.5) == "1.5"
+    with pytest.raises(TypeError):
+        json_text({(1, 2): 0})
 
 
 def test_atomic_open_keeps_old_file_on_failure(tmp_path):

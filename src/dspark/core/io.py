@@ -84,8 +84,26 @@ def finite(x: Any) -> Any:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     with atomic_open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False, default=str)
-        f.write("\n")
+        f.write(json_text(obj) + "\n")
+
+
+def json_text(obj: Any, level: int = 0) -> str:
+    """``json.dumps(obj, indent=2, ensure_ascii=False, default=str)``, but a list with no list or
+    dict in it on one line: a result's vectors (per position, per round) read as a line each
+    instead of a line per number, and a run's per-round record stays a fraction of the size."""
+    pad = "  " * level
+    if isinstance(obj, dict) and obj:
+        items = (f"{pad}  {_key(k)}: {json_text(v, level + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in obj):
+        items = (f"{pad}  {json_text(v, level + 1)}" for v in obj)
+        return "[\n" + ",\n".join(items) + f"\n{pad}]"
+    return json.dumps(obj, ensure_ascii=False, default=str)
+
+
+def _key(key: Any) -> str:
+    """A dict key as ``json.dumps`` writes it (a number or None becomes a string; other types raise)."""
+    return json.dumps({key: 0}, ensure_ascii=False)[1:-4]
 
 
 def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
