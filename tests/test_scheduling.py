@@ -873,9 +873,9 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
         """The policy and the plain rounds it has run since the estimate fell below the margin."""
         pol = build_policy(policy, defaults={"check": False, "round_clock": False, "probe_every": every})
         assert run(pol, 4, true) == [1] * 4  # drafting pays
-        lucky = run(pol, 3, unlucky)  # rounds at 0.2 until the estimate falls below the margin
-        assert lucky[-1] == 0
-        return pol, len(lucky) - 1 - max(i for i, m in enumerate(lucky) if m)
+        bad = run(pol, 3, unlucky)  # rounds at 0.2: the estimate falls below the margin
+        assert bad[-1] == 0
+        return pol, len(bad) - 1 - max(i for i, m in enumerate(bad) if m)
 
     pol, _ = unlucky_policy(0)
     assert run(pol, 100, true) == [0] * 100  # stuck: nothing drafts to learn otherwise
