@@ -195,7 +195,8 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
                 pairs = zip(plans["over_plain"], plans["clock_ratio"])
                 assert all(len(o) == len(c) == 5 and o[0] == 1.0 for o, c in pairs)
                 assert plans["plain_declined_faster"] == sum(max(o[1:]) > 1 for o in plans["over_plain"])
-                assert plans["drafting_rounds"] == 0 and plans["drafting_chosen_median"] is None
+                assert plans["drafting_rounds"] == plans["drafting_below_plain"] == 0
+                assert plans["drafting_chosen_median"] is None
         load = r["at_load"]  # the rounds with R's rows: all at R = 1, those before the drain at R = 2
         assert 0 < load["rounds"] <= r["rounds"] and 0 < load["share"] <= 1 and load["throughput"] > 0
         assert r["concurrency"] > 1 or (load["rounds"] == r["rounds"] and load["share"] == pytest.approx(1))
@@ -598,6 +599,8 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert (p["drafted"], p["rows"], p["walked"]) == ([2, 0, 0], [3, 3, 2], [0, 0, 0])
     assert (p["plain_rounds"], p["plain_declined_faster"], p["drafting_rounds"]) == (2, 1, 1)
     assert p["plain_best_draft_max"] == pytest.approx(1.03) and p["drafting_chosen_median"] == 1.2
+    probed = _plans(planned[:1] + [{**planned[2], "drafted": 1}])  # a draft ranked below plain: a probe
+    assert p["drafting_below_plain"] == 0 and probed["drafting_below_plain"] == 1
     assert _plans(steps) is None  # no policy weighed lengths
 
 

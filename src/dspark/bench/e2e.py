@@ -230,7 +230,8 @@ def _print_plans(rows: list[dict]) -> None:
     if planned:
         print(
             "\nplans: plain rounds (declining a draft expected faster; the best draft's expected rate "
-            "over plain, median / max), drafting rounds (the chosen length's, median)"
+            "over plain, median / max), drafting rounds (the chosen length's, median; below plain's: probes "
+            "and explorations)"
         )
     for row in planned:
         p = row["plans"]
@@ -238,7 +239,7 @@ def _print_plans(rows: list[dict]) -> None:
             f"T={row['temperature']:g} R={row['concurrency']} {row['run']}: plain {p['plain_rounds']} "
             f"({p['plain_declined_faster']}; {_num(p, 'plain_best_draft_median'):.3f} / "
             f"{_num(p, 'plain_best_draft_max'):.3f}), drafting {p['drafting_rounds']} "
-            f"({_num(p, 'drafting_chosen_median'):.3f})"
+            f"({_num(p, 'drafting_chosen_median'):.3f}; {p['drafting_below_plain']})"
         )
 
 

@@ -258,7 +258,8 @@ def _plans(steps: list[dict]) -> dict | None:
     clock's measured / priced ratio it was priced with (``clock_ratio``). Summed up: the plain
     rounds, how many of them declined a draft expected to be faster (by less than the policy's
     margin) and the best draft's expected rate over plain in them (median, max); the drafting
-    rounds and their chosen length's (median). None for other policies."""
+    rounds, their chosen length's (median) and how many drafted below plain's expected rate (the
+    probes of a plain streak, the clock's explorations). None for other policies."""
     planned = [s for s in steps if s.get("plan") is not None]
     if not planned:
         return None
@@ -277,6 +278,7 @@ def _plans(steps: list[dict]) -> dict | None:
         "plain_best_draft_max": quantile(best_draft, 1.0),
         "drafting_rounds": len(chosen),
         "drafting_chosen_median": quantile(chosen, 0.5),
+        "drafting_below_plain": sum(c < 1.0 for c in chosen),
         "step": [s["step"] for s in planned],
         "rows": [s["batch"] for s in planned],
         "drafted": drafted,
