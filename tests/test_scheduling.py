@@ -22,6 +22,7 @@ from dspark.scheduling.policies import (
     Fixed,
     HardwareAware,
     Mtp1,
+    PlainProbe,
     Retrospective,
     RoundClock,
     Threshold,
@@ -853,9 +854,10 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
     one of their three runs where drafting paid 7 % at the load. Only drafting rounds teach the
     acceptance estimate, so a plain streak begun on a low estimate never ends by itself. Here one
     drafted position pays 10 % at its true acceptance (0.6) and loses at 0.2: after unlucky rounds
-    at 0.2 the policy goes plain; without probes it stays plain, with ``probe_every = 16`` a probe
-    in every 16 plain rounds re-measures the position and drafting resumes. Where drafting does not
-    pay, the probes are all it drafts: one round in 16."""
+    at 0.2 the policy goes plain; without probes it stays plain, with ``probe_every = 16`` the 16th
+    plain round in a row starts a probe (two rounds drafting the length drafted last) that
+    re-measures the position, and drafting resumes. Where drafting does not pay, the probes are all
+    it drafts: two rounds in 17."""
     drafting = 1.6 * 1.6 / 1.1  # ms: 1.6 tokens a row at 0.6, 10 % above a plain round's rate
     rounds = {0: {1: 1.6, 256: 1.6}, 1: {1: drafting, 256: drafting}}
     cost = CostModel({1: 1.0, 4096: 1.0}, round_len_ms=rounds)
@@ -882,13 +884,52 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
     pol, plain = unlucky_policy(16)
     back = run(pol, 64, true)
     probe = 16 - plain - 1  # the 16th plain round in a row
-    assert back[:probe] == [0] * probe and back[probe] == 1
-    resumed = next(i for i in range(len(back)) if all(back[i:]))  # drafting for the rest of the run
-    assert resumed <= probe + 16 and back[probe:resumed].count(1) <= 2  # one or two probes
+    assert back[:probe] == [0] * probe and back[probe : probe + 2] == [1, 1]
+    assert all(back[probe:])  # drafting for the rest of the run
     pol, plain = unlucky_policy(16)
-    assert [0] * plain + run(pol, 64 - plain, unlucky) == ([0] * 15 + [1]) * 4  # where it does not pay
+    period = [0] * 15 + [1, 1]
+    assert [0] * plain + run(pol, 64 - plain, unlucky) == (period * 4)[:64]  # where it does not pay
     with pytest.raises(ValueError, match="probe_every"):
         build_policy(policy, defaults={"probe_every": -1})
+
+
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path, capsys):
+    """``lock_replay`` (issue 18's T = 0, R = 256 run, replayed): four rounds at 0.3 of the
+    acceptance at the start of run 1 leave the policy plain for the rest of that run without probes
+    (it drafts again only in the drain); with a probe after 32 plain rounds it drafts again at once.
+    Run 0, before the dip, drafts alike either way."""
+    from dspark.scheduling.lock_replay import main, replay
+
+    rounds = {0: {1: 1.0, 128: 1.1}, 1: {1: 1.5, 128: 1.6}, 2: {1: 1.6, 128: 1.7}, 3: {1: 1.7, 128: 1.8}}
+    cost = CostModel({1: 1.0, 4096: 1.0}, round_len_ms=rounds)
+    kw = dict(rows=128, requests=384, runs=3, acceptance=(0.6, 0.64, 0.58), dip_rounds=4, dip_factor=0.3)
+    stuck, probed = (replay(cost, policy, probe_every=every, **kw) for every in (0, 32))
+    assert stuck[1]["plain_at_load"] > 0.8 * stuck[1]["rounds"] and stuck[1]["drafting_at_load"] < 8
+    assert probed[1]["plain_at_load"] <= 32 and probed[1]["drafting_at_load"] > 100
+    assert stuck[0] == probed[0] and stuck[0]["plain_at_load"] == 0
+    cost.save(tmp_path / "cost.json")
+    args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", policy, "--rows", "128",
+            "--requests", "384", "--runs", "2", "--acceptance", "0.6,0.64,0.58", "--dip-rounds", "4",
+            "--dip-factor", "0.3", "--probe-every", "0,32",
+            "--out", str(tmp_path / "replay.json")]  # fmt: skip
+    report = main(args)
+    assert json.loads((tmp_path / "replay.json").read_text())["replays"] == report["replays"]
+    assert report["replays"]["32"] == probed[:2] and "| 32 | 1 |" in capsys.readouterr().out
+
+
+def test_a_probe_drafts_the_length_drafted_last():
+    """A probe measures the positions whose estimate made the policy stop: the length drafted
+    last, the plan's best draft before any; ``rounds`` rounds of it, then the streak counts again."""
+    probe = PlainProbe(every=3, rounds=2)
+    rates = [1.0, 0.7, 0.9, 0.8]  # the best draft by rate: 2 positions
+    assert [probe(0, rates) for _ in range(6)] == [0, 0, 2, 2, 0, 0]
+    assert probe(3, rates) == 3 and not probe.fired  # the plan's own draft resets the streak
+    assert [probe(0, rates) for _ in range(5)] == [0, 0, 3, 3, 0] and not probe.fired
+    assert [probe(0, rates[:2]) for _ in range(3)] == [0, 1, 1]  # longer than the block: its best
+    assert PlainProbe(every=0)(0, rates) == 0 and probe(0, [1.0]) == 0
+    with pytest.raises(ValueError, match="lasts"):
+        PlainProbe(rounds=0)
 
 
 # Whole rounds priced flat in R: a plain round 2.0 ms, one drafted position 2.4, two 2.6. With every

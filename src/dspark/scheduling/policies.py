@@ -545,40 +545,54 @@ def _best(rates: list[float], margin: float) -> int:
 # A load-aware policy drafts after this many plain rounds in a row (``PlainProbe``): rare enough to
 # cost little where plain decoding is right, often enough to end a lock on a stale estimate in a run.
 PROBE_EVERY = 128
+PROBE_ROUNDS = 2  # drafting rounds a probe lasts: at R = 256, enough for the estimate to be mostly fresh
 
 
 class PlainProbe:
-    """Drafting tried once in ``every`` plain rounds in a row. The acceptance estimate learns only
-    from rounds that draft, so a policy that went plain on a low estimate keeps that estimate until
-    something drafts: one unlucky stretch could rule speculation out for the rest of a run (the
-    H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for one of their three
-    runs, where fixed γ = 3 ran 7 % above target-only at the load, and drafted again only in the
-    batch's drain). The probe drafts the length the plan ranks best among drafts and verifies it
-    whole, which measures every position it drafted; where plain decoding is right it costs a
-    fraction of a round in ``every`` (T = 1, R = 256 on the H100: ~0.3 ms a probe, 0.15 % at 128).
+    """Drafting tried for ``rounds`` rounds once ``every`` plain rounds ran in a row. The acceptance
+    estimate learns only from rounds that draft, so a policy that went plain on a low estimate keeps
+    that estimate until something drafts: one unlucky stretch could rule speculation out for the
+    rest of a run (the H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for
+    one of their three runs, where fixed γ = 3 ran 7 % above target-only at the load, and drafted
+    again only in the batch's drain; a replay with three rounds at half the acceptance at a run's
+    start does the same). A probe drafts the length drafted last (the positions whose estimate
+    made the policy stop; before any draft, the plan's best draft) and verifies it whole. In that
+    replay two probe rounds brought drafting back after 128 plain rounds, one round after 256 and
+    the plan's best draft (there 1 or 2 positions) only in the drain. Where plain decoding is right
+    a probe costs ~0.3 ms a round (T = 1, R = 256 on the H100: ~0.3 % of throughput at 128 / 2).
     ``every = 0``: never. Counters only: non-anticipating."""
 
-    def __init__(self, every: int = PROBE_EVERY) -> None:
+    def __init__(self, every: int = PROBE_EVERY, rounds: int = PROBE_ROUNDS) -> None:
         if int(every) < 0:
             raise ValueError(f"probe_every must be >= 0 plain rounds (0: never probe), got {every}")
-        self.every = int(every)
-        self.fired = False  # whether the last call turned a plain round into a probe
-        self._plain = 0  # plain rounds in a row
+        if int(rounds) < 1:
+            raise ValueError(f"a probe lasts >= 1 round, got {rounds}")
+        self.every, self.rounds = int(every), int(rounds)
+        self.reset()
 
     def reset(self) -> None:
-        self._plain, self.fired = 0, False
+        self.fired = False  # whether the last call turned a plain round into a probe
+        self._plain = 0  # plain rounds in a row
+        self._left = 0  # the probe's rounds still to draft
+        self._last = 0  # the length drafted last (0: none yet)
 
     def __call__(self, drafted: int, rates: list[float]) -> int:
-        """``drafted`` as planned, or the best draft by ``rates`` (per length ``0..γ``) where this
-        plain round ends a streak of ``every``."""
+        """``drafted`` as planned, or a probe's draft where this plain round ends a streak of
+        ``every`` or follows a probe's first round (``rates``: per length ``0..γ``)."""
         self.fired = False
         if drafted or not self.every or len(rates) < 2:
-            self._plain = 0
+            self._plain = self._left = 0
+            self._last = drafted or self._last
             return drafted
-        self._plain += 1
-        if self._plain < self.every:
-            return 0
-        self._plain, self.fired = 0, True
+        if not self._left:
+            self._plain += 1
+            if self._plain < self.every:
+                return 0
+            self._plain, self._left = 0, self.rounds
+        self._left -= 1
+        self.fired = True
+        if 0 < self._last < len(rates):
+            return self._last
         return max(range(1, len(rates)), key=rates.__getitem__)  # max: the first of equals
 
 
