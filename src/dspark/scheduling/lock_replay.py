@@ -51,6 +51,7 @@ def replay(
     pol = build_policy(policy, defaults={"probe_every": probe_every, "check": False})
     lengths = np.minimum(rng.integers(60, 200, size=32), 128)  # 32 prompts' answers, cycled
     full = rows_bucket(rows)
+    cost = cost.at_engine_rows([1 << k for k in range(full.bit_length())])  # priced as the fast engine runs
     out = []
     for run in range(runs):
         pol.reset()
