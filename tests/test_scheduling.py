@@ -857,7 +857,7 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
     at 0.2 the policy goes plain; without probes it stays plain, with ``probe_every = 16`` the 16th
     plain round in a row starts a probe (two rounds drafting the length drafted last) that
     re-measures the position, and drafting resumes. Where drafting does not pay, the probes are all
-    it drafts: two rounds in 17."""
+    it drafts, each fruitless one doubling the wait for the next."""
     drafting = 1.6 * 1.6 / 1.1  # ms: 1.6 tokens a row at 0.6, 10 % above a plain round's rate
     rounds = {0: {1: 1.6, 256: 1.6}, 1: {1: drafting, 256: drafting}}
     cost = CostModel({1: 1.0, 4096: 1.0}, round_len_ms=rounds)
@@ -887,8 +887,8 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
     assert back[:probe] == [0] * probe and back[probe : probe + 2] == [1, 1]
     assert all(back[probe:])  # drafting for the rest of the run
     pol, plain = unlucky_policy(16)
-    period = [0] * 15 + [1, 1]
-    assert [0] * plain + run(pol, 64 - plain, unlucky) == (period * 4)[:64]  # where it does not pay
+    where_it_does_not_pay = [0] * 15 + [1, 1] + [0] * 31 + [1, 1] + [0] * 14
+    assert [0] * plain + run(pol, 64 - plain, unlucky) == where_it_does_not_pay
     with pytest.raises(ValueError, match="probe_every"):
         build_policy(policy, defaults={"probe_every": -1})
 
@@ -920,13 +920,15 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
 
 def test_a_probe_drafts_the_length_drafted_last():
     """A probe measures the positions whose estimate made the policy stop: the length drafted
-    last, the plan's best draft before any; ``rounds`` rounds of it, then the streak counts again."""
+    last, the plan's best draft before any; ``rounds`` rounds of it, then the streak counts again,
+    to twice as long after a probe that found nothing (the plan still plain), back to ``every``
+    once the plan drafts by itself."""
     probe = PlainProbe(every=3, rounds=2)
     rates = [1.0, 0.7, 0.9, 0.8]  # the best draft by rate: 2 positions
-    assert [probe(0, rates) for _ in range(6)] == [0, 0, 2, 2, 0, 0]
-    assert probe(3, rates) == 3 and not probe.fired  # the plan's own draft resets the streak
+    assert [probe(0, rates) for _ in range(9)] == [0, 0, 2, 2, 0, 0, 0, 0, 0]
+    assert probe(3, rates) == 3 and not probe.fired  # the plan's own draft: the wait back to 3
     assert [probe(0, rates) for _ in range(5)] == [0, 0, 3, 3, 0] and not probe.fired
-    assert [probe(0, rates[:2]) for _ in range(3)] == [0, 1, 1]  # longer than the block: its best
+    assert [probe(0, rates[:2]) for _ in range(6)] == [0, 0, 0, 0, 1, 1]  # 3 longer than the block
     assert PlainProbe(every=0)(0, rates) == 0 and probe(0, [1.0]) == 0
     with pytest.raises(ValueError, match="lasts"):
         PlainProbe(rounds=0)

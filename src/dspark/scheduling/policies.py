@@ -549,7 +549,8 @@ PROBE_ROUNDS = 2  # drafting rounds a probe lasts: at R = 256, enough for the es
 
 
 class PlainProbe:
-    """Drafting tried for ``rounds`` rounds once ``every`` plain rounds ran in a row. The acceptance
+    """Drafting tried for ``rounds`` rounds once ``every`` plain rounds ran in a row (then after
+    longer streaks while probes find nothing). The acceptance
     estimate learns only from rounds that draft, so a policy that went plain on a low estimate keeps
     that estimate until something drafts: one unlucky stretch could rule speculation out for the
     rest of a run (the H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for
@@ -557,10 +558,12 @@ class PlainProbe:
     again only in the batch's drain; a replay with three rounds at half the acceptance at a run's
     start does the same). A probe drafts the length drafted last (the positions whose estimate
     made the policy stop; before any draft, the plan's best draft) and verifies it whole. In that
-    replay two probe rounds brought drafting back after 128 plain rounds, one round after 256 and
-    the plan's best draft (there 1 or 2 positions) only in the drain. Where plain decoding is right
-    a probe costs ~0.3 ms a round (T = 1, R = 256 on the H100: ~0.3 % of throughput at 128 / 2).
-    ``every = 0``: never. Counters only: non-anticipating."""
+    replay (``lock_replay``) two probe rounds brought drafting back after 128 plain rounds, where
+    probing the plan's best draft (there 1 or 2 positions) took twice as long. Where plain decoding
+    is right a probe round costs 0.3-0.6 ms (T = 1, R = 256 on the H100, 2 or 3 positions), so each
+    probe that does not bring drafting back doubles the wait for the next (up to ``8 · every``), and
+    a round the plan drafts by itself sets it back to ``every``. ``every = 0``: never. Counters
+    only: non-anticipating."""
 
     def __init__(self, every: int = PROBE_EVERY, rounds: int = PROBE_ROUNDS) -> None:
         if int(every) < 0:
@@ -575,6 +578,7 @@ class PlainProbe:
         self._plain = 0  # plain rounds in a row
         self._left = 0  # the probe's rounds still to draft
         self._last = 0  # the length drafted last (0: none yet)
+        self._wait = self.every  # plain rounds before the next probe
 
     def __call__(self, drafted: int, rates: list[float]) -> int:
         """``drafted`` as planned, or a probe's draft where this plain round ends a streak of
@@ -582,13 +586,15 @@ class PlainProbe:
         self.fired = False
         if drafted or not self.every or len(rates) < 2:
             self._plain = self._left = 0
-            self._last = drafted or self._last
+            if drafted:
+                self._last, self._wait = drafted, self.every
             return drafted
         if not self._left:
             self._plain += 1
-            if self._plain < self.every:
+            if self._plain < self._wait:
                 return 0
             self._plain, self._left = 0, self.rounds
+            self._wait = min(2 * self._wait, 8 * self.every)  # unless the plan drafts again
         self._left -= 1
         self.fired = True
         if 0 < self._last < len(rates):
