@@ -550,9 +550,9 @@ PROBE_ROUNDS = 2  # drafting rounds a probe lasts: at R = 256, enough for the es
 
 class PlainProbe:
     """Drafting tried for ``rounds`` rounds once ``every`` plain rounds ran in a row (then after
-    longer streaks while probes find nothing). The acceptance
-    estimate learns only from rounds that draft, so a policy that went plain on a low estimate keeps
-    that estimate until something drafts: one unlucky stretch could rule speculation out for the
+    longer streaks while probes find nothing). The acceptance estimate learns only from rounds
+    that draft, so a policy that went plain on a low estimate keeps that estimate until something
+    drafts: one unlucky stretch could rule speculation out for the
     rest of a run (the H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for
     one of their three runs, where fixed γ = 3 ran 7 % above target-only at the load, and drafted
     again only in the batch's drain; a replay with three rounds at half the acceptance at a run's
@@ -581,8 +581,8 @@ class PlainProbe:
         self._wait = self.every  # plain rounds before the next probe
 
     def __call__(self, drafted: int, rates: list[float]) -> int:
-        """``drafted`` as planned, or a probe's draft where this plain round ends a streak of
-        ``every`` or follows a probe's first round (``rates``: per length ``0..γ``)."""
+        """``drafted`` as planned, or a probe's draft where this plain round ends a long enough
+        streak or follows a probe's first round (``rates``: per length ``0..γ``)."""
         self.fired = False
         if drafted or not self.every or len(rates) < 2:
             self._plain = self._left = 0
