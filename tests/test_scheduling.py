@@ -916,6 +916,10 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
     report = main(args)
     assert json.loads((tmp_path / "replay.json").read_text())["replays"] == report["replays"]
     assert report["replays"]["32"] == probed[:2] and "| 32 | 1 |" in capsys.readouterr().out
+    for bad in (["--probe-every", "0,-1"], ["--probe-every", "x"], ["--acceptance", "0.6,1.5"]):
+        with pytest.raises(SystemExit):  # refused before any replay runs
+            main([*args[:2], *bad])
+        assert "--" + bad[0][2:] in capsys.readouterr().err
 
 
 def test_a_probe_drafts_the_length_drafted_last():

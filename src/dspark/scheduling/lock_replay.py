@@ -107,11 +107,17 @@ def main(argv=None) -> dict:
     acceptance = _floats(args.acceptance)
     if not acceptance or not all(0 <= a <= 1 for a in acceptance):
         ap.error(f"--acceptance {args.acceptance}: give rates in [0, 1], one per draft position")
+    try:
+        probes = [int(x) for x in args.probe_every.split(",") if x.strip()]
+    except ValueError:
+        probes = []
+    if not probes or min(probes) < 0:
+        ap.error(f"--probe-every {args.probe_every}: give plain-round counts >= 0, e.g. 0,128")
     cost = CostModel.load(args.cost_table)
     report = {"args": vars(args), "replays": {}}
     print("| probe_every | run | rounds | plain at the load | drafting at the load |")
     print("|---:|---:|---:|---:|---:|")
-    for every in (int(x) for x in args.probe_every.split(",")):
+    for every in probes:
         runs = replay(
             cost, args.policy, args.rows, args.requests, args.runs, acceptance, args.dip_run,
             args.dip_rounds, args.dip_factor, every, args.seed,

@@ -560,7 +560,8 @@ class PlainProbe:
     made the policy stop; before any draft, the plan's best draft) and verifies it whole. In that
     replay (``lock_replay``) two probe rounds brought drafting back after 128 plain rounds, where
     probing the plan's best draft (there 1 or 2 positions) took twice as long. Where plain decoding
-    is right a probe round costs 0.3-0.6 ms (T = 1, R = 256 on the H100, 2 or 3 positions), so each
+    is right a probe round costs 0.3-0.6 ms (the H100 run's T = 1 table prices 2 or 3 positions at
+    R = 256; not measured), so each
     probe that does not bring drafting back doubles the wait for the next (up to ``8 · every``), and
     a round the plan drafts by itself sets it back to ``every``. ``every = 0``: never. Counters
     only: non-anticipating."""
