@@ -16,6 +16,7 @@ from dspark.core.errors import ConfigError
 from dspark.scheduling.cost import CostModel, CostTableError, profile
 from dspark.scheduling.policies import (
     POLICIES,
+    PROBE_EVERY,
     AcceptanceEstimate,
     AsyncTopK,
     DraftAware,
@@ -893,6 +894,12 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
         build_policy(policy, defaults={"probe_every": -1})
 
 
+LOCK_COST = CostModel(
+    {1: 1.0, 4096: 1.0},
+    round_len_ms={0: {1: 1.0, 128: 1.1}, 1: {1: 1.5, 128: 1.6}, 2: {1: 1.6, 128: 1.7}, 3: {1: 1.7, 128: 1.8}},
+)
+
+
 @pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
 def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path, capsys):
     """``lock_replay`` (issue 18's T = 0, R = 256 run, replayed): four rounds at 0.3 of the
@@ -901,25 +908,53 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
     Run 0, before the dip, drafts alike either way."""
     from dspark.scheduling.lock_replay import main, replay
 
-    rounds = {0: {1: 1.0, 128: 1.1}, 1: {1: 1.5, 128: 1.6}, 2: {1: 1.6, 128: 1.7}, 3: {1: 1.7, 128: 1.8}}
-    cost = CostModel({1: 1.0, 4096: 1.0}, round_len_ms=rounds)
     kw = dict(rows=128, requests=384, runs=3, acceptance=(0.6, 0.64, 0.58), dip_rounds=4, dip_factor=0.3)
-    stuck, probed = (replay(cost, policy, probe_every=every, **kw) for every in (0, 32))
+    stuck, probed = (replay(LOCK_COST, policy, probe_every=every, **kw) for every in (0, 32))
     assert stuck[1]["plain_at_load"] > 0.8 * stuck[1]["rounds"] and stuck[1]["drafting_at_load"] < 8
     assert probed[1]["plain_at_load"] <= 32 and probed[1]["drafting_at_load"] > 100
     assert stuck[0] == probed[0] and stuck[0]["plain_at_load"] == 0
-    cost.save(tmp_path / "cost.json")
-    args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", policy, "--rows", "128",
+    assert probed[1]["ms"] < 0.85 * stuck[1]["ms"]  # the simulated run's time
+    LOCK_COST.save(tmp_path / "cost.json")
+    args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", f"{policy},fixed_3", "--rows", "128",
             "--requests", "384", "--runs", "2", "--acceptance", "0.6,0.64,0.58", "--dip-rounds", "4",
             "--dip-factor", "0.3", "--probe-every", "0,32",
             "--out", str(tmp_path / "replay.json")]  # fmt: skip
     report = main(args)
     assert json.loads((tmp_path / "replay.json").read_text())["replays"] == report["replays"]
-    assert report["replays"]["32"] == probed[:2] and "| 32 | 1 |" in capsys.readouterr().out
-    for bad in (["--probe-every", "0,-1"], ["--probe-every", "x"], ["--acceptance", "0.6,1.5"]):
+    entries = [(e["policy"], e["probe_every"]) for e in report["replays"]]
+    assert entries == [(policy, 0), (policy, 32), ("fixed_3", 0)]  # a fixed length never probes
+    assert report["replays"][1]["runs"] == probed[:2] and f"| {policy} | 32 | 1 |" in capsys.readouterr().out
+    bad_args = (["--probe-every", "0,-1"], ["--probe-every", "x"], ["--acceptance", "0.6,1.5"],
+                ["--policy", "fixed_9"], ["--policy", "threshold"], ["--phase-dip", "40,15,0.8"],
+                ["--phase-dip", "15,40"])  # fmt: skip
+    for bad in bad_args:
         with pytest.raises(SystemExit):  # refused before any replay runs
             main([*args[:2], *bad])
-        assert "--" + bad[0][2:] in capsys.readouterr().err
+        assert bad[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_a_first_probe_soon_ends_a_lock_on_a_stretch_every_answer_passes(policy):
+    """The H100 run of 2026-12-06-b (T = 0, R = 256): the estimate fell while every answer of a
+    batch started together was at its tokens ~15-40, and the probe after 128 plain rounds met the
+    next wave of requests in that same stretch (answers of up to 128 tokens). Replayed with such a
+    stretch at 0.4 of the acceptance: no probe and a first probe after 128 plain rounds leave runs
+    plain and 8-12 % slower than fixed γ = 3; a first probe after 32 plain rounds (the default)
+    drafts again within each run (fewer than 40 % of the plain rounds at the load) and comes within
+    1.5 % of it."""
+    from dspark.scheduling.lock_replay import replay
+
+    kw = dict(
+        rows=128, requests=384, runs=3, acceptance=(0.6, 0.64, 0.58), dip_rounds=0, phase_dip=(10, 40, 0.4)
+    )
+    ms = {
+        e: sum(r["ms"] for r in replay(LOCK_COST, policy, probe_every=e, **kw)) for e in (0, 128, PROBE_EVERY)
+    }
+    fixed = sum(r["ms"] for r in replay(LOCK_COST, "fixed_3", **kw))
+    assert PROBE_EVERY == 32 and ms[0] > 1.08 * fixed and ms[128] > 1.08 * fixed
+    assert ms[PROBE_EVERY] < 1.015 * fixed
+    stuck, probed = (replay(LOCK_COST, policy, probe_every=e, **kw) for e in (0, PROBE_EVERY))
+    assert all(p["plain_at_load"] < 0.4 * s["plain_at_load"] for p, s in zip(probed, stuck))
 
 
 def test_a_probe_drafts_the_length_drafted_last():
@@ -934,6 +969,8 @@ def test_a_probe_drafts_the_length_drafted_last():
     assert [probe(0, rates) for _ in range(5)] == [0, 0, 3, 3, 0] and not probe.fired
     assert [probe(0, rates[:2]) for _ in range(6)] == [0, 0, 0, 0, 1, 1]  # 3 longer than the block
     assert PlainProbe(every=0)(0, rates) == 0 and probe(0, [1.0]) == 0
+    capped = PlainProbe(every=2, rounds=1, longest=4)  # waits 2, 4, 4: fruitless probes double it up to 4
+    assert [capped(0, rates) for _ in range(14)] == [0, 2, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 2]
     with pytest.raises(ValueError, match="lasts"):
         PlainProbe(rounds=0)
 

@@ -542,9 +542,11 @@ def _best(rates: list[float], margin: float) -> int:
     return best if best == 0 or rates[best] >= (1.0 + margin) * rates[0] else 0
 
 
-# A load-aware policy drafts after this many plain rounds in a row (``PlainProbe``): rare enough to
-# cost little where plain decoding is right, often enough to end a lock on a stale estimate in a run.
-PROBE_EVERY = 128
+# A load-aware policy drafts after this many plain rounds in a row (``PlainProbe``), then after twice
+# as many while probes find nothing, up to ``PROBE_LONGEST``: soon enough to end a lock on a stale
+# estimate within a run, rare enough later to cost little where plain decoding is right.
+PROBE_EVERY = 32
+PROBE_LONGEST = 1024
 PROBE_ROUNDS = 2  # drafting rounds a probe lasts: at R = 256, enough for the estimate to be mostly fresh
 
 
@@ -552,26 +554,32 @@ class PlainProbe:
     """Drafting tried for ``rounds`` rounds once ``every`` plain rounds ran in a row (then after
     longer streaks while probes find nothing). The acceptance estimate learns only from rounds
     that draft, so a policy that went plain on a low estimate keeps that estimate until something
-    drafts: one unlucky stretch could rule speculation out for the
-    rest of a run (the H100, 2026-12-06, T = 0, R = 256: both load-aware schedulers went plain for
-    one of their three runs, where fixed γ = 3 ran 7 % above target-only at the load, and drafted
-    again only in the batch's drain; a replay with three rounds at half the acceptance at a run's
-    start does the same). A probe drafts the length drafted last (the positions whose estimate
-    made the policy stop; before any draft, the plan's best draft) and verifies it whole. In that
-    replay (``lock_replay``) two probe rounds brought drafting back after 128 plain rounds, where
-    probing the plan's best draft (there 1 or 2 positions) took twice as long. Where plain decoding
-    is right a probe round costs 0.3-0.6 ms (the H100 run's T = 1 table prices 2 or 3 positions at
-    R = 256; not measured), so each
-    probe that does not bring drafting back doubles the wait for the next (up to ``8 · every``), and
-    a round the plan drafts by itself sets it back to ``every``. ``every = 0``: never. Counters
-    only: non-anticipating."""
+    drafts: one unlucky stretch could rule speculation out for the rest of a run. On the H100
+    (2026-12-06 and -b, T = 0, R = 256) both load-aware schedulers went plain for one of their
+    three runs, where fixed γ = 3 ran 7 % above target-only at the load; the runs' plans show the
+    estimate falling in rounds 7-15, while every answer of the batch, all started together, was
+    at its tokens ~15-40, and the probe after 128 plain rounds landed in the same stretch of the
+    next wave of requests (answers of up to 128 tokens: 128 plain rounds), so it found nothing.
+    A probe drafts the length drafted last (the positions whose estimate made the policy stop;
+    before any draft, the plan's best draft) and verifies it whole. ``lock_replay`` with such a
+    stretch (``--phase-dip 15,40,0.8`` with the -b run's tables and acceptances, three runs): a first
+    probe after 32 plain rounds rather than 128 brings both policies at T = 0, R = 256 from 4-5 %
+    behind the best fixed length to 1-2 %; at T = 1, R = 256, where plain decoding is right,
+    probes cost 0.8 % of the runs' time against none, 0.1 % more than with the first after 128
+    (simulated, not measured). Each probe that
+    does not bring drafting back doubles the wait for the next (up to ``longest``), and a round
+    the plan drafts by itself sets it back to ``every``. ``every = 0``: never. Counters only:
+    non-anticipating."""
 
-    def __init__(self, every: int = PROBE_EVERY, rounds: int = PROBE_ROUNDS) -> None:
+    def __init__(
+        self, every: int = PROBE_EVERY, rounds: int = PROBE_ROUNDS, longest: int = PROBE_LONGEST
+    ) -> None:
         if int(every) < 0:
             raise ValueError(f"probe_every must be >= 0 plain rounds (0: never probe), got {every}")
         if int(rounds) < 1:
             raise ValueError(f"a probe lasts >= 1 round, got {rounds}")
         self.every, self.rounds = int(every), int(rounds)
+        self.longest = max(int(longest), self.every)  # the longest wait between probes
         self.reset()
 
     def reset(self) -> None:
@@ -595,7 +603,7 @@ class PlainProbe:
             if self._plain < self._wait:
                 return 0
             self._plain, self._left = 0, self.rounds
-            self._wait = min(2 * self._wait, 8 * self.every)  # unless the plan drafts again
+            self._wait = min(2 * self._wait, self.longest)  # unless the plan drafts again
         self._left -= 1
         self.fired = True
         if 0 < self._last < len(rates):
