@@ -566,10 +566,9 @@ class PlainProbe:
     probe after 32 plain rounds rather than 128 brings both policies at T = 0, R = 256 from 4-5 %
     behind the best fixed length to 1-2 %; at T = 1, R = 256, where plain decoding is right,
     probes cost 0.8 % of the runs' time against none, 0.1 % more than with the first after 128
-    (simulated, not measured). Each probe that
-    does not bring drafting back doubles the wait for the next (up to ``longest``), and a round
-    the plan drafts by itself sets it back to ``every``. ``every = 0``: never. Counters only:
-    non-anticipating."""
+    (simulated, not measured). Each probe that does not bring drafting back doubles the wait for
+    the next (up to ``longest``), and a round the plan drafts by itself sets it back to ``every``.
+    ``every = 0``: never. Counters only: non-anticipating."""
 
     def __init__(
         self, every: int = PROBE_EVERY, rounds: int = PROBE_ROUNDS, longest: int = PROBE_LONGEST
