@@ -13,7 +13,7 @@
 #      (python -m dspark.bench.engine_sps); then
 #   3. python -m dspark.bench.e2e at that temperature with its table, R = 1, 16, 64, 256:
 #      target-only, fixed γ = 7, 5, 3 and 1 (mtp1), threshold, hardware_aware and draft_aware
-#      (E2E_POLICIES: fewer, when minutes are short; E2E_CONCURRENCY: fewer R, e.g. the headline
+#      (E2E_POLICIES: fewer, when minutes are short, or variants, e.g. draft_aware:probe_every=128; E2E_CONCURRENCY: fewer R, e.g. the headline
 #      "E2E_TEMPERATURES=0 E2E_CONCURRENCY=1 E2E_POLICIES=fixed SPEC_DIAGNOSE=0" in about two minutes;
 #      gsm8k, 32 prompts, 128 new tokens, bf16, fast engine, compiled on CUDA; E2E_WAVES · R requests
 #      through the R slots, default 1: one batch, its speeds at the load R reported apart from its drain);

@@ -135,7 +135,8 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     CostModel({1: 1.0, 2: 2.0, 3: 4.0, 16: 64.0}, draft_ms={1: 5.0}, meta={"temperature": 1.0}).save(cost)
     e2e.main(
         ["--drafter-dir", str(drafter), "--benchmark-dir", str(bench), "--prompts", "2",
-         "--concurrency", "1,2", "--max-new-tokens", "4", "--policies", "fixed,mtp1,draft_aware",
+         "--concurrency", "1,2", "--max-new-tokens", "4",
+         "--policies", "fixed,mtp1,draft_aware,draft_aware:probe_every=1",
          "--temperature", "0,1", "--cost-table", str(cost), "--repeats", "2", "--out", str(out),
          "target=tiny"]
     )  # fmt: skip
@@ -148,7 +149,14 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
     for r in report["rows"]:  # each repeat says where its slowest round was
         assert all(rep["slowest_round"]["ms"] == rep["max_ms_round"] for rep in r["repeats"])
     rows = report["rows"]
-    runs = ["target_only", "dspark/fixed", "dspark/mtp1", "dspark/draft_aware"]
+    # a policy's variant (``name:argument=value``) runs beside it under its own name
+    runs = [
+        "target_only",
+        "dspark/fixed",
+        "dspark/mtp1",
+        "dspark/draft_aware",
+        "dspark/draft_aware:probe_every=1",
+    ]
     assert [(r["temperature"], r["run"], r["concurrency"]) for r in rows] == [
         (t, run, R) for t in (0.0, 1.0) for R in (1, 2) for run in runs
     ]
@@ -179,16 +187,22 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
             assert r["tau"] == 1
         else:
             assert r["speedup_per_user"] > 0
-        want = {"target_only": 0, "dspark/fixed": 4, "dspark/mtp1": 1, "dspark/draft_aware": 0}[r["run"]]
-        assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
-        assert {g["drafted"] for g in r["by_length"]} == {want}
+        if r["run"] == "dspark/draft_aware:probe_every=1":  # a probe after each plain round: it drafts
+            assert r["drafted_per_round"] > 0 and r["plans"]["drafting_rounds"] > 0
+            assert 0 in {g["drafted"] for g in r["by_length"]}  # and still declines to, in between
+        else:
+            want = {"target_only": 0, "dspark/fixed": 4, "dspark/mtp1": 1, "dspark/draft_aware": 0}[r["run"]]
+            assert r["drafted_per_round"] == want  # mtp1 drafts only the position it verifies
+            assert {g["drafted"] for g in r["by_length"]} == {want}
         assert all(g["priced_ms"] > 0 for g in r["by_length"])
         # round by round, under the policy that weighs drafted lengths, in each repeat (its sums in
         # the median's point)
-        if r["run"] != "dspark/draft_aware":
+        if "draft_aware" not in r["run"]:
             assert r["plans"] is None and all(rep["plans"] is None for rep in r["repeats"])
-        else:  # the random drafter: every round plain, each of the 5 lengths weighed against it
+        elif (
+            r["run"] == "dspark/draft_aware"
+        ):  # the random drafter: every round plain, each of the 5 lengths weighed against it
             assert r["plans"]["plain_rounds"] == r["rounds"] and "over_plain" not in r["plans"]
             for plans in (rep["plans"] for rep in r["repeats"]):
                 assert plans["drafted"] == [0] * plans["plain_rounds"]

@@ -507,6 +507,24 @@ def test_build_policy_registry():
     assert build_policy("hardware_aware", defaults=defaults).check is False
 
 
+def test_a_policy_name_can_carry_arguments():
+    """``<name>:<argument>=<value>``: a variant to compare beside the default under one name (e2e's
+    ``--policies``); its values read as ints, floats or booleans, and override the defaults."""
+    p = build_policy(
+        "draft_aware:probe_every=128:plain_margin=0.02:round_clock=false", defaults={"probe_every": 7}
+    )
+    assert (p.probe_every, p.plain_margin, p.clock) == (128, 0.02, None)
+    assert build_policy("threshold_0.3:window=2").window == 2
+    with pytest.raises(ConfigError, match="'probe_every' is not <argument>=<value>"):
+        build_policy("draft_aware:probe_every")
+    with pytest.raises(ConfigError, match=r"it takes .*, not \['foo'\]"):
+        build_policy("draft_aware:foo=1")
+    with pytest.raises(ConfigError, match="probe_every must be >= 0"):
+        build_policy("hardware_aware:probe_every=-1")
+    with pytest.raises(ConfigError, match="gamma given twice"):
+        build_policy("fixed_3:gamma=2")
+
+
 def test_policies_declare_what_they_need():
     """The engine and the stages ask the policy object; a wrapper answers for what it wraps."""
     need = {n: (build_policy(n).needs_confidence, build_policy(n).needs_cost) for n in POLICIES}

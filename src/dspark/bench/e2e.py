@@ -8,12 +8,14 @@
 
 For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k
 queues k · R requests behind them, continuous batching: a request that ends hands its slot on) run
-target-only and with the drafter under each policy, each timed run after an untimed warm-up of R
-short requests, ``--repeats`` times from the same seed (in turns across the policies, each turn
-starting one policy later, so a drift of the device lands on all alike): the run of median throughput
-is the point, every run's speeds are listed with it, so one run's one-off stall neither sets nor hides
-in the numbers. Reported per point, from the engine's own round timings (prefill excluded, as in
-``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the
+target-only and with the drafter under each policy (a name with ``:argument=value`` pairs, e.g.
+``draft_aware:probe_every=128``, runs that variant beside the others), each timed run after an
+untimed warm-up of R short requests, ``--repeats`` times from the same seed (in turns across the
+policies, each turn starting one policy later, so a drift of the device lands on all alike): the
+run of median throughput is the point, every run's speeds are listed with it, so one run's
+one-off stall neither sets nor hides in the numbers. Reported per point, from the engine's own
+round timings (prefill excluded, as in ``python -m dspark.schedule mode=measured``): aggregate
+tokens/s, mean tokens/s per user, τ, the
 mean round's time on the device's timeline (and its median and slowest round, with the one-off work
 counted around it: graph captures, compiles, GC passes), the device's work, the host's own work,
 its waits for a read-back of the verify width, the host's cycle from one round's completion to the
@@ -56,7 +58,9 @@ def _parse(argv):
     )  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", default="0", help="one or more, comma-separated")
-    ap.add_argument("--policies", default="fixed")
+    ap.add_argument(
+        "--policies", default="fixed", help="comma list of policy names; name:argument=value runs a variant"
+    )
     ap.add_argument("--cost-table", default=None, help="needed by hardware_aware / async_topk")
     ap.add_argument("--drafter-dtype", default="target", choices=["target", "float32"])
     ap.add_argument(

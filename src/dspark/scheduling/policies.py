@@ -1341,7 +1341,9 @@ def build_policy(
     ``spec``: a policy config (conf/policy/*.yaml, e.g. ``{name: threshold, threshold: 0.5}``; its
     keys are the policy's arguments) or a sweep name: ``fixed`` (the whole block), ``fixed_<g>``,
     ``mtp1``, ``threshold``, ``threshold_<t>``, ``hardware_aware``, ``async_topk``,
-    ``draft_aware``, ``retrospective`` (not lossless: diagnostics only). Names are case- and dash-insensitive.
+    ``draft_aware``, ``retrospective`` (not lossless: diagnostics only), each optionally followed by
+    ``:<argument>=<value>`` pairs (``draft_aware:probe_every=128``: a variant to run beside the
+    default in one comparison). Names are case- and dash-insensitive.
     ``defaults``: arguments for the policies that take them when the spec leaves them out (the
     others ignore them), e.g. the schedule's ``threshold`` and ``delay``. ``gamma``: the longest
     draft any policy may verify (a longer fixed length is refused); when the drafter's ``block`` is
@@ -1373,6 +1375,18 @@ def build_policy(
     return policy
 
 
+def _literal(text: str) -> int | float | bool | str:
+    """A policy argument written in a name (``key=value``): an int, a float, true / false, or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _policy_args(spec: str | Mapping[str, Any]) -> dict[str, Any]:
     """``{"name": <normalised>, <argument>: <value>, …}`` from a config mapping or a sweep name."""
     if isinstance(spec, DictConfig):
@@ -1382,11 +1396,21 @@ def _policy_args(spec: str | Mapping[str, Any]) -> dict[str, Any]:
         if "name" not in args:
             raise ConfigError(f"policy config {args} has no name")
     else:
-        args = {"name": str(spec)}
+        name, *pairs = str(spec).split(":")
+        args = {"name": name}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not (eq and key.strip() and value.strip()):
+                raise ConfigError(
+                    f"policy {spec!r}: '{pair}' is not <argument>=<value> (e.g. draft_aware:probe_every=128)"
+                )
+            args[key.strip()] = _literal(value.strip())
     args["name"] = str(args["name"]).strip().lower().replace("-", "_")
     m = _SWEEP_NAME.fullmatch(args["name"])
     if m:
         key, kind = _SWEEP_ARG[m.group(1)]
+        if key in args:
+            raise ConfigError(f"policy {spec}: {key} given twice (by the name and as an argument)")
         args["name"] = m.group(1)
         try:
             args[key] = kind(m.group(2))
