@@ -912,6 +912,43 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
         build_policy(policy, defaults={"probe_every": -1})
 
 
+@pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
+def test_keep_margin_keeps_a_drafting_policy_drafting_near_break_even(policy):
+    """Once the plan drafts, ``keep_margin`` stands for ``plain_margin``: here one drafted position
+    is expected 3 % above a plain round's rate at its true acceptance (0.6). With the default (the
+    5 % margin both ways) the policy stops drafting once it has measured that; with ``keep_margin=0``
+    it drafts on, while a policy that is plain at that estimate stays plain (entering still needs
+    5 %), and a probe's draft does not count as the plan's."""
+    drafting = 1.6 * 1.6 / 1.03  # ms: 1.6 tokens a row at 0.6, 3 % above a plain round's rate
+    cost = CostModel(
+        {1: 1.0, 4096: 1.0}, round_len_ms={0: {1: 1.6, 256: 1.6}, 1: {1: drafting, 256: drafting}}
+    )
+    true = np.arange(256) % 5 < 3  # accepted 60 % of the time
+
+    def run(pol, n):
+        drafted = []
+        for _ in range(n):
+            m = pol.draft_length(256, 1, cost)
+            drafted.append(m)
+            pol.observe_round(np.full(256, m), (true & (m > 0)).astype(np.int64))
+        return drafted
+
+    def build(**kw):
+        return build_policy(policy, defaults={"check": False, "round_clock": False, "probe_every": 0, **kw})
+
+    assert run(build(), 12)[-4:] == [0] * 4  # measured 3 %, below the margin: plain
+    assert run(build(keep_margin=0.0), 12) == [1] * 12  # drafting from the prior on, and kept
+    plain = build(keep_margin=0.0)
+    plain.observe_round(np.full(256, 1), true.astype(np.int64))  # measured before its first plan
+    assert run(plain, 12) == [0] * 12  # 3 % does not start drafting
+    probed = build(keep_margin=0.0, probe_every=4)
+    probed.observe_round(np.full(256, 1), true.astype(np.int64))
+    assert run(probed, 12) == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]  # a probe's draft: not the plan's
+    assert build().keep_margin == build().plain_margin == 0.05
+    with pytest.raises(ConfigError, match="keep_margin must be a finite share"):
+        build(keep_margin=-0.1)
+
+
 LOCK_COST = CostModel(
     {1: 1.0, 4096: 1.0},
     round_len_ms={0: {1: 1.0, 128: 1.1}, 1: {1: 1.5, 128: 1.6}, 2: {1: 1.6, 128: 1.7}, 3: {1: 1.7, 128: 1.8}},
@@ -933,14 +970,22 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
     assert stuck[0] == probed[0] and stuck[0]["plain_at_load"] == 0
     assert probed[1]["ms"] < 0.85 * stuck[1]["ms"]  # the simulated run's time
     LOCK_COST.save(tmp_path / "cost.json")
-    args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", f"{policy},fixed_3", "--rows", "128",
-            "--requests", "384", "--runs", "2", "--acceptance", "0.6,0.64,0.58", "--dip-rounds", "4",
-            "--dip-factor", "0.3", "--probe-every", "0,32",
+    policies = f"{policy},{policy}:keep_margin=0,fixed_3"
+    args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", policies,
+            "--rows", "128", "--requests", "384", "--runs", "2", "--acceptance", "0.6,0.64,0.58",
+            "--dip-rounds", "4", "--dip-factor", "0.3", "--probe-every", "0,32",
             "--out", str(tmp_path / "replay.json")]  # fmt: skip
     report = main(args)
     assert json.loads((tmp_path / "replay.json").read_text())["replays"] == report["replays"]
     entries = [(e["policy"], e["probe_every"]) for e in report["replays"]]
-    assert entries == [(policy, 0), (policy, 32), ("fixed_3", 0)]  # a fixed length never probes
+    variant = f"{policy}:keep_margin=0"  # a variant replays beside the policy
+    assert entries == [
+        (policy, 0),
+        (policy, 32),
+        (variant, 0),
+        (variant, 32),
+        ("fixed_3", 0),
+    ]  # fixed: no probes
     assert report["replays"][1]["runs"] == probed[:2] and f"| {policy} | 32 | 1 |" in capsys.readouterr().out
     bad_args = (["--probe-every", "0,-1"], ["--probe-every", "x"], ["--acceptance", "0.6,1.5"],
                 ["--policy", "fixed_9"], ["--policy", "threshold"], ["--phase-dip", "40,15,0.8"],

@@ -108,13 +108,18 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _policies(text: str, gamma: int) -> list[str]:
-    """The comma list's names, each a load-aware policy or a fixed length (``fixed_<g>``, g <= γ)."""
+    """The comma list's names, each a load-aware policy (or a variant of one,
+    ``draft_aware:keep_margin=0.02``) or a fixed length (``fixed_<g>``, g <= γ)."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     for name in names:
         g = name[len("fixed_") :] if name.startswith("fixed_") else None
-        if name not in LOAD_AWARE and not (g is not None and g.isdigit() and int(g) <= gamma):
+        if not _load_aware(name) and not (g is not None and g.isdigit() and int(g) <= gamma):
             return []
     return names
+
+
+def _load_aware(name: str) -> bool:
+    return name.split(":")[0] in LOAD_AWARE
 
 
 def main(argv=None) -> dict:
@@ -125,7 +130,9 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--cost-table", required=True, help="a cost table (engine_sps --cost-table)")
     ap.add_argument(
-        "--policy", default="draft_aware", help="comma list: draft_aware, hardware_aware, fixed_<g>"
+        "--policy",
+        default="draft_aware",
+        help="comma list: draft_aware, hardware_aware (or variants, draft_aware:keep_margin=0.02), fixed_<g>",
     )
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--requests", type=int, default=1024)
@@ -174,7 +181,7 @@ def main(argv=None) -> dict:
     print("| policy | probe_every | run | rounds | ms | plain at the load | drafting at the load |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for policy in policies:
-        for every in probes if policy in LOAD_AWARE else [0]:  # a fixed length never probes
+        for every in probes if _load_aware(policy) else [0]:  # a fixed length never probes
             runs = replay(
                 cost, policy, args.rows, args.requests, args.runs, acceptance, args.dip_run,
                 args.dip_rounds, args.dip_factor, every, phase, args.seed,

@@ -525,9 +525,9 @@ def _decay(value: float) -> float:
     return float(value)
 
 
-def _margin(value: float) -> float:
+def _margin(value: float, name: str = "plain_margin") -> float:
     if not (math.isfinite(float(value)) and float(value) >= 0):
-        raise ValueError(f"plain_margin must be a finite share >= 0 (0.05: 5 %), got {value}")
+        raise ValueError(f"{name} must be a finite share >= 0 (0.05: 5 %), got {value}")
     return float(value)
 
 
@@ -583,6 +583,7 @@ class PlainProbe:
 
     def reset(self) -> None:
         self.fired = False  # whether the last call turned a plain round into a probe
+        self.drafting = False  # whether the last call passed on the plan's own draft
         self._plain = 0  # plain rounds in a row
         self._left = 0  # the probe's rounds still to draft
         self._last = 0  # the length drafted last (0: none yet)
@@ -591,7 +592,7 @@ class PlainProbe:
     def __call__(self, drafted: int, rates: list[float]) -> int:
         """``drafted`` as planned, or a probe's draft where this plain round ends a long enough
         streak or follows a probe's first round (``rates``: per length ``0..γ``)."""
-        self.fired = False
+        self.fired, self.drafting = False, drafted > 0
         if drafted or not self.every or len(rates) < 2:
             self._plain = self._left = 0
             if drafted:
@@ -626,10 +627,14 @@ def _plan(
     clock: RoundClock | None,
     margin: float,
     probe: PlainProbe | None = None,
+    keep: float | None = None,
 ) -> int:
     """``plan_draft`` from the drafts a row is expected to get accepted (``_accepted_sums``): the
     tokens ``R · (1 + accepted)`` a round of each length is expected to emit, priced alike; a
-    plain round may turn into ``probe``'s draft."""
+    plain round may turn into ``probe``'s draft. Where the last round drafted by the plan's own
+    choice, ``keep`` (when given) stands for ``margin``."""
+    if keep is not None and probe is not None and probe.drafting:
+        margin = keep
     tokens = [rows * (1.0 + s) for s in accepted]
     if clock is None:
         rates = [n / t for n, t in zip(tokens, cost.round_seconds(rows, len(tokens) - 1))]
@@ -806,10 +811,11 @@ class HardwareAware(Policy):
     Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected
     rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
     drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
-    verify width) when speculation cannot pay at this load by ``plain_margin``; the same choice as
-    ``DraftAware``, its cost table corrected by the rounds' clock (``RoundClock``;
-    ``round_clock=False``: the table alone), a long plain streak ended by a probe (``PlainProbe``,
-    ``probe_every``; a probe verifies its whole draft). Then, if the verification it expects to save exceeds
+    verify width) when speculation cannot pay at this load by ``plain_margin`` (``keep_margin``
+    once drafting); the same choice as ``DraftAware``, its cost table corrected by the rounds'
+    clock (``RoundClock``; ``round_clock=False``: the table alone), a long plain streak ended by a
+    probe (``PlainProbe``, ``probe_every``; a probe verifies its whole draft). Then, if the
+    verification it expects to save exceeds
     ``cost.readback_ms``, it walks the round's confidences (the engine reads the width back);
     otherwise every row verifies its whole draft (width known, nothing read back). The expected
     saving is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide,
@@ -862,12 +868,14 @@ class HardwareAware(Policy):
         round_clock: bool = True,
         plain_margin: float = PLAIN_MARGIN,
         probe_every: int = PROBE_EVERY,
+        keep_margin: float | None = None,
     ) -> None:
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         if min_timed < 1:
             raise ValueError(f"min_timed must be >= 1, got {min_timed}")
         self.plain_margin = _margin(plain_margin)
+        self.keep_margin = self.plain_margin if keep_margin is None else _margin(keep_margin, "keep_margin")
         self.check = check
         self.explore_every = int(explore_every)
         self.min_timed = int(min_timed)
@@ -913,7 +921,7 @@ class HardwareAware(Policy):
         if rows <= 0 or gamma <= 0:
             return 0
         accepted = self._acceptance.accepted(gamma)
-        drafted = _plan(accepted, rows, cost, self._rounds, self.plain_margin, self._probe)
+        drafted = _plan(accepted, rows, cost, self._rounds, self.plain_margin, self._probe, self.keep_margin)
         walk, shadow = False, False
         largest = self._largest_saving(rows, drafted, cost) if drafted > 0 else 0.0
         # A probe verifies its whole draft: it is there to measure the positions it drafts.
@@ -1159,7 +1167,9 @@ class DraftAware(Policy):
         T(R, γ_d) = T_draft(R, γ_d) + T_verify(R · (γ_d + 1)) + overhead,   T(R, 0) = T_verify(R),
 
     a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the
-    plain round's by ``plain_margin`` (``PLAIN_MARGIN``). ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
+    plain round's by ``plain_margin`` (``PLAIN_MARGIN``); once the plan drafts, by ``keep_margin``
+    (default: the same), so a lower one keeps a stretch of low acceptance from stopping the drafts
+    that keep the estimate current. ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
     the acceptance of completed rounds (``AcceptanceEstimate``: the last ``memory`` tries of each
     position, one optimistic pseudo-acceptance, so the first rounds draft the whole block and
     measure it). These are the outcomes the confidences predict, observed exactly, for any
@@ -1186,8 +1196,10 @@ class DraftAware(Policy):
         round_clock: bool = True,
         plain_margin: float = PLAIN_MARGIN,
         probe_every: int = PROBE_EVERY,
+        keep_margin: float | None = None,
     ) -> None:
         self.plain_margin = _margin(plain_margin)
+        self.keep_margin = self.plain_margin if keep_margin is None else _margin(keep_margin, "keep_margin")
         self._probe = PlainProbe(probe_every)  # a draft after a long plain streak
         self.probe_every = self._probe.every
         self._acceptance = AcceptanceEstimate(memory)
@@ -1226,7 +1238,7 @@ class DraftAware(Policy):
         if rows <= 0 or gamma <= 0:
             return 0
         accepted = self._acceptance.accepted(gamma)
-        drafted = _plan(accepted, rows, cost, self.clock, self.plain_margin, self._probe)
+        drafted = _plan(accepted, rows, cost, self.clock, self.plain_margin, self._probe, self.keep_margin)
         self._plans.append((rows, drafted, cost))
         return drafted
 
