@@ -815,9 +815,9 @@ class HardwareAware(Policy):
     once drafting); the same choice as ``DraftAware``, its cost table corrected by the rounds'
     clock (``RoundClock``; ``round_clock=False``: the table alone), a long plain streak ended by a
     probe (``PlainProbe``, ``probe_every``; a probe verifies its whole draft). Then, if the
-    verification it expects to save exceeds
-    ``cost.readback_ms``, it walks the round's confidences (the engine reads the width back);
-    otherwise every row verifies its whole draft (width known, nothing read back). The expected
+    verification it expects to save exceeds ``cost.readback_ms``, it walks the round's confidences
+    (the engine reads the width back); otherwise every row verifies its whole draft (width known,
+    nothing read back). The expected
     saving is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide,
     ``CostModel.verify_rows_ms``) times the share of it that completed walked rounds realised (an
     average that halves the weight of older walks, each a whole batch's evidence; all of it before
@@ -1169,14 +1169,14 @@ class DraftAware(Policy):
     a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the
     plain round's by ``plain_margin`` (``PLAIN_MARGIN``); once the plan drafts, by ``keep_margin``
     (default: the same), so a lower one keeps a stretch of low acceptance from stopping the drafts
-    that keep the estimate current. ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i``
-    the acceptance of completed rounds (``AcceptanceEstimate``: the last ``memory`` tries of each
-    position, one optimistic pseudo-acceptance, so the first rounds draft the whole block and
-    measure it). These are the outcomes the confidences predict, observed exactly, for any
-    drafter. ``T`` is the cost table's, corrected by what the engine's completed rounds took
-    (``RoundClock``, ``observe_time``; off with ``round_clock=False``, for choices that must not
-    depend on timing). Every row then verifies its ``γ_d`` drafts: the engines verify rows
-    padded to the longest, so a shorter row would save nothing. After ``probe_every`` plain rounds
+    that keep the estimate current. ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i`` the acceptance of completed
+    rounds (``AcceptanceEstimate``: the last ``memory`` tries of each position, one optimistic
+    pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
+    outcomes the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's,
+    corrected by what the engine's completed rounds took (``RoundClock``, ``observe_time``; off
+    with ``round_clock=False``, for choices that must not depend on timing). Every row then
+    verifies its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row
+    would save nothing. After ``probe_every`` plain rounds
     in a row the next round drafts anyway (``PlainProbe``), so the estimate, which only drafting
     rounds update, cannot keep a run plain on a stale value.
 
