@@ -988,7 +988,8 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
     ]  # fixed: no probes
     assert report["replays"][1]["runs"] == probed[:2] and f"| {policy} | 32 | 1 |" in capsys.readouterr().out
     bad_args = (["--probe-every", "0,-1"], ["--probe-every", "x"], ["--acceptance", "0.6,1.5"],
-                ["--policy", "fixed_9"], ["--policy", "threshold"], ["--phase-dip", "40,15,0.8"],
+                ["--policy", "fixed_9"], ["--policy", "threshold"], ["--policy", "draft_aware:foo=1"],
+                ["--phase-dip", "40,15,0.8"],
                 ["--phase-dip", "15,40"])  # fmt: skip
     for bad in bad_args:
         with pytest.raises(SystemExit):  # refused before any replay runs

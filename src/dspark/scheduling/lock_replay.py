@@ -30,6 +30,7 @@ from collections import deque
 
 import numpy as np
 
+from ..core.errors import ConfigError
 from .cost import CostModel
 from .policies import build_policy, rows_bucket
 
@@ -159,6 +160,11 @@ def main(argv=None) -> dict:
             f"--policy {args.policy}: give draft_aware, hardware_aware or fixed_<g> (g <= {len(acceptance)}, "
             "the positions --acceptance gives), comma-separated"
         )
+    for name in policies:  # a variant's arguments, checked before any replay runs
+        try:
+            build_policy(name)
+        except ConfigError as err:
+            ap.error(f"--policy {name}: {err}")
     try:
         probes = [int(x) for x in args.probe_every.split(",") if x.strip()]
     except ValueError:
