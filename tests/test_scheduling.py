@@ -867,6 +867,17 @@ def test_load_aware_policies_draft_only_past_a_margin_over_plain_decoding(policy
     assert clock.choose(np.array([256.0, 384.0]), 256, cost(2.9)) == 1
 
 
+def _one_position_rounds(pol, cost: CostModel, n: int, accepted: np.ndarray) -> list[int]:
+    """The lengths ``pol`` plans over ``n`` rounds of 256 rows drafting at most one position, the rows
+    where ``accepted`` holds accepting it; each round reported before the next is planned."""
+    drafted = []
+    for _ in range(n):
+        m = pol.draft_length(256, 1, cost)
+        drafted.append(m)
+        pol.observe_round(np.full(256, m), (accepted & (m > 0)).astype(np.int64))
+    return drafted
+
+
 @pytest.mark.parametrize("policy", ["draft_aware", "hardware_aware"])
 def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy):
     """Issue 18's H100 run (2026-12-06, T = 0, R = 256): both load-aware schedulers went plain for
@@ -883,12 +894,7 @@ def test_a_long_plain_streak_ends_in_a_probe_that_can_bring_drafting_back(policy
     true, unlucky = np.arange(256) % 5 < 3, np.arange(256) % 5 < 1  # accepted 60 % and 20 % of the time
 
     def run(pol, n, accepted):
-        drafted = []
-        for _ in range(n):
-            m = pol.draft_length(256, 1, cost)
-            drafted.append(m)
-            pol.observe_round(np.full(256, m), (accepted & (m > 0)).astype(np.int64))
-        return drafted
+        return _one_position_rounds(pol, cost, n, accepted)
 
     def unlucky_policy(every):
         """The policy and the plain rounds it has run since the estimate fell below the margin."""
@@ -926,12 +932,7 @@ def test_keep_margin_keeps_a_drafting_policy_drafting_near_break_even(policy):
     true = np.arange(256) % 5 < 3  # accepted 60 % of the time
 
     def run(pol, n):
-        drafted = []
-        for _ in range(n):
-            m = pol.draft_length(256, 1, cost)
-            drafted.append(m)
-            pol.observe_round(np.full(256, m), (true & (m > 0)).astype(np.int64))
-        return drafted
+        return _one_position_rounds(pol, cost, n, true)
 
     def build(**kw):
         return build_policy(policy, defaults={"check": False, "round_clock": False, "probe_every": 0, **kw})
