@@ -6,29 +6,27 @@
         [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
         [--repeats 3] [--no-compile] [--out e2e.json]
 
-For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k
-queues k · R requests behind them, continuous batching: a request that ends hands its slot on) run
-target-only and with the drafter under each policy (a name with ``:argument=value`` pairs, e.g.
-``draft_aware:probe_every=128``, runs that variant beside the others), each timed run after an
-untimed warm-up of R short requests, ``--repeats`` times from the same seed (in turns across the
-policies, each turn starting one policy later, so a drift of the device lands on all alike): the
-run of median throughput is the point, every run's speeds are listed with it, so one run's
-one-off stall neither sets nor hides in the numbers. Reported per point, from the engine's own
-round timings (prefill excluded, as in ``python -m dspark.schedule mode=measured``): aggregate
-tokens/s, mean tokens/s per user, τ, the
-mean round's time on the device's timeline (and its median and slowest round, with the one-off work
-counted around it: graph captures, compiles, GC passes), the device's work, the host's own work,
-its waits for a read-back of the verify width, the host's cycle from one round's completion to the
-next and of it the work between rounds (requests leaving and joining), the device's idle gap before
-the round, and the drafted positions; the drafter's speed-up over target-only at the same R, over the
-whole run and at the load R (``at_load``: the rounds that ran with R's rows, the drain left out: the
-speeds a server holding R requests sees); and per R, both ways, the best policy against target-only
-and whether hardware_aware beats every fixed length (``goals``). Each point
-also keeps its rounds by rows bucket and drafted length, measured against the cost table's price
-(``by_length``), the acceptance per draft position the rounds realised and the scheduler's
-estimate of it: where a choice went wrong. The fast engine compiles the target and the drafter on
-CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e e2e=<this json>``
-draws the measured frontier from it.
+For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k queues
+k · R requests behind them, continuous batching: a request that ends hands its slot on) run target-only
+and with the drafter under each policy (a name with ``:argument=value`` pairs, e.g.
+``draft_aware:probe_every=128``, runs that variant beside the others), each timed run after an untimed
+warm-up of R short requests, ``--repeats`` times from the same seed (in turns across the policies, each
+turn starting one policy later, so a drift of the device lands on all alike): the run of median
+throughput is the point, every run's speeds are listed with it, so one run's one-off stall neither sets
+nor hides in the numbers. Reported per point, from the engine's own round timings (prefill excluded, as
+in ``python -m dspark.schedule mode=measured``): aggregate tokens/s, mean tokens/s per user, τ, the mean
+round's time on the device's timeline (and its median and slowest round, with the one-off work counted
+around it: graph captures, compiles, GC passes), the device's work, the host's own work, its waits for a
+read-back of the verify width, the host's cycle from one round's completion to the next and of it the
+work between rounds (requests leaving and joining), the device's idle gap before the round, and the
+drafted positions; the drafter's speed-up over target-only at the same R, over the whole run and at the
+load R (``at_load``: the rounds that ran with R's rows, the drain left out: the speeds a server holding
+R requests sees); and per R, both ways, the best policy against target-only and whether hardware_aware
+beats every fixed length (``goals``). Each point also keeps its rounds by rows bucket and drafted
+length, measured against the cost table's price (``by_length``), the acceptance per draft position the
+rounds realised and the scheduler's estimate of it: where a choice went wrong. The fast engine compiles
+the target and the drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e
+e2e=<this json>`` draws the measured frontier from it.
 """
 
 from __future__ import annotations

@@ -808,43 +808,40 @@ class Threshold(Policy):
 class HardwareAware(Policy):
     """Algorithm 1 (§3.2.2), made to pay on an engine that pads and graphs its steps.
 
-    Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected
-    rate of every choice (``expected_rates``: the acceptance of completed rounds and the cost of
-    drafting, verifying and the overhead), ``0`` (a plain decoding round: no draft step, no
-    verify width) when speculation cannot pay at this load by ``plain_margin`` (``keep_margin``
-    once drafting); the same choice as ``DraftAware``, its cost table corrected by the rounds'
-    clock (``RoundClock``; ``round_clock=False``: the table alone), a long plain streak ended by a
-    probe (``PlainProbe``, ``probe_every``; a probe verifies its whole draft). Then, if the
-    verification it expects to save exceeds ``cost.readback_ms``, it walks the round's confidences
-    (the engine reads the width back); otherwise every row verifies its whole draft (width known,
-    nothing read back). The expected
-    saving is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide,
-    ``CostModel.verify_rows_ms``) times the share of it that completed walked rounds realised (an
-    average that halves the weight of older walks, each a whole batch's evidence; all of it before
-    any walk): at a high τ the walk keeps nearly every block whole and stops paying for its
-    read-back. While it does not pay, one round in ``explore_every`` walks in the shadow:
-    the round verifies its whole draft like the others (nothing read back, the same cost as fixed
-    γ), and its confidences come back with the round's outcome (``shadow_inputs``), to be walked
-    on the host and update the estimate (``observe_shadow``), so it follows the workload for free.
-    The estimate prices the walk with the cost table; the clock has the last word: per rows
-    bucket and drafted length it times completed rounds that walked and rounds that verified the
-    whole draft (tokens per ms on the device's timeline, ``observe_time``; an average that decays
-    by ``decay`` a round) and, once it has ``min_timed`` walked rounds, walks only where walking was
-    faster. Rounds of one length only: a walked round is weighed against the same draft verified
-    whole, not against whole rounds of other lengths (the H100, T = 0, R = 64: walked rounds, mostly
-    γ_d = 5 and 7, emitted 66 tokens/ms against whole rounds' 64, mostly γ_d = 3 and 4, and kept
-    walks on in a run that lost 6.7 % to fixed γ = 3); until it has ``min_timed`` whole rounds of
-    that length, against what one is expected to emit per ms (the acceptance estimate's tokens over
-    the rounds' clock's price of the length), since whole rounds among walks come one in
-    ``explore_every`` (the H100, T = 1, R = 256: 102 walked γ_d = 3 rounds at 93 tokens/ms against 8
-    whole ones at 116 over the point's runs, the first run at 0.56 x target-only's throughput). To
-    keep both
-    clocks current, one round in ``explore_every`` of those that could walk runs the other way: a
-    whole-draft round among walks, a real walk where the clock ruled walks out (a shadow walk
-    before any), so a table that misprices the walk (the read-back's idle device, the walk's own
-    kernels, a flatter verify curve than profiled) costs a few rounds, not the run. Where the
-    estimate agrees with the clock that walks do not pay, the exploring round walks in the shadow
-    instead: a real walk would only pay its read-back to confirm it.
+    Before drafting (``draft_length``) it chooses ``γ_d``, the positions to draft, by the expected rate
+    of every choice (``expected_rates``: the acceptance of completed rounds and the cost of drafting,
+    verifying and the overhead), ``0`` (a plain decoding round: no draft step, no verify width) when
+    speculation cannot pay at this load by ``plain_margin`` (``keep_margin`` once drafting); the same
+    choice as ``DraftAware``, its cost table corrected by the rounds' clock (``RoundClock``;
+    ``round_clock=False``: the table alone), a long plain streak ended by a probe (``PlainProbe``,
+    ``probe_every``; a probe verifies its whole draft). Then, if the verification it expects to save
+    exceeds ``cost.readback_ms``, it walks the round's confidences (the engine reads the width back);
+    otherwise every row verifies its whole draft (width known, nothing read back). The expected saving
+    is the largest one (``T_verify`` of R rows 1 + γ_d wide minus 1 wide, ``CostModel.verify_rows_ms``)
+    times the share of it that completed walked rounds realised (an average that halves the weight of
+    older walks, each a whole batch's evidence; all of it before any walk): at a high τ the walk keeps
+    nearly every block whole and stops paying for its read-back. While it does not pay, one round in
+    ``explore_every`` walks in the shadow: the round verifies its whole draft like the others (nothing
+    read back, the same cost as fixed γ), and its confidences come back with the round's outcome
+    (``shadow_inputs``), to be walked on the host and update the estimate (``observe_shadow``), so it
+    follows the workload for free. The estimate prices the walk with the cost table; the clock has the
+    last word: per rows bucket and drafted length it times completed rounds that walked and rounds that
+    verified the whole draft (tokens per ms on the device's timeline, ``observe_time``; an average that
+    decays by ``decay`` a round) and, once it has ``min_timed`` walked rounds, walks only where walking
+    was faster. Rounds of one length only: a walked round is weighed against the same draft verified
+    whole, not against whole rounds of other lengths (the H100, T = 0, R = 64: walked rounds, mostly γ_d
+    = 5 and 7, emitted 66 tokens/ms against whole rounds' 64, mostly γ_d = 3 and 4, and kept walks on in
+    a run that lost 6.7 % to fixed γ = 3); until it has ``min_timed`` whole rounds of that length,
+    against what one is expected to emit per ms (the acceptance estimate's tokens over the rounds'
+    clock's price of the length), since whole rounds among walks come one in ``explore_every`` (the
+    H100, T = 1, R = 256: 102 walked γ_d = 3 rounds at 93 tokens/ms against 8 whole ones at 116 over the
+    point's runs, the first run at 0.56 x target-only's throughput). To keep both clocks current, one
+    round in ``explore_every`` of those that could walk runs the other way: a whole-draft round among
+    walks, a real walk where the clock ruled walks out (a shadow walk before any), so a table that
+    misprices the walk (the read-back's idle device, the walk's own kernels, a flatter verify curve than
+    profiled) costs a few rounds, not the run. Where the estimate agrees with the clock that walks do
+    not pay, the exploring round walks in the shadow instead: a real walk would only pay its read-back
+    to confirm it.
     Losslessness is untouched: every choice uses completed rounds only, and a shadow walk never
     shortens the round it sees.
 
@@ -1166,19 +1163,18 @@ class DraftAware(Policy):
         Θ(γ_d) = R · (1 + Σ_{j<=γ_d} â_j) / T(R, γ_d),
         T(R, γ_d) = T_draft(R, γ_d) + T_verify(R · (γ_d + 1)) + overhead,   T(R, 0) = T_verify(R),
 
-    a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the
-    plain round's by ``plain_margin`` (``PLAIN_MARGIN``); once the plan drafts, by ``keep_margin``
-    (default: the same), so a lower one keeps a stretch of low acceptance from stopping the drafts
-    that keep the estimate current. ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i`` the acceptance of completed
-    rounds (``AcceptanceEstimate``: the last ``memory`` tries of each position, one optimistic
-    pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the
-    outcomes the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's,
-    corrected by what the engine's completed rounds took (``RoundClock``, ``observe_time``; off
-    with ``round_clock=False``, for choices that must not depend on timing). Every row then
-    verifies its ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row
-    would save nothing. After ``probe_every`` plain rounds
-    in a row the next round drafts anyway (``PlainProbe``), so the estimate, which only drafting
-    rounds update, cannot keep a run plain on a stale value.
+    a global search over ``γ + 1`` values (``expected_rates``), a draft only where its Θ beats the plain
+    round's by ``plain_margin`` (``PLAIN_MARGIN``); once the plan drafts, by ``keep_margin`` (default:
+    the same), so a lower one keeps a stretch of low acceptance from stopping the drafts that keep the
+    estimate current. ``â_j = Π_{i<=j} ĉ_i``, ``ĉ_i`` the acceptance of completed rounds
+    (``AcceptanceEstimate``: the last ``memory`` tries of each position, one optimistic
+    pseudo-acceptance, so the first rounds draft the whole block and measure it). These are the outcomes
+    the confidences predict, observed exactly, for any drafter. ``T`` is the cost table's, corrected by
+    what the engine's completed rounds took (``RoundClock``, ``observe_time``; off with
+    ``round_clock=False``, for choices that must not depend on timing). Every row then verifies its
+    ``γ_d`` drafts: the engines verify rows padded to the longest, so a shorter row would save nothing.
+    After ``probe_every`` plain rounds in a row the next two rounds draft anyway (``PlainProbe``), so
+    the estimate, which only drafting rounds update, cannot keep a run plain on a stale value.
 
     Lossless: ``γ_d`` is fixed before the round's draft exists (completed rounds only; the engines
     report round ``t`` while ``t + 1`` runs, so round ``t + 1`` is planned from rounds ``<= t - 1``),
