@@ -13,6 +13,7 @@ from test_evaluate import _bench, _save
 
 from dspark.bench import e2e, engine_sps
 from dspark.bench import measure as measure_mod
+from dspark.bench import plans as plans_cli
 from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, run_noise
 from dspark.bench.sps import fewer_drafts_cost_no_more
 from dspark.decoding.engine import Engine
@@ -223,6 +224,56 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         assert g["at_load"]["best_throughput"] == g["best_throughput"]
         assert g["at_load"]["best_speedup_throughput"] == pytest.approx(g["best_speedup_throughput"])
     assert "cost table was measured at T = 1 and prices runs at T = 0,1" in caplog.text
+    # python -m dspark.bench.plans reads the planning points back, run by run
+    summary = plans_cli.main([str(out), "--out", str(tmp_path / "plans.json")])
+    assert json.loads((tmp_path / "plans.json").read_text()) == summary
+    planned = [r for r in rows if "draft_aware" in r["run"]]
+    assert [(p["temperature"], p["concurrency"], p["run"]) for p in summary] == [
+        (r["temperature"], r["concurrency"], r["run"]) for r in planned
+    ]
+    for p, r in zip(summary, planned):
+        assert [x["tps_per_user"] for x in p["runs"]] == [x["tps_per_user"] for x in r["repeats"]]
+        for x, rep in zip(p["runs"], r["repeats"]):  # every round at R = 1; at R = 2 not the drain's
+            at_load = x["plain_at_load"] + x["drafting_at_load"]
+            assert 0 < at_load <= len(rep["plans"]["drafted"])
+            assert at_load == len(rep["plans"]["drafted"]) or p["concurrency"] > 1
+        seqs = [rep["plans"]["rows"] for rep in r["repeats"]]
+        pairs = sum(sum(a == b for a, b in zip(rows_, rows_[1:])) for rows_ in seqs)
+        assert sum(s["rounds"] for s in p["switches"]) == pairs  # each round with the rows of its previous
+        assert set(p["fixed_rounds"]) == {"target_only", "dspark/fixed", "dspark/mtp1"}
+
+
+def test_switch_costs_set_a_round_after_the_other_kind_beside_one_after_its_own(tmp_path, capsys):
+    """``bench.plans.switch_costs``: round ms by kind and the previous round's kind, over each run's own
+    sequence, of rounds with the rows of the round before; a switch's price against the same kind
+    after its own. Bad files are refused by name."""
+    run = {
+        "drafted": [0, 0, 3, 3, 0, 0, 3, 3],
+        "rows": [4, 4, 4, 4, 4, 4, 4, 3],  # the last round's rows changed: left out
+        "ms": [1.0, 1.1, 3.5, 3.0, 1.4, 1.2, 3.4, 9.9],
+    }
+    other = {"drafted": [3, 0], "rows": [4, 4], "ms": [3.2, 1.3]}  # its first round follows nothing
+    got = {(s["kind"], s["after"]): s for s in plans_cli.switch_costs([run, other], 4)}
+    assert set(got) == {("plain", "plain"), ("γ3", "plain"), ("γ3", "drafting"), ("plain", "drafting")}
+    plain = got[("plain", "plain")]
+    assert plain["rounds"] == 2 and plain["ms_mean"] == pytest.approx(1.15)
+    assert got[("γ3", "plain")]["ms_mean"] == pytest.approx(3.45) and got[("γ3", "drafting")]["rounds"] == 1
+    assert got[("γ3", "plain")]["switch_ms"] == pytest.approx(0.45)  # 3.45 against 3.0
+    assert got[("plain", "drafting")]["ms_mean"] == pytest.approx(1.35)  # 1.4 and the other run's 1.3
+    assert got[("plain", "drafting")]["switch_ms"] == pytest.approx(0.2)
+    assert got[("plain", "plain")]["switch_ms"] is None and got[("γ3", "drafting")]["switch_ms"] is None
+    # a bucket other than R's is not at the load
+    assert plans_cli.switch_costs([{"drafted": [0, 0], "rows": [2, 2], "ms": [1.0, 1.0]}], 4) == []
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for args, said in (
+        ([str(tmp_path / "none.json")], "no such file"),
+        ([str(bad)], "no 'rows' list"),
+        ([str(bad), "--concurrency", "x"], "--concurrency x: give R values"),
+    ):
+        with pytest.raises(SystemExit):
+            plans_cli.main(args)
+        assert said in capsys.readouterr().err
 
 
 def test_goal_checks_tell_a_tie_within_the_runs_noise_from_a_loss():

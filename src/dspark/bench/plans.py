@@ -1,0 +1,185 @@
+"""What a load-aware scheduler did in an e2e run, run by run, read from its JSON on any machine.
+
+    python -m dspark.bench.plans e2e_T0.json [e2e_T1.json ...] [--concurrency 256] [--out plans.json]
+
+For every point of a policy that plans its rounds (``draft_aware``, ``hardware_aware`` and their
+variants: the points whose runs carry ``plans``, ``e2e`` since ``6f6bb73``), each repeat's speeds and
+its plain and drafting rounds at the load (the rounds at R's rows bucket), then the round's time by
+what the round did and what the round before it did, pooled over the repeats: a drafting round right
+after a plain one writes the plain rounds' deferred drafter context first (the fast engine's ring) and
+its launch is longer than the plain round it follows; a plain round after a drafting one follows a
+longer launch. Set beside the same kind of round after one of its own kind, that is the price of
+switching, which no cost table holds. The fixed policies' rounds (``by_length``) are printed beside
+them for the same rows bucket. Nothing here is re-measured: it reads what the run recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ..core.errors import ConfigError
+from ..scheduling.policies import rows_bucket
+
+__all__ = ["main", "runs_summary", "switch_costs"]
+
+
+def _kind(drafted: int) -> str:
+    return "plain" if drafted == 0 else f"γ{drafted}"
+
+
+def switch_costs(plans: list[dict], concurrency: int) -> list[dict]:
+    """Round ms at R's rows bucket by the round's kind (plain, γ_d) and the kind of the round before
+    it (``after``: plain or drafting), over the runs' ``plans`` (each run's own sequence: a run's
+    first round has no round before it), of the rounds with the live rows of the round before: a
+    row that left or joined between them (its rows moved, its prompt prefilled) would time that
+    work too. Per (kind, after): rounds, mean and median ms; with
+    ``switch_ms``, on the switching entries, their mean less that of the same kind after its own
+    kind (None where there is none)."""
+    bucket = rows_bucket(concurrency)
+    groups: dict[tuple[int, bool], list[float]] = defaultdict(list)
+    for plan in plans:
+        drafted, ms, rows = plan["drafted"], plan["ms"], plan["rows"]
+        for i in range(1, len(drafted)):
+            if ms[i] is None or rows[i] != rows[i - 1] or rows_bucket(rows[i]) != bucket:
+                continue
+            groups[(int(drafted[i]), drafted[i - 1] == 0)].append(float(ms[i]))
+    out = []
+    for (drafted, after_plain), values in sorted(groups.items()):
+        switched = after_plain != (drafted == 0)
+        same = groups.get((drafted, drafted == 0))
+        mean = float(np.mean(values))
+        out.append({
+            "kind": _kind(drafted),
+            "after": "plain" if after_plain else "drafting",
+            "rounds": len(values),
+            "ms_mean": mean,
+            "ms_median": float(np.median(values)),
+            "switch_ms": mean - float(np.mean(same)) if switched and same else None,
+        })  # fmt: skip
+    return out
+
+
+def runs_summary(row: dict) -> list[dict]:
+    """Per repeat: its speeds, and its plain and drafting rounds at R's rows bucket."""
+    bucket = rows_bucket(row["concurrency"])
+    out = []
+    for rep in row["repeats"]:
+        plan = rep["plans"]
+        at_load = [d for d, r in zip(plan["drafted"], plan["rows"]) if rows_bucket(r) == bucket]
+        out.append({
+            "tps_per_user": rep["tps_per_user"],
+            "throughput": rep["throughput"],
+            "plain_at_load": sum(d == 0 for d in at_load),
+            "drafting_at_load": sum(d > 0 for d in at_load),
+        })  # fmt: skip
+    return out
+
+
+def _planned(row: dict) -> bool:
+    return bool(row.get("repeats")) and all(isinstance(r.get("plans"), dict) for r in row["repeats"])
+
+
+def _load(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; give an e2e JSON (python -m dspark.bench.e2e --out)")
+    try:
+        report = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not JSON ({err}); give the e2e JSON a run wrote") from err
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        raise ConfigError(f"{path}: no 'rows' list; is it an e2e JSON (python -m dspark.bench.e2e --out)?")
+    return report
+
+
+def summarise(report: dict, concurrency: set[int] | None = None) -> list[dict]:
+    """The planned points of one e2e report (at the given R, or all), with the fixed points' round
+    ms at each R's rows bucket beside them."""
+    points = []
+    for row in report["rows"]:
+        R = int(row["concurrency"])
+        if (concurrency and R not in concurrency) or not _planned(row):
+            continue
+        fixed = {
+            other["run"]: [
+                {"kind": _kind(b["drafted"]), "rounds": b["rounds"], "ms_mean": b["ms"]}
+                for b in other.get("by_length") or []
+                if b["rows_bucket"] == rows_bucket(R)
+            ]
+            for other in report["rows"]
+            if other["concurrency"] == R and not _planned(other) and other.get("by_length")
+        }
+        points.append({
+            "temperature": row["temperature"],
+            "concurrency": R,
+            "run": row["run"],
+            "runs": runs_summary(row),
+            "switches": switch_costs([rep["plans"] for rep in row["repeats"]], R),
+            "fixed_rounds": fixed,
+        })  # fmt: skip
+    return points
+
+
+def _print(points: list[dict]) -> None:
+    for p in points:
+        runs = " ".join(
+            f"{r['tps_per_user']:.0f}/{r['throughput'] / 1e3:.1f}k "
+            f"({r['plain_at_load']}p {r['drafting_at_load']}d)"
+            for r in p["runs"]
+        )
+        print(f"T={p['temperature']:g} R={p['concurrency']} {p['run']}: runs (tok/s/user / aggregate, "
+              f"plain / drafting rounds at the load) {runs}")  # fmt: skip
+        for s in p["switches"]:
+            extra = "" if s["switch_ms"] is None else f", {s['switch_ms']:+.3f} ms against after its own kind"
+            print(f"    {s['kind']} after {s['after']}: {s['rounds']} rounds, "
+                  f"{s['ms_mean']:.3f} ms mean / {s['ms_median']:.3f} median{extra}")  # fmt: skip
+    shown = set()
+    for p in points:
+        key = (p["temperature"], p["concurrency"])
+        if key in shown or not p["fixed_rounds"]:
+            continue
+        shown.add(key)
+        cells = "; ".join(
+            f"{run} " + ", ".join(f"{b['kind']} {b['rounds']} rounds {b['ms_mean']:.3f} ms" for b in rounds)
+            for run, rounds in p["fixed_rounds"].items()
+        )
+        print(f"T={key[0]:g} R={key[1]} the other points' rounds at the bucket (mean): {cells}")
+
+
+def main(argv=None) -> list[dict]:
+    from ..core.io import atomic_write_json
+
+    ap = argparse.ArgumentParser(prog="python -m dspark.bench.plans", description=__doc__.split("\n")[0])
+    ap.add_argument("e2e", nargs="+", help="e2e JSONs (python -m dspark.bench.e2e --out)")
+    ap.add_argument("--concurrency", default=None, help="comma list of R to show (default: all)")
+    ap.add_argument("--out", default=None, help="write the summary as JSON")
+    args = ap.parse_args(argv)
+    try:
+        wanted = {int(x) for x in args.concurrency.split(",") if x.strip()} if args.concurrency else None
+    except ValueError:
+        wanted = None
+    if args.concurrency and not wanted:
+        ap.error(f"--concurrency {args.concurrency}: give R values, comma-separated, e.g. 64,256")
+    try:
+        reports = [(path, _load(path)) for path in args.e2e]
+    except ConfigError as err:
+        ap.error(str(err))
+    points = []
+    for path, report in reports:
+        found = summarise(report, wanted)
+        if not found:
+            print(f"{path}: no point of a planning policy with per-round plans in its repeats")
+        points += [{"e2e": path, **p} for p in found]
+    _print(points)
+    if args.out:
+        atomic_write_json(args.out, points)
+    return points
+
+
+if __name__ == "__main__":
+    main()
