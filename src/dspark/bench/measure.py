@@ -247,15 +247,20 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
 
 
 # ``_plans``' entries that hold a value per round
-PLAN_ROUNDS = ("step", "rows", "drafted", "walked", "ms", "over_plain", "clock_ratio")
+PLAN_ROUNDS = (
+    "step", "rows", "drafted", "walked", "ms", "tokens", "expected_tokens", "expected_ms", "over_plain",
+    "clock_ratio",
+)  # fmt: skip
 
 
 def _plans(steps: list[dict]) -> dict | None:
     """Round by round, under a policy that weighs drafted lengths (its records' ``plan``), what it
     chose and on what grounds, to find where a load-aware scheduler drafts or declines: each
-    round's step, live rows, drafted length, whether it walked (read its width back) and ``ms``;
-    each length's expected rate as a multiple of a plain round's (``over_plain``) and the rounds'
-    clock's measured / priced ratio it was priced with (``clock_ratio``). Summed up: the plain
+    round's step, live rows, drafted length, whether it walked (read its width back), ``ms`` and
+    the tokens it emitted; what the plan expected of the length it chose: its tokens and its time
+    (the table's price times the clock's ratio), so a run tells how far the estimates were off by
+    length; each length's expected rate as a multiple of a plain round's (``over_plain``) and the
+    rounds' clock's measured / priced ratio it was priced with (``clock_ratio``). Summed up: the plain
     rounds, how many of them declined a draft expected to be faster (by less than the policy's
     margin) and the best draft's expected rate over plain in them (median, max); the drafting
     rounds, their chosen length's (median) and how many drafted below plain's expected rate (the
@@ -263,7 +268,8 @@ def _plans(steps: list[dict]) -> dict | None:
     planned = [s for s in steps if s.get("plan") is not None]
     if not planned:
         return None
-    over = [[round(r / rates[0], 3) for r in rates] for rates, _ in (s["plan"] for s in planned)]
+    plans = [s["plan"] for s in planned]
+    over = [[round(r / rates[0], 3) for r in rates] for rates, _, _ in plans]
     drafted = [int(s["drafted"]) for s in planned]
     best_draft = [max(o[1:], default=0.0) for o, d in zip(over, drafted) if d == 0]
     chosen = [o[d] for o, d in zip(over, drafted) if d > 0]
@@ -284,8 +290,14 @@ def _plans(steps: list[dict]) -> dict | None:
         "drafted": drafted,
         "walked": [int((s.get("readback_ms") or 0.0) > 0) for s in planned],
         "ms": [None if s.get("ms") is None else round(s["ms"], 3) for s in planned],
+        "tokens": [int(s["tokens"]) for s in planned],
+        "expected_tokens": [round(tokens[d], 2) for (_, _, tokens), d in zip(plans, drafted)],
+        "expected_ms": [
+            round(1e3 * tokens[d] / rates[d], 3) if rates[d] > 0 else None
+            for (rates, _, tokens), d in zip(plans, drafted)
+        ],
         "over_plain": over,
-        "clock_ratio": [[round(r, 3) for r in s["plan"][1]] for s in planned],
+        "clock_ratio": [[round(r, 3) for r in ratios] for _, ratios, _ in plans],
     }
 
 

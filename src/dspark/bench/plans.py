@@ -9,8 +9,11 @@ what the round did and what the round before it did, pooled over the repeats: a 
 after a plain one writes the plain rounds' deferred drafter context first (the fast engine's ring) and
 its launch is longer than the plain round it follows; a plain round after a drafting one follows a
 longer launch. Set beside the same kind of round after one of its own kind, that is the price of
-switching, which no cost table holds. The fixed policies' rounds (``by_length``) are printed beside
-them for the same rows bucket. Nothing here is re-measured: it reads what the run recorded.
+switching, which no cost table holds. And by the length a plan chose, the tokens and time its rounds
+took against what the plan expected of them (``estimate_errors``): where a scheduler's choices near a
+tie or near break-even went wrong, the estimate or the clock. The fixed policies' rounds
+(``by_length``) are printed beside them for the same rows bucket. Nothing here is re-measured: it
+reads what the run recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from ..core.errors import ConfigError
 from ..scheduling.policies import rows_bucket
 
-__all__ = ["main", "runs_summary", "switch_costs"]
+__all__ = ["estimate_errors", "main", "runs_summary", "switch_costs"]
 
 
 def _kind(drafted: int) -> str:
@@ -60,6 +63,43 @@ def switch_costs(plans: list[dict], concurrency: int) -> list[dict]:
             "ms_mean": mean,
             "ms_median": float(np.median(values)),
             "switch_ms": mean - float(np.mean(same)) if switched and same else None,
+        })  # fmt: skip
+    return out
+
+
+def estimate_errors(plans: list[dict], concurrency: int) -> list[dict]:
+    """How far the plans' expectations were off, by the length chosen: over the rounds at R's rows
+    bucket that verified their whole draft (a walked round's tokens are not the whole draft's), the
+    tokens the rounds emitted over those expected, their ms over the expected ms (the table's price
+    times the clock's ratio), and the rate's ratio (tokens per ms, realised over expected). Empty
+    for runs recorded before the plans kept their expectations (``e2e`` before this tool)."""
+    bucket = rows_bucket(concurrency)
+    sums: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    for plan in plans:
+        if "expected_tokens" not in plan:
+            continue
+        rounds = zip(
+            plan["drafted"], plan["rows"], plan["walked"], plan["ms"], plan["tokens"],
+            plan["expected_tokens"], plan["expected_ms"],
+        )  # fmt: skip
+        for drafted, rows, walked, ms, tokens, want_tokens, want_ms in rounds:
+            if walked or ms is None or want_ms is None or rows_bucket(rows) != bucket:
+                continue
+            entry = sums[int(drafted)]
+            entry[0] += 1
+            entry[1] += tokens
+            entry[2] += want_tokens
+            entry[3] += ms
+            entry[4] += want_ms
+    out = []
+    for drafted, (n, tokens, want_tokens, ms, want_ms) in sorted(sums.items()):
+        token_ratio, time_ratio = tokens / want_tokens, ms / want_ms
+        out.append({
+            "kind": _kind(drafted),
+            "rounds": n,
+            "tokens_over_expected": token_ratio,
+            "ms_over_expected": time_ratio,
+            "rate_over_expected": token_ratio / time_ratio,
         })  # fmt: skip
     return out
 
@@ -120,6 +160,7 @@ def summarise(report: dict, concurrency: set[int] | None = None) -> list[dict]:
             "run": row["run"],
             "runs": runs_summary(row),
             "switches": switch_costs([rep["plans"] for rep in row["repeats"]], R),
+            "estimates": estimate_errors([rep["plans"] for rep in row["repeats"]], R),
             "fixed_rounds": fixed,
         })  # fmt: skip
     return points
@@ -138,6 +179,10 @@ def _print(points: list[dict]) -> None:
             extra = "" if s["switch_ms"] is None else f", {s['switch_ms']:+.3f} ms against after its own kind"
             print(f"    {s['kind']} after {s['after']}: {s['rounds']} rounds, "
                   f"{s['ms_mean']:.3f} ms mean / {s['ms_median']:.3f} median{extra}")  # fmt: skip
+        for e in p["estimates"]:
+            print(f"    {e['kind']} as planned ({e['rounds']} whole-draft rounds): tokens "
+                  f"{e['tokens_over_expected']:.3f}x the expected, ms {e['ms_over_expected']:.3f}x, "
+                  f"rate {e['rate_over_expected']:.3f}x")  # fmt: skip
     shown = set()
     for p in points:
         key = (p["temperature"], p["concurrency"])

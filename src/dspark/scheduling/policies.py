@@ -420,7 +420,8 @@ class RoundClock:
         self._since_explore = 0
         # rows bucket -> {γ: ``_ratios``}, until the bucket's next observed round changes them
         self._priced: dict[int, dict[int, tuple[list[float], list[bool]]]] = {}
-        self.last: tuple[list[float], list[float]] | None = None  # the last choice's rates and ratios
+        # the last choice's rates, ratios and expected tokens (``Policy.plan_record``)
+        self.last: tuple[list[float], list[float], list[float]] | None = None
 
     def _ratios(self, rows: int, gamma: int) -> tuple[list[float], list[bool]]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
@@ -498,7 +499,7 @@ class RoundClock:
         ratio, timed = self._ratios(rows, gamma)
         times = cost.round_seconds(rows, gamma)
         rates = [n / (t * r) for n, t, r in zip(tokens, times, ratio)]
-        self.last = (rates, ratio)  # for a run's record (``Policy.plan_record``)
+        self.last = (rates, ratio, tokens)  # for a run's record (``Policy.plan_record``)
         best = _best(rates, margin)
         if not timed[best]:
             return best
@@ -679,11 +680,12 @@ class Policy:
         them) nor expects them: the policy gets a tensor of their shape."""
         return self.needs_confidence
 
-    def plan_record(self) -> tuple[list[float], list[float]] | None:
+    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
         """What decided the last ``draft_length``, for a run's record: the expected rate of each
-        drafted length ``0..γ`` (tokens per second) and the rounds' clock's measured / priced ratio
-        it priced each at; None (the default) for a policy that weighs no lengths. Shared lists:
-        the caller only reads them."""
+        drafted length ``0..γ`` (tokens per second), the rounds' clock's measured / priced ratio it
+        priced each at, and the tokens each was expected to emit (the round's rows, each
+        ``1 + Σ â``); None (the default) for a policy that weighs no lengths. Shared lists: the
+        caller only reads them."""
         return None
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
@@ -940,7 +942,7 @@ class HardwareAware(Policy):
         self._plans.append((rows, drafted, walk, cost))
         return drafted
 
-    def plan_record(self) -> tuple[list[float], list[float]] | None:
+    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
         return None if self._rounds is None else self._rounds.last
 
     @staticmethod
@@ -1238,7 +1240,7 @@ class DraftAware(Policy):
         self._plans.append((rows, drafted, cost))
         return drafted
 
-    def plan_record(self) -> tuple[list[float], list[float]] | None:
+    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
         return None if self.clock is None else self.clock.last
 
     def width(self, drafted: int) -> int:
@@ -1296,7 +1298,7 @@ class Truncated(Policy):
     def reads_confidences(self) -> bool:
         return self.inner.reads_confidences()
 
-    def plan_record(self) -> tuple[list[float], list[float]] | None:
+    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
         return self.inner.plan_record()
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
