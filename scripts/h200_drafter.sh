@@ -85,8 +85,9 @@ if ms:
     slow = ms["slowest"]
     print(f"ms per step: median {ms['median']:.1f}, slowest {slow['ms_per_step']:.1f} "
           f"(steps {slow['from_step']}-{slow['to_step']})")
-print(f"seconds: setup (data, sanity check) {t.get('setup_seconds', float('nan')):.0f}, "
-      f"steps {t['seconds']:.0f}, validation {t['validation_seconds']:.0f}")
+print(f"seconds: setup {t.get('setup_seconds', float('nan')):.0f} (of it the sanity check "
+      f"{t.get('sanity_seconds', float('nan')):.0f}), steps {t['seconds']:.0f}, "
+      f"validation {t['validation_seconds']:.0f}")
 EOF
 }
 

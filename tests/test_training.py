@@ -25,6 +25,8 @@ def test_train_export_and_resume(tmp_path, data_dir):
     out = tmp_path / "run"
     first = run_training(cfg_for(out, data_dir, "trainer.max_steps=2"))
     assert first["global_step"] == 2
+    # of the time before step 1, the sanity check's validation batches (a resumed run has none)
+    assert 0 < first["throughput"]["sanity_seconds"] < first["throughput"]["setup_seconds"]
     assert (out / "checkpoints" / "last.ckpt").exists()
     assert {"model.safetensors", "config.json", "calibration.json"} <= {
         p.name for p in (out / "drafter").iterdir()
@@ -49,6 +51,7 @@ def test_train_export_and_resume(tmp_path, data_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["throughput"]["tokens_per_s"] > 0
     assert summary["throughput"]["setup_seconds"] > 0  # the data and the sanity check, before step 1
+    assert summary["throughput"]["sanity_seconds"] == 0
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])

@@ -107,7 +107,9 @@ class Throughput(L.Callback):
         self.elapsed = 0.0
         self.val_seconds = 0.0
         self.setup_seconds = 0.0  # fit start to the training loop's (``on_train_start``)
+        self.sanity_seconds = 0.0  # of it, the sanity check's validation batches
         self._fit_start = None
+        self._sanity_start = None
         self.excluded_seconds = 0.0  # see exclude
         self._val_start = None
         self.steady_mark = None  # (time, tokens, samples, batches, paused seconds) at the end of warm-up
@@ -128,6 +130,13 @@ class Throughput(L.Callback):
 
     def on_fit_start(self, trainer, module) -> None:
         self._fit_start = time.perf_counter()
+
+    def on_sanity_check_start(self, trainer, module) -> None:
+        self._sanity_start = time.perf_counter()
+
+    def on_sanity_check_end(self, trainer, module) -> None:
+        if self._sanity_start is not None:
+            self.sanity_seconds = time.perf_counter() - self._sanity_start
 
     def on_train_start(self, trainer, module) -> None:
         self._host_base = self._host_tokens(trainer)
@@ -226,6 +235,7 @@ class Throughput(L.Callback):
             "validation_seconds": self.val_seconds,
             "excluded_seconds": self.excluded_seconds,
             "setup_seconds": self.setup_seconds,
+            "sanity_seconds": self.sanity_seconds,
             "tokens_per_s": self.tokens * self.world_size / e,
             "samples_per_s": self.samples * self.world_size / e,
         }
