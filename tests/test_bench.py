@@ -257,9 +257,10 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
 
 
 def test_switch_costs_set_a_round_after_the_other_kind_beside_one_after_its_own(tmp_path, capsys):
-    """``bench.plans.switch_costs``: round ms by kind and the previous round's kind, over each run's own
-    sequence, of rounds with the rows of the round before; a switch's price against the same kind
-    after its own. Bad files are refused by name."""
+    """``bench.plans.switch_costs``: round ms by kind and the previous round's kind, over each run's
+    own sequence, of rounds with the rows of the round before; a switch's price against the same
+    kind after its own. ``estimate_errors``: the rounds' tokens and ms against their plans', by the
+    chosen length. Bad files and arguments are refused, saying which."""
     run = {
         "drafted": [0, 0, 3, 3, 0, 0, 3, 3],
         "rows": [4, 4, 4, 4, 4, 4, 4, 3],  # the last round's rows changed: left out

@@ -40,9 +40,9 @@ def switch_costs(plans: list[dict], concurrency: int) -> list[dict]:
     it (``after``: plain or drafting), over the runs' ``plans`` (each run's own sequence: a run's
     first round has no round before it), of the rounds with the live rows of the round before: a
     row that left or joined between them (its rows moved, its prompt prefilled) would time that
-    work too. Per (kind, after): rounds, mean and median ms; with
-    ``switch_ms``, on the switching entries, their mean less that of the same kind after its own
-    kind (None where there is none)."""
+    work too. Per (kind, after): rounds, mean and median ms, and on the switching entries
+    ``switch_ms``, their mean less that of the same kind after its own kind (None where there is
+    none)."""
     bucket = rows_bucket(concurrency)
     groups: dict[tuple[int, bool], list[float]] = defaultdict(list)
     for plan in plans:
@@ -72,7 +72,7 @@ def estimate_errors(plans: list[dict], concurrency: int) -> list[dict]:
     bucket that verified their whole draft (a walked round's tokens are not the whole draft's), the
     tokens the rounds emitted over those expected, their ms over the expected ms (the table's price
     times the clock's ratio), and the rate's ratio (tokens per ms, realised over expected). Empty
-    for runs recorded before the plans kept their expectations (``e2e`` before this tool)."""
+    for runs recorded before the plans kept their expectations (``e2e`` before ``62bc5e9``)."""
     bucket = rows_bucket(concurrency)
     sums: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     for plan in plans:
@@ -124,16 +124,19 @@ def _planned(row: dict) -> bool:
     return bool(row.get("repeats")) and all(isinstance(r.get("plans"), dict) for r in row["repeats"])
 
 
+WANT = "give an e2e JSON (python -m dspark.bench.e2e --out)"
+
+
 def _load(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{path}: no such file; give an e2e JSON (python -m dspark.bench.e2e --out)")
+        raise ConfigError(f"{path}: no such file; {WANT}")
     try:
         report = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not JSON ({err}); give the e2e JSON a run wrote") from err
+        raise ConfigError(f"{path}: not JSON ({err}); {WANT}") from err
     if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
-        raise ConfigError(f"{path}: no 'rows' list; is it an e2e JSON (python -m dspark.bench.e2e --out)?")
+        raise ConfigError(f"{path}: no 'rows' list; {WANT}")
     return report
 
 
