@@ -681,13 +681,20 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert [c["tokens_per_ms"] for c in state["clock"]] == pytest.approx([9 / 4.0, 9 / 2.0])
     assert _walk_state(aware) is None and _walk_state(None) is None
     # what decided each round's length: rates over plain's, and why the plain rounds were plain
+    # (rates in tokens/s, clock ratios, expected tokens, per drafted length)
     planned = [
-        {"step": 0, "ms": 2.0, "batch": 3, "drafted": 2, "plan": ([100.0, 90.0, 120.0], [1.0, 1.0, 1.1])},
-        {"step": 1, "ms": 1.0, "batch": 3, "drafted": 0, "plan": ([100.0, 103.0, 101.0], [1.0, 1.0, 1.0])},
-        {"step": 2, "ms": 1.0, "batch": 2, "drafted": 0, "plan": ([100.0, 90.0, 80.0], [1.02, 1.0, 1.0])},
-    ]
+        {"step": 0, "ms": 2.0, "batch": 3, "drafted": 2, "tokens": 5,
+         "plan": ([100.0, 90.0, 120.0], [1.0, 1.0, 1.1], [3.0, 4.8, 6.0])},
+        {"step": 1, "ms": 1.0, "batch": 3, "drafted": 0, "tokens": 3,
+         "plan": ([100.0, 103.0, 101.0], [1.0, 1.0, 1.0], [3.0, 4.8, 6.0])},
+        {"step": 2, "ms": 1.0, "batch": 2, "drafted": 0, "tokens": 2,
+         "plan": ([100.0, 90.0, 80.0], [1.02, 1.0, 1.0], [2.0, 3.2, 4.0])},
+    ]  # fmt: skip
     p = _plans(planned)
     assert p["over_plain"][0] == [1.0, 0.9, 1.2] and p["clock_ratio"][2] == [1.02, 1.0, 1.0]
+    # what each round emitted, and what its plan expected of the length it chose: tokens, and ms
+    assert p["tokens"] == [5, 3, 2] and p["expected_tokens"] == [6.0, 3.0, 2.0]
+    assert p["expected_ms"] == [50.0, 30.0, 20.0]  # 1e3 · tokens / rate
     assert (p["drafted"], p["rows"], p["walked"]) == ([2, 0, 0], [3, 3, 2], [0, 0, 0])
     assert (p["plain_rounds"], p["plain_declined_faster"], p["drafting_rounds"]) == (2, 1, 1)
     assert p["plain_best_draft_max"] == pytest.approx(1.03) and p["drafting_chosen_median"] == 1.2
