@@ -190,6 +190,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         else:
             assert r["speedup_per_user"] > 0
         assert sum(g["rounds"] for g in r["by_length"]) == r["rounds"]  # every round, priced
+        assert sum(g["rounds"] for g in r["by_transition"]) == r["rounds"] - 1  # each after the one before
         if r["run"] == "dspark/draft_aware:probe_every=1":  # a probe after each plain round: it drafts
             # (each fruitless probe doubles the wait, and the policy keeps it from run to run: which
             # runs draft depends on the ones before, so the variant's runs are judged together below)
@@ -251,6 +252,7 @@ def test_e2e_compares_target_only_and_drafter(tiny_target, tmp_path, caplog):
         pairs = sum(sum(a == b for a, b in zip(rows_, rows_[1:])) for rows_ in seqs)
         assert sum(s["rounds"] for s in p["switches"]) == pairs  # each round with the rows of its previous
         assert set(p["fixed_rounds"]) == {"target_only", "dspark/fixed", "dspark/mtp1"}
+        assert all("after" in b and "rows" in b for rounds in p["fixed_rounds"].values() for b in rounds)
         kinds = {e["kind"] for e in p["estimates"]}  # the lengths the plans chose, each against its plan
         assert kinds and (kinds == {"plain"} or "probe_every=1" in p["run"])
         assert all(e["rounds"] > 0 and e["rate_over_expected"] > 0 for e in p["estimates"])
@@ -640,7 +642,14 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     policy that keeps one, over the longest draft verified; and a walking policy's reasons to walk."""
     from types import SimpleNamespace
 
-    from dspark.bench.measure import _by_length, _estimate, _plans, _realised_acceptance, _walk_state
+    from dspark.bench.measure import (
+        _by_length,
+        _by_transition,
+        _estimate,
+        _plans,
+        _realised_acceptance,
+        _walk_state,
+    )
     from dspark.scheduling.policies import DraftAware, HardwareAware, Truncated
 
     steps = [
@@ -658,6 +667,14 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     assert [g["walked"] for g in by] == [1, 0]  # the round that read its width back
     assert by[0]["priced_ms"] == pytest.approx(1e3 * cost.round_time(3, 2))
     assert by[1]["priced_ms"] == pytest.approx(1.0) and _by_length(steps, None)[0]["priced_ms"] is None
+    # by what the round before was: a drafting round after a drafting one with the same rows, a plain
+    # round after a drafting one whose rows changed (the first round has none before it; no clock:
+    # out)
+    moves = [
+        (g["rows_bucket"], g["drafted"], g["after"], g["rows"], g["rounds"], g["ms"])
+        for g in _by_transition(steps)
+    ]
+    assert moves == [(4, 2, "drafting", "same", 1, 4.0), (1, 0, "drafting", "changed", 1, 1.0)]
     # rows verified (ℓ) and accepted (n): position 1 reached by three rows, accepted by two;
     # position 2 reached by the one that accepted position 1 with ℓ = 2, and accepted
     rounds = [SimpleNamespace(proposed=ell, accepted=n) for ell, n in [(2, 2), (2, 0), (1, 1), (0, 0)]]

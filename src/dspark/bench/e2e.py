@@ -23,10 +23,11 @@ drafted positions; the drafter's speed-up over target-only at the same R, over t
 load R (``at_load``: the rounds that ran with R's rows, the drain left out: the speeds a server holding
 R requests sees); and per R, both ways, the best policy against target-only and whether hardware_aware
 beats every fixed length (``goals``). Each point also keeps its rounds by rows bucket and drafted
-length, measured against the cost table's price (``by_length``), the acceptance per draft position the
-rounds realised and the scheduler's estimate of it: where a choice went wrong. The fast engine compiles
-the target and the drafter on CUDA unless ``--no-compile``. ``python -m dspark.schedule mode=e2e
-e2e=<this json>`` draws the measured frontier from it.
+length, measured against the cost table's price (``by_length``), and by what the round before was
+(``by_transition``: a switch between plain and drafting rounds, a row that ended), the acceptance per
+draft position the rounds realised and the scheduler's estimate of it: where a choice went wrong. The
+fast engine compiles the target and the drafter on CUDA unless ``--no-compile``. ``python -m
+dspark.schedule mode=e2e e2e=<this json>`` draws the measured frontier from it.
 """
 
 from __future__ import annotations

@@ -144,10 +144,10 @@ def load_host(engine, us: float):
 
 def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = None) -> dict:
     """One timed run's point: throughput, per-user speed, τ, verify budget, round means, the rounds
-    by drafted length (``by_length``), the acceptance per draft position the rounds realised
-    (``acceptance``) and, for a policy that keeps one, its estimate of it after the run
-    (``acceptance_estimate``): what a scheduler's choices are judged against; for a walking policy
-    its reasons to walk after the run (``walk_state``)."""
+    by drafted length (``by_length``) and by what the round before was (``by_transition``), the
+    acceptance per draft position the rounds realised (``acceptance``) and, for a policy that keeps
+    one, its estimate of it after the run (``acceptance_estimate``): what a scheduler's choices are
+    judged against; for a walking policy its reasons to walk after the run (``walk_state``)."""
     step_s = {s["step"]: s["ms"] * 1e-3 for s in res.steps}
     total_s = sum(step_s.values())
     toks: dict = {}
@@ -168,6 +168,7 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
         **_round_means(res.steps),
         "at_load": _at_load(res.steps, R),
         "by_length": _by_length(res.steps, cost),
+        "by_transition": _by_transition(res.steps),
         "acceptance": _realised_acceptance(res.rounds),
         "acceptance_estimate": _estimate(policy, res.rounds),
         "walk_state": _walk_state(policy),
@@ -243,6 +244,28 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
          "walked": int(walked), "launch_parts": {p: float(v / n) for p, v in zip(LAUNCH_PARTS, parts)}}
         for (b, d), (n, ms, host, launch, policy, tokens, verified, rows, priced, walked, *parts) in sorted(
             groups.items(), key=lambda g: (-g[0][0], g[0][1]))
+    ]  # fmt: skip
+
+
+def _by_transition(steps: list[dict]) -> list[dict]:
+    """Per rows bucket, drafted length, the kind of the round before (``after``: plain or drafting)
+    and whether the live rows were the round before's (``rows``: same or changed: a request ended
+    and its row idles, or rows moved and joined): the rounds and their mean and median time. For
+    every policy, so one kind of round can be set beside the same kind under another policy like
+    for like: a drafting round right after a plain one writes the plain rounds' deferred context
+    first, and a round after a request ended carries its idle row (``bench.plans``). A run's first
+    round, with none before it, is left out."""
+    groups: dict[tuple[int, int, bool, bool], list[float]] = {}
+    for prev, s in zip(steps, steps[1:]):
+        if s.get("ms") is None or not s.get("batch") or not prev.get("batch"):
+            continue
+        key = (rows_bucket(s["batch"]), int(s["drafted"]), prev["drafted"] == 0, s["batch"] == prev["batch"])
+        groups.setdefault(key, []).append(s["ms"])
+    return [
+        {"rows_bucket": b, "drafted": d, "after": "plain" if plain else "drafting",
+         "rows": "same" if same else "changed", "rounds": len(ms), "ms": float(np.mean(ms)),
+         "median_ms": float(np.median(ms))}
+        for (b, d, plain, same), ms in sorted(groups.items(), key=lambda g: (-g[0][0], *g[0][1:]))
     ]  # fmt: skip
 
 

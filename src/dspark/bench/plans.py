@@ -11,9 +11,10 @@ its launch is longer than the plain round it follows; a plain round after a draf
 longer launch. Set beside the same kind of round after one of its own kind, that is the price of
 switching, which no cost table holds. And by the length a plan chose, the tokens and time its rounds
 took against what the plan expected of them (``estimate_errors``): where a scheduler's choices near a
-tie or near break-even went wrong, the estimate or the clock. The fixed policies' rounds
-(``by_length``) are printed beside them for the same rows bucket. Nothing here is re-measured: it
-reads what the run recorded.
+tie or near break-even went wrong, the estimate or the clock. The other points' rounds at the same
+rows bucket are printed beside them, by kind, the kind of the round before and whether the rows
+changed (``by_transition``, e2e runs from its commit on; else by kind, ``by_length``): the like
+for like comparison. Nothing here is re-measured: it reads what the run recorded.
 """
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ def runs_summary(row: dict) -> list[dict]:
     return out
 
 
+def _rounds_at(row: dict, concurrency: int) -> list[dict]:
+    """A point's rounds at R's rows bucket: by kind, the kind of the round before and whether its
+    rows were the round before's (``by_transition``, in e2e runs from its commit on), else by kind
+    alone (``by_length``)."""
+    bucket = rows_bucket(concurrency)
+    if row.get("by_transition"):
+        return [
+            {"kind": _kind(b["drafted"]), "after": b["after"], "rows": b["rows"], "rounds": b["rounds"],
+             "ms_mean": b["ms"]}
+            for b in row["by_transition"] if b["rows_bucket"] == bucket
+        ]  # fmt: skip
+    return [
+        {"kind": _kind(b["drafted"]), "rounds": b["rounds"], "ms_mean": b["ms"]}
+        for b in row["by_length"]
+        if b["rows_bucket"] == bucket
+    ]
+
+
 def _planned(row: dict) -> bool:
     return bool(row.get("repeats")) and all(isinstance(r.get("plans"), dict) for r in row["repeats"])
 
@@ -149,11 +168,7 @@ def summarise(report: dict, concurrency: set[int] | None = None) -> list[dict]:
         if (concurrency and R not in concurrency) or not _planned(row):
             continue
         fixed = {
-            other["run"]: [
-                {"kind": _kind(b["drafted"]), "rounds": b["rounds"], "ms_mean": b["ms"]}
-                for b in other.get("by_length") or []
-                if b["rows_bucket"] == rows_bucket(R)
-            ]
+            other["run"]: _rounds_at(other, R)
             for other in report["rows"]
             if other["concurrency"] == R and not _planned(other) and other.get("by_length")
         }
@@ -192,11 +207,16 @@ def _print(points: list[dict]) -> None:
         if key in shown or not p["fixed_rounds"]:
             continue
         shown.add(key)
-        cells = "; ".join(
-            f"{run} " + ", ".join(f"{b['kind']} {b['rounds']} rounds {b['ms_mean']:.3f} ms" for b in rounds)
-            for run, rounds in p["fixed_rounds"].items()
-        )
-        print(f"T={key[0]:g} R={key[1]} the other points' rounds at the bucket (mean): {cells}")
+        print(f"T={key[0]:g} R={key[1]} the other points' rounds at the bucket (mean):")
+        for run, rounds in p["fixed_rounds"].items():
+            cells = ", ".join(
+                f"{b['kind']}{_after(b)} {b['rounds']} rounds {b['ms_mean']:.3f} ms" for b in rounds
+            )
+            print(f"    {run}: {cells}")
+
+
+def _after(entry: dict) -> str:
+    return f" after {entry['after']} ({entry['rows']} rows)" if "after" in entry else ""
 
 
 def main(argv=None) -> list[dict]:
