@@ -46,7 +46,8 @@
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
-#           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (the evaluate overrides it needs,
+#           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (BATCH_TEMPERATURES="0": at T = 0
+#           only, for a batch whose evaluations would not fit the session; the evaluate overrides it needs,
 #           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
 #           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
 #           CAL_FILE), then python -m dspark.report mode=table1 and
@@ -113,6 +114,9 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
 
 case $step in
 start)
+  for t in ${BATCH_TEMPERATURES:-0 1}; do  # refused here, before a machine's minutes go into training
+    case $t in 0 | 1) ;; *) echo "BATCH_TEMPERATURES: '$t' is not 0 or 1 (e.g. \"0\" or \"0 1\")"; exit 2 ;; esac
+  done
   mkdir -p $S outputs/h200/out
   [ -f $S/pid ] && kill -0 "$(cat $S/pid)" 2>/dev/null && { echo "pipeline already running"; exit 0; }
   : > $S/stages.txt
@@ -201,7 +205,7 @@ pipeline)
       wait
     fi
     [ -n "$specs" ] || return 1
-    for t in 0 1; do  # τ does not depend on timing: the evaluations run at once too
+    for t in ${BATCH_TEMPERATURES:-0 1}; do  # τ does not depend on timing: the evaluations run at once too
       while IFS=$'\t' read -r n o; do
         [ -f "outputs/h200/$n/drafter/config.json" ] || continue
         run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \

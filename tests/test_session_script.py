@@ -65,3 +65,17 @@ def test_a_missing_cache_pack_leaves_the_stages_to_compile(tmp_path):
     log = _session(tmp_path, "pipeline", STAGES="", COMPILE_CACHE_PACK=tmp_path / "nothing.tar.xz")
     assert "no compile cache restored" in log
     assert (tmp_path / "outputs/h200/session/done").is_file()
+
+
+def test_batch_temperatures_are_checked_before_the_pipeline_starts(tmp_path):
+    """``BATCH_TEMPERATURES`` (the batch stage's evaluations, "0 1" by default) takes 0 and 1 only:
+    anything else is refused by ``start``, saying which, before a pipeline (and a machine's minutes)
+    starts; a valid one starts it."""
+    full = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BATCH_TEMPERATURES": "0 2", "STAGES": ""}
+    proc = subprocess.run(["bash", str(SCRIPT), "start"], cwd=tmp_path, env=full, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "BATCH_TEMPERATURES: '2' is not 0 or 1" in proc.stdout
+    assert not (tmp_path / "outputs/h200/session").exists()  # nothing started
+    assert "pipeline started" in _session(tmp_path, "start", BATCH_TEMPERATURES="0", STAGES="")
+    _session(tmp_path, "wait", "30", OUT=tmp_path / "out")  # the empty pipeline ends
+    assert (tmp_path / "outputs/h200/session/done").is_file()
