@@ -249,8 +249,8 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
 
 def _by_transition(steps: list[dict]) -> list[dict]:
     """Per rows bucket, drafted length, the kind of the round before (``after``: plain or drafting)
-    and whether the live rows were the round before's (``rows``: same or changed: a request ended
-    and its row idles, or rows moved and joined): the rounds and their mean and median time. For
+    and whether it had as many live rows as the round before (``rows``: same or changed: a request
+    ended and its row idles, or rows left and joined): the rounds and their mean and median time. For
     every policy, so one kind of round can be set beside the same kind under another policy like
     for like: a drafting round right after a plain one writes the plain rounds' deferred context
     first, and a round after a request ended carries its idle row (``bench.plans``). A run's first

@@ -39,9 +39,9 @@ def _kind(drafted: int) -> str:
 def switch_costs(plans: list[dict], concurrency: int) -> list[dict]:
     """Round ms at R's rows bucket by the round's kind (plain, γ_d) and the kind of the round before
     it (``after``: plain or drafting), over the runs' ``plans`` (each run's own sequence: a run's
-    first round has no round before it), of the rounds with the live rows of the round before: a
-    row that left or joined between them (its rows moved, its prompt prefilled) would time that
-    work too. Per (kind, after): rounds, mean and median ms, and on the switching entries
+    first round has no round before it), of the rounds with as many live rows as the round before:
+    a row that ended, left or joined between them (its row idling, rows moved, a prompt prefilled)
+    would time that work too. Per (kind, after): rounds, mean and median ms, and on the switching entries
     ``switch_ms``, their mean less that of the same kind after its own kind (None where there is
     none)."""
     bucket = rows_bucket(concurrency)
@@ -122,9 +122,9 @@ def runs_summary(row: dict) -> list[dict]:
 
 
 def _rounds_at(row: dict, concurrency: int) -> list[dict]:
-    """A point's rounds at R's rows bucket: by kind, the kind of the round before and whether its
-    rows were the round before's (``by_transition``, in e2e runs from its commit on), else by kind
-    alone (``by_length``)."""
+    """A point's rounds at R's rows bucket: by kind, the kind of the round before and whether it had
+    as many live rows (``by_transition``, in e2e runs from its commit on), else by kind alone
+    (``by_length``)."""
     bucket = rows_bucket(concurrency)
     if row.get("by_transition"):
         return [
