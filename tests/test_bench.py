@@ -14,7 +14,7 @@ from test_evaluate import _bench, _save
 from dspark.bench import e2e, engine_sps
 from dspark.bench import measure as measure_mod
 from dspark.bench import plans as plans_cli
-from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, run_noise
+from dspark.bench.measure import WARMUP_TOKENS, goal_checks, measure, rounds_by_transition, run_noise
 from dspark.bench.sps import fewer_drafts_cost_no_more
 from dspark.decoding.engine import Engine
 from dspark.scheduling.cost import CostModel
@@ -644,7 +644,6 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
 
     from dspark.bench.measure import (
         _by_length,
-        _by_transition,
         _estimate,
         _plans,
         _realised_acceptance,
@@ -672,7 +671,7 @@ def test_points_keep_the_rounds_by_length_and_the_acceptance():
     # out)
     moves = [
         (g["rows_bucket"], g["drafted"], g["after"], g["rows"], g["rounds"], g["ms"])
-        for g in _by_transition(steps)
+        for g in rounds_by_transition(steps)
     ]
     assert moves == [(4, 2, "drafting", "same", 1, 4.0), (1, 0, "drafting", "changed", 1, 1.0)]
     # rows verified (ℓ) and accepted (n): position 1 reached by three rows, accepted by two;

@@ -168,7 +168,7 @@ def _point(R: int, res, cost: CostModel | None = None, policy: Policy | None = N
         **_round_means(res.steps),
         "at_load": _at_load(res.steps, R),
         "by_length": _by_length(res.steps, cost),
-        "by_transition": _by_transition(res.steps),
+        "by_transition": rounds_by_transition(res.steps),
         "acceptance": _realised_acceptance(res.rounds),
         "acceptance_estimate": _estimate(policy, res.rounds),
         "walk_state": _walk_state(policy),
@@ -247,20 +247,22 @@ def _by_length(steps: list[dict], cost: CostModel | None) -> list[dict]:
     ]  # fmt: skip
 
 
-def _by_transition(steps: list[dict]) -> list[dict]:
-    """Per rows bucket, drafted length, the kind of the round before (``after``: plain or drafting)
-    and whether it had as many live rows as the round before (``rows``: same or changed: a request
-    ended and its row idles, or rows left and joined): the rounds and their mean and median time. For
-    every policy, so one kind of round can be set beside the same kind under another policy like
-    for like: a drafting round right after a plain one writes the plain rounds' deferred context
-    first, and a round after a request ended carries its idle row (``bench.plans``). A run's first
-    round, with none before it, is left out."""
+def rounds_by_transition(*runs: list[dict]) -> list[dict]:
+    """Over the runs' steps (each run's own sequence), per rows bucket, drafted length, the kind of
+    the round before (``after``: plain or drafting) and whether it had as many live rows as the
+    round before (``rows``: same or changed: a request ended and its row idles, or rows left and
+    joined): the rounds and their mean and median time. For every policy, so one kind of round can
+    be set beside the same kind under another policy like for like: a drafting round right after a
+    plain one writes the plain rounds' deferred context first, and a round after a request ended
+    carries its idle row (``bench.plans``). A run's first round, with none before it, is left out."""
     groups: dict[tuple[int, int, bool, bool], list[float]] = {}
-    for prev, s in zip(steps, steps[1:]):
-        if s.get("ms") is None or not s.get("batch") or not prev.get("batch"):
-            continue
-        key = (rows_bucket(s["batch"]), int(s["drafted"]), prev["drafted"] == 0, s["batch"] == prev["batch"])
-        groups.setdefault(key, []).append(s["ms"])
+    for steps in runs:
+        for prev, s in zip(steps, steps[1:]):
+            if s.get("ms") is None or not s.get("batch") or not prev.get("batch"):
+                continue
+            same_rows = s["batch"] == prev["batch"]
+            key = (rows_bucket(s["batch"]), int(s["drafted"]), prev["drafted"] == 0, same_rows)
+            groups.setdefault(key, []).append(s["ms"])
     return [
         {"rows_bucket": b, "drafted": d, "after": "plain" if plain else "drafting",
          "rows": "same" if same else "changed", "rounds": len(ms), "ms": float(np.mean(ms)),

@@ -24,10 +24,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
 from ..core.errors import ConfigError
 from ..scheduling.policies import rows_bucket
+from .measure import rounds_by_transition
 
 __all__ = ["estimate_errors", "main", "runs_summary", "switch_costs"]
 
@@ -38,32 +37,33 @@ def _kind(drafted: int) -> str:
 
 def switch_costs(plans: list[dict], concurrency: int) -> list[dict]:
     """Round ms at R's rows bucket by the round's kind (plain, γ_d) and the kind of the round before
-    it (``after``: plain or drafting), over the runs' ``plans`` (each run's own sequence: a run's
-    first round has no round before it), of the rounds with as many live rows as the round before:
-    a row that ended, left or joined between them (its row idling, rows moved, a prompt prefilled)
-    would time that work too. Per (kind, after): rounds, mean and median ms, and on the switching entries
+    it (``after``: plain or drafting), over the runs' ``plans`` (``measure.rounds_by_transition`` of each
+    run's own sequence), of the rounds with as many live rows as the round before: a row that
+    ended, left or joined between them (its row idling, rows moved, a prompt prefilled) would time
+    that work too. Per (kind, after): rounds, mean and median ms, and on the switching entries
     ``switch_ms``, their mean less that of the same kind after its own kind (None where there is
     none)."""
+    runs = [
+        [{"ms": ms, "batch": rows, "drafted": d} for d, rows, ms in zip(p["drafted"], p["rows"], p["ms"])]
+        for p in plans
+    ]
     bucket = rows_bucket(concurrency)
-    groups: dict[tuple[int, bool], list[float]] = defaultdict(list)
-    for plan in plans:
-        drafted, ms, rows = plan["drafted"], plan["ms"], plan["rows"]
-        for i in range(1, len(drafted)):
-            if ms[i] is None or rows[i] != rows[i - 1] or rows_bucket(rows[i]) != bucket:
-                continue
-            groups[(int(drafted[i]), drafted[i - 1] == 0)].append(float(ms[i]))
+    groups = {
+        (g["drafted"], g["after"] == "plain"): g
+        for g in rounds_by_transition(*runs)
+        if g["rows_bucket"] == bucket and g["rows"] == "same"
+    }
     out = []
-    for (drafted, after_plain), values in sorted(groups.items()):
-        switched = after_plain != (drafted == 0)
+    for (drafted, after_plain), g in groups.items():
         same = groups.get((drafted, drafted == 0))
-        mean = float(np.mean(values))
+        switched = after_plain != (drafted == 0)
         out.append({
             "kind": _kind(drafted),
-            "after": "plain" if after_plain else "drafting",
-            "rounds": len(values),
-            "ms_mean": mean,
-            "ms_median": float(np.median(values)),
-            "switch_ms": mean - float(np.mean(same)) if switched and same else None,
+            "after": g["after"],
+            "rounds": g["rounds"],
+            "ms_mean": g["ms"],
+            "ms_median": g["median_ms"],
+            "switch_ms": g["ms"] - same["ms"] if switched and same else None,
         })  # fmt: skip
     return out
 
