@@ -971,7 +971,7 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
     assert stuck[0] == probed[0] and stuck[0]["plain_at_load"] == 0
     assert probed[1]["ms"] < 0.85 * stuck[1]["ms"]  # the simulated run's time
     LOCK_COST.save(tmp_path / "cost.json")
-    policies = f"{policy},{policy}:keep_margin=0,fixed_3"
+    policies = f"{policy},{policy}:keep_margin=0,{policy}:probe_every=64,fixed_3"
     args = ["--cost-table", str(tmp_path / "cost.json"), "--policy", policies,
             "--rows", "128", "--requests", "384", "--runs", "2", "--acceptance", "0.6,0.64,0.58",
             "--dip-rounds", "4", "--dip-factor", "0.3", "--probe-every", "0,32",
@@ -985,6 +985,7 @@ def test_lock_replay_shows_a_plain_lock_and_the_probe_ending_it(policy, tmp_path
         (policy, 32),
         (variant, 0),
         (variant, 32),
+        (f"{policy}:probe_every=64", 64),  # a variant that names its probe replays under that one alone
         ("fixed_3", 0),
     ]  # fixed: no probes
     assert report["replays"][1]["runs"] == probed[:2] and f"| {policy} | 32 | 1 |" in capsys.readouterr().out
@@ -1012,13 +1013,12 @@ def test_a_first_probe_soon_ends_a_lock_on_a_stretch_every_answer_passes(policy)
     kw = dict(
         rows=128, requests=384, runs=3, acceptance=(0.6, 0.64, 0.58), dip_rounds=0, phase_dip=(10, 40, 0.4)
     )
-    ms = {
-        e: sum(r["ms"] for r in replay(LOCK_COST, policy, probe_every=e, **kw)) for e in (0, 128, PROBE_EVERY)
-    }
+    runs = {e: replay(LOCK_COST, policy, probe_every=e, **kw) for e in (0, 128, PROBE_EVERY)}
+    ms = {e: sum(r["ms"] for r in rs) for e, rs in runs.items()}
     fixed = sum(r["ms"] for r in replay(LOCK_COST, "fixed_3", **kw))
     assert PROBE_EVERY == 32 and ms[0] > 1.08 * fixed and ms[128] > 1.08 * fixed
     assert ms[PROBE_EVERY] < 1.015 * fixed
-    stuck, probed = (replay(LOCK_COST, policy, probe_every=e, **kw) for e in (0, PROBE_EVERY))
+    stuck, probed = runs[0], runs[PROBE_EVERY]
     assert all(p["plain_at_load"] < 0.4 * s["plain_at_load"] for p, s in zip(probed, stuck))
 
 

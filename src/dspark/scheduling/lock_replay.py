@@ -58,7 +58,7 @@ def replay(
     rng = np.random.default_rng(seed)
     rates = np.asarray(acceptance, dtype=np.float64)
     gamma = rates.size
-    pol = build_policy(policy, defaults={"probe_every": probe_every, "check": False})
+    pol = build_policy(policy, defaults={"probe_every": probe_every, "check": False})  # a name's own wins
     lengths = np.minimum(rng.integers(60, 200, size=32), 128)  # 32 prompts' answers, cycled
     full = rows_bucket(rows)
     cost = cost.at_engine_rows([1 << k for k in range(full.bit_length())])  # priced as the fast engine runs
@@ -121,6 +121,15 @@ def _policies(text: str, gamma: int) -> list[str]:
 
 def _load_aware(name: str) -> bool:
     return name.split(":")[0] in LOAD_AWARE
+
+
+def _probe_settings(name: str, probes: list[int]) -> list[int]:
+    """The ``--probe-every`` settings a policy replays under: each for a load-aware policy, its own
+    alone for a variant that names one (``draft_aware:probe_every=128``), none (0) for a fixed length."""
+    if not _load_aware(name):
+        return [0]
+    own = build_policy(name).probe_every if "probe_every=" in name else None
+    return probes if own is None else [own]
 
 
 def main(argv=None) -> dict:
@@ -187,7 +196,7 @@ def main(argv=None) -> dict:
     print("| policy | probe_every | run | rounds | ms | plain at the load | drafting at the load |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for policy in policies:
-        for every in probes if _load_aware(policy) else [0]:  # a fixed length never probes
+        for every in _probe_settings(policy, probes):
             runs = replay(
                 cost, policy, args.rows, args.requests, args.runs, acceptance, args.dip_run,
                 args.dip_rounds, args.dip_factor, every, phase, args.seed,
