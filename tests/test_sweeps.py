@@ -110,7 +110,8 @@ def test_docs_show_launch_and_multirun_lines(path):
 def test_a_grid_runs_at_once_as_one_multirun_and_reports_as_a_sweep(tmp_path):
     """The parallel twin of a sweep (what the H200 sessions run): one Hydra multirun, its two grid points
     trained at once by the joblib launcher, each in the folder `hydra.sweep.subdir` names from its own
-    config; the dashboard then reads the folders as a sweep over the swept key."""
+    config, each loading its batches in a worker process of its own (under loky, the launcher's backend,
+    the first GPU sweep failed there); the dashboard then reads the folders as a sweep over the swept key."""
     import json
     import subprocess
     import sys
@@ -128,8 +129,9 @@ def test_a_grid_runs_at_once_as_one_multirun_and_reports_as_a_sweep(tmp_path):
     run("dspark.prepare", "target=tiny", "data=smoke", *smoke)
     sweep = tmp_path / "rank"
     run("dspark.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "experiment=cpu_smoke",
-        *smoke, "data.batch_size=2", "trainer.max_steps=3", "trainer.limit_val_batches=1",
-        f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=r${head.rank}", "head.rank=8,16")  # fmt: skip
+        *smoke, "data.batch_size=2", "data.num_workers=1", "trainer.max_steps=3",
+        "trainer.limit_val_batches=1", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=r${head.rank}",
+        "head.rank=8,16")  # fmt: skip
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["r16", "r8"]
     for rank in (8, 16):
         assert json.loads((sweep / f"r{rank}" / "summary.json").read_text())["global_step"] == 3

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import multiprocessing
 from pathlib import Path
 
 import lightning as L
@@ -55,6 +56,17 @@ class ConversationDataset(Dataset):
                 )
             item["taps"], item["last_hidden"] = taps, last
         return item
+
+
+def _worker_context(workers: int):
+    """The start method of the loader's workers, named rather than inherited: inside a joblib (loky)
+    worker, which Hydra's joblib launcher runs each sweep job in, the inherited default is loky's,
+    whose launcher cannot start the loader's plain processes (AttributeError: 'Process' object has
+    no attribute 'env')."""
+    if workers <= 0:
+        return None
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method)
 
 
 def collate(samples: list[dict], pad_id: int) -> dict:
@@ -352,4 +364,5 @@ class DraftDataModule(L.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self._pin_memory(),
+            multiprocessing_context=_worker_context(workers),
         )
