@@ -32,12 +32,12 @@ SMOKE = [
 # synthetic folders
 
 
-def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", **extra) -> Path:
+def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", layers=1, **extra) -> Path:
     cfg = {
         "run_name": f"{drafter}-{head}",
         "out_dir": str(d),
         "seed": 0,
-        "drafter": {"name": drafter, "block_size": block, "num_layers": 1},
+        "drafter": {"name": drafter, "block_size": block, "num_layers": layers},
         "head": {"name": head, "rank": rank},
         "loss": {"tv": 0.0 if drafter == "dflash" else 0.9},
         "data": {"dir": str(d / "data")},
@@ -97,6 +97,36 @@ def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0) -> Path:
     if drafter_dir is not None:
         (d / "meta.json").write_text(json.dumps({"drafter_dir": str(drafter_dir)}))
     return d
+
+
+def test_tau_by_axis_draws_each_family_along_the_key_and_one_at_a_single_value_as_a_level(tmp_path):
+    """Fig. 3's layout through python -m dspark.report mode=tau_by_axis: DSpark at 1 and 2 layers, DFlash
+    at 2 only (its level), each evaluation's temperature a row; two evaluations of one family, value and
+    temperature are refused by name."""
+    from hydra import compose, initialize_config_module
+
+    from dspark.report import run_report
+
+    for name, layers, tau in (("dspark", 1, 2.0), ("dspark", 2, 3.0), ("dflash", 2, 2.5)):
+        head, rank = ("markov", 256) if name == "dspark" else ("none", 0)
+        run = fake_run(
+            tmp_path / "runs" / f"{name}{layers}", drafter=name, head=head, rank=rank, layers=layers
+        )
+        fake_eval(run / "eval", run / "drafter", tau=tau)
+    with initialize_config_module("dspark.conf", version_base="1.3"):
+        args = ["mode=tau_by_axis", f"runs={tmp_path / 'runs'}", "axis=drafter.num_layers"]
+        cfg = compose("report", overrides=[*args, f"out_dir={tmp_path / 'out'}"])
+    path = run_report(cfg)
+    assert path == tmp_path / "out" / "tau_by_num_layers.png" and path.is_file()
+    data = json.loads(path.with_suffix(".json").read_text())
+    assert data["axis"] == "drafter.num_layers" and data["levels"] == ["dflash"]
+    got = sorted((p["series"], p["value"], p["temperature"], p["tau"]["all"]) for p in data["points"])
+    assert got == [("dflash", 2, 1.0, 2.75), ("dspark", 1, 1.0, 2.25), ("dspark", 2, 1.0, 3.25)]
+    table = path.with_suffix(".md").read_text()
+    assert "| dspark | 2 | 1 | 3.00 ± 0.00 | – | 3.50 ± 0.00 | 3.25 ± 0.00 |" in table
+    fake_eval(tmp_path / "runs" / "dspark2" / "eval_again", tmp_path / "runs" / "dspark2" / "drafter")
+    with pytest.raises(AxisError, match="both dspark at drafter.num_layers=2, T = 1.0: give one evaluation"):
+        run_report(cfg)
 
 
 def test_rank_sweep_axis_puts_head_none_at_rank_zero(tmp_path):
@@ -379,10 +409,17 @@ def test_report_publishes_to_tensorboard(tmp_path):
 
 
 def test_resumed_runs_stitch_their_logs(tmp_path):
-    """A resumed run logs into logs/resumed-<step>/: one curve, the later part winning from its step."""
+    """A resumed run logs into logs/resumed-<step>/: one curve, the later part winning from its step;
+    the same from a published copy, whose parts the GPU scripts' collect names metrics_logs.csv and
+    metrics_resumed-<step>.csv at its top."""
     run = fake_run(tmp_path / "r", rank=8)
     (run / "logs" / "metrics.csv").write_text("epoch,step,train/loss\n0,0,3.0\n0,1,2.5\n0,2,9.9\n")
     (run / "logs" / "resumed-2").mkdir()
     (run / "logs" / "resumed-2" / "metrics.csv").write_text("epoch,step,train/loss\n0,2,2.2\n0,3,2.0\n")
     (curves,) = [r.curves for r in find_runs(str(run))]
     assert curves["train/loss"] == [(0, 3.0), (1, 2.5), (2, 2.2), (3, 2.0)]
+    (run / "logs" / "metrics.csv").rename(run / "metrics_logs.csv")
+    (run / "logs" / "resumed-2" / "metrics.csv").rename(run / "metrics_resumed-2.csv")
+    shutil.rmtree(run / "logs")
+    (published,) = [r.curves for r in find_runs(str(run))]
+    assert published == curves

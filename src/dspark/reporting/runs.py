@@ -1,7 +1,7 @@
 """Training runs and evaluation folders read back from disk, and the sweep axis found among them.
 
 Everything here works offline from the folders the pipeline writes (dspark.artifacts): a run's
-config, summary, logged curves (logs/metrics.csv, a published copy's metrics.csv, or tb/ event
+config, summary, logged curves (logs/metrics.csv, a published copy's metrics*.csv, or tb/ event
 files) and validation calibration report; an evaluation's results, calibration and meta (whose
 `drafter_dir` links it to a run).
 """
@@ -139,11 +139,11 @@ def _is_eval_dir(d: Path) -> bool:
     return EvaluationFolder(d).exists()
 
 
-def _csv_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
+def _csv_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
     curves: dict[str, list[tuple[int, float]]] = {}
-    if not (folder / "metrics.csv").is_file():
+    if not path.is_file():
         return curves
-    with open(folder / "metrics.csv", newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
             step = row.get("step")
             if not step:
@@ -177,15 +177,25 @@ def _parts(root: Path, marker: str) -> list[tuple[int, Path]]:
     return sorted(parts)
 
 
+def _published_parts(run_dir: Path) -> list[tuple[int, Path]]:
+    """A published copy's CSV parts at its top: metrics.csv, or what the GPU scripts' collect names
+    them, metrics_logs.csv and metrics_resumed-<step>.csv."""
+    first = next((f for f in (run_dir / "metrics.csv", run_dir / "metrics_logs.csv") if f.is_file()), None)
+    parts = [(0, first)] if first else []
+    for f in run_dir.glob("metrics_resumed-*.csv"):
+        if f.stem[16:].isdigit():
+            parts.append((int(f.stem[16:]), f))
+    return sorted(parts)
+
+
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """metric -> [(step, value)] from the CSV logger, else TensorBoard event files (when installed).
     A resumed run logs each part into `resumed-<step>/`; the parts are stitched, a later part
     winning over steps an earlier one logged after its last checkpoint. W&B offline runs keep their
     history in a binary file: log with csv too to get curves here."""
     run = RunFolder(run_dir)
-    parts, read = _parts(run.logs, "metrics.csv"), _csv_curves
-    if not parts and (run_dir / "metrics.csv").is_file():  # a published copy keeps it at its top
-        parts = [(0, run_dir)]
+    parts = [(step, folder / "metrics.csv") for step, folder in _parts(run.logs, "metrics.csv")]
+    parts, read = parts or _published_parts(run_dir), _csv_curves
     if not parts and run.tensorboard.is_dir():
         parts, read = _parts(run.tensorboard, "events.out.tfevents.*"), _tb_curves
     curves: dict[str, list[tuple[int, float]]] = {}
