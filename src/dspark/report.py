@@ -2,6 +2,7 @@
 python -m dspark.report mode=table1 runs=[Label:<eval folder>,…] [table1=<json>] [split_gamma=true]
 python -m dspark.report mode=figures runs=[Label:<eval folder>,…]
 python -m dspark.report mode=head_latency runs=<head_latency.json>
+python -m dspark.report mode=tau_by_axis runs=[<run and evaluation folders>] [axis=<config key>]
 
 Static ablation dashboard from run folders (training runs, evaluation folders, multirun dirs):
 index.html with τ per benchmark, position-wise acceptance, ECE raw vs after STS, loss curves and
@@ -12,7 +13,9 @@ mode=table1: the paper's Table 1 from evaluation folders (dspark.reporting.table
 markdown, printed. mode=figures: Figs. 2, 5 and 6 across those drafters into out_dir
 (dspark.reporting.paper_figures), each PNG with its JSON, and figures.md, printed.
 mode=head_latency: Fig. 4's latency panel from ``python -m dspark.bench.head_latency``'s JSON into
-out_dir/fig4_latency.png (+ its JSON)."""
+out_dir/fig4_latency.png (+ its JSON). mode=tau_by_axis: τ by domain along the key that differs across
+the runs (or axis=), a line per drafter family (dspark.reporting.axis_figure): Fig. 3 over a depth
+sweep, Fig. 4's τ panel over a block-size sweep; out_dir/tau_by_<key>.png with its JSON and markdown."""
 
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def run_report(cfg: DictConfig) -> Path:
     if cfg.get("mode") == "head_latency":
         return _head_latency(cfg, spec)
     runs = find_runs(spec)
+    if cfg.get("mode") == "tau_by_axis":
+        return _tau_by_axis(cfg, runs, spec)
     if not runs:
         raise FileNotFoundError(
             f"runs={spec}: no run folder (config.yaml) or evaluation (results.json) found"
@@ -98,6 +103,17 @@ def _head_latency(cfg: DictConfig, spec) -> Path:
         )
     report = read_json(sources[0])
     path = head_latency_plot(report.get("results", []), Path(cfg.out_dir) / "fig4_latency.png", data=report)
+    print(path)
+    return path
+
+
+def _tau_by_axis(cfg: DictConfig, runs, spec) -> Path:
+    from .reporting.axis_figure import tau_by_axis
+
+    if not runs:
+        raise FileNotFoundError(f"runs={spec}: no run folder (config.yaml) or evaluation (results.json)")
+    path, table = tau_by_axis(runs, Path(cfg.out_dir), axis=cfg.get("axis"))
+    print(table)
     print(path)
     return path
 

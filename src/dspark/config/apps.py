@@ -122,7 +122,7 @@ class ReportConfig:
     title: str
     out_dir: str
     logger: LoggerConfig | None = None
-    mode: Literal["dashboard", "table1", "figures", "head_latency"] = "dashboard"
+    mode: Literal["dashboard", "table1", "figures", "head_latency", "tau_by_axis"] = "dashboard"
     table1: str | None = None  # mode=table1: where table1.json goes (null: out_dir/table1.json)
     split_gamma: bool = False  # mode=table1: one table per (temperature, γ), for block-size sweeps
 

@@ -1,0 +1,112 @@
+"""τ by domain along one config key, a line per drafter family: the paper's Fig. 3 (DSpark's depth
+against DFlash at 5 layers) and Fig. 4's τ panel (the block size, per family).
+
+    python -m dspark.report mode=tau_by_axis runs=[<run and evaluation folders>] [axis=drafter.num_layers]
+
+A family evaluated at a single value of the key (the 5-layer DFlash of Fig. 3) is drawn as a dashed
+level across the panel: the reference the others are read against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless nodes and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..core.io import atomic_write_text  # noqa: E402
+from .plots import save_figure  # noqa: E402
+from .runs import AxisError, Run, SweepAxis, sweep_axis  # noqa: E402
+from .tables import DOMAIN_ORDER  # noqa: E402
+
+__all__ = ["tau_by_axis", "tau_points"]
+
+PANELS = (*DOMAIN_ORDER, "all")
+
+
+def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
+    """One point per run and evaluation: its family (the series label), the key's value, the
+    temperature, and macro τ with its standard error per domain. Two evaluations of one family at
+    one value and temperature (another policy or γ) would be one point twice: refused by name."""
+    points, seen = [], {}
+    for run in axis.order(runs):
+        for ev in run.evaluations:
+            res = ev.results
+            point = {
+                "series": axis.series_label(run) or "runs",
+                "value": axis.value(run),
+                "temperature": res.get("temperature"),
+                "evaluation": ev.path.name,
+                "tau": {d: (res.get("macro") or {}).get(d) for d in PANELS},
+                "stderr": {d: (res.get("macro_stderr") or {}).get(d) for d in PANELS},
+            }
+            key = (point["series"], repr(point["value"]), point["temperature"])
+            if key in seen:
+                raise AxisError(
+                    f"{seen[key]} and {ev.path} are both {point['series']} at {axis.key}={point['value']}, "
+                    f"T = {point['temperature']}: give one evaluation per family, value and temperature"
+                )
+            seen[key] = ev.path
+            points.append(point)
+    return points
+
+
+def _markdown(points: Sequence[dict], key: str) -> str:
+    head = ["family", key, "T", *(f"τ {d}" for d in PANELS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in sorted(points, key=lambda p: (p["temperature"], p["series"], p["value"])):
+        cells = [
+            "–" if p["tau"][d] is None else f"{p['tau'][d]:.2f} ± {p['stderr'][d] or 0:.2f}" for d in PANELS
+        ]
+        lines.append(f"| {p['series']} | {p['value']} | {p['temperature']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def tau_by_axis(runs: Sequence[Run], out: str | Path, axis: str | None = None) -> tuple[Path, str]:
+    """The figure (a row per temperature, a panel per domain and their macro), its JSON beside it and a
+    markdown table (returned and written as .md), as out/tau_by_<key>.png."""
+    found = sweep_axis(runs, prefer=axis)
+    if not found.key:
+        raise AxisError("no config key differs across these runs: give runs that differ along one (axis=…)")
+    points = tau_points(runs, found)
+    if not points:
+        raise AxisError("these runs have no evaluations: pass their evaluation folders too (results.json)")
+    short = found.key.split(".")[-1]
+    temps = sorted({p["temperature"] for p in points})
+    families = list(dict.fromkeys(p["series"] for p in points))
+    colors = dict(zip(families, plt.get_cmap("tab10").colors))
+    values = sorted({p["value"] for p in points})
+
+    def values_of(fam: str) -> set:
+        return {p["value"] for p in points if p["series"] == fam}
+
+    levels = [f for f in families if len(values) > 1 and len(values_of(f)) == 1]
+    fig, axes = plt.subplots(len(temps), len(PANELS), figsize=(3.3 * len(PANELS), 2.9 * len(temps)))
+    for row, t in zip(axes.reshape(len(temps), len(PANELS)), temps):
+        for ax, domain in zip(row, PANELS):
+            for fam in families:
+                pts = sorted(
+                    (p["value"], p["tau"][domain], p["stderr"][domain] or 0.0)
+                    for p in points
+                    if p["series"] == fam and p["temperature"] == t and p["tau"][domain] is not None
+                )
+                style = {"color": colors[fam], "linewidth": 1.6}
+                if pts and fam in levels:  # the reference the others are read against
+                    ax.axhline(pts[0][1], linestyle="--", label=f"{fam} ({short} {pts[0][0]})", **style)
+                elif pts:
+                    xs, ys, es = zip(*pts)
+                    ax.errorbar(xs, ys, yerr=es, marker="o", markersize=4, capsize=2, label=fam, **style)
+            ax.set_title(f"{domain}, T = {t:g}", fontsize=9)
+            ax.set_xlabel(found.key)
+            ax.set_xticks(values)
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("τ (macro)")
+        row[0].legend(fontsize=7)
+    data = {"axis": found.key, "levels": levels, "points": points}
+    path = save_figure(fig, Path(out) / f"tau_by_{short}.png", data)
+    table = _markdown(points, found.key)
+    atomic_write_text(path.with_suffix(".md"), table)
+    return path, table
