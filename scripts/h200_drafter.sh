@@ -22,8 +22,10 @@
 set -euo pipefail
 export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-# DSPARK_INSTALLED=1: a caller (scripts/h200_table1.sh) installed the checkout already.
-[ -n "${DSPARK_INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+# DSPARK_INSTALLED=1: a caller (scripts/h200_table1.sh) installed the checkout already. Calls started side by
+# side install it one at a time (three evaluations at once raced, and one failed, in session -06-d).
+[ -n "${DSPARK_INSTALLED:-}" ] ||
+  flock /tmp/dspark-install.lock python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 N=${N:-30000}
 TARGET=${TARGET:-smollm2_135m}  # a conf/target name whose GGUF is staged in /root/stage
 T="target=$TARGET target.path=/root/stage target.device=cuda target.dtype=bfloat16"
