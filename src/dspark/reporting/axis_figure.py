@@ -54,13 +54,17 @@ def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
     return points
 
 
+def _cell(tau: float | None, stderr: float | None) -> str:
+    if tau is None:
+        return "–"
+    return f"{tau:.2f}" if stderr is None else f"{tau:.2f} ± {stderr:.2f}"
+
+
 def _markdown(points: Sequence[dict], key: str) -> str:
     head = ["family", key, "T", *(f"τ {d}" for d in PANELS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in sorted(points, key=lambda p: (p["temperature"], p["series"], p["value"])):
-        cells = [
-            "–" if p["tau"][d] is None else f"{p['tau'][d]:.2f} ± {p['stderr'][d] or 0:.2f}" for d in PANELS
-        ]
+        cells = [_cell(p["tau"][d], p["stderr"][d]) for d in PANELS]
         lines.append(f"| {p['series']} | {p['value']} | {p['temperature']:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
