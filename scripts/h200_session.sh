@@ -46,7 +46,8 @@
 #   eval1   τ at T = 1
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
-#           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 (BATCH_TEMPERATURES="0": at T = 0
+#           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 as soon as its own training ends,
+#           beside the runs still training (BATCH_TEMPERATURES="0": at T = 0
 #           only, for a batch whose evaluations would not fit the session; the evaluate overrides it needs,
 #           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
 #           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
@@ -188,30 +189,50 @@ pipeline)
       python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
         > /dev/null || return 2
     fi
+    # Each run is evaluated (T = 0, then 1) as soon as its own training has written its summary, beside
+    # the runs still training: a batch's short runs (a small block, a shallow drafter) bring their τ
+    # back minutes before the long ones end, and a session cut short keeps them. τ does not depend on
+    # timing, so sharing the GPU changes no number.
+    evaluate() {
+      local n=$1 t
+      [ -f "outputs/h200/$n/drafter/config.json" ] || return 0
+      for t in ${BATCH_TEMPERATURES:-0 1}; do
+        run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
+          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1
+      done
+    }
     if [ -n "${SWEEP:-}" ]; then  # one Hydra multirun: its runs at once, the GPU shared
+      local glob r sweep_pid alive started=" "
+      glob=$(sed 's/\${[^}]*}/*/g' <<< "${SWEEP_RUNS:?SWEEP_RUNS: the pattern of the runs folder names, with SWEEP}")
       # shellcheck disable=SC2086
-      run sweep env CALL_LIMIT=$((minutes * 60 + 300)) bash scripts/h200_drafter.sh sweep \
-        "${SWEEP_RUNS:?SWEEP_RUNS: the pattern of the runs folder names, with SWEEP}" "$minutes" \
-        "${SWEEP_JOBS:-3}" $SWEEP ${TRAIN_EXTRA:-} > "$S/sweep.txt" 2>&1
-      specs=$(for r in outputs/h200/$(sed 's/\${[^}]*}/*/g' <<< "$SWEEP_RUNS"); do
-        [ -f "$r/config.yaml" ] && printf '%s\t\n' "$(basename "$r")"; done)
+      run sweep env CALL_LIMIT=$((minutes * 60 + 300)) bash scripts/h200_drafter.sh sweep "$SWEEP_RUNS" \
+        "$minutes" "${SWEEP_JOBS:-3}" $SWEEP ${TRAIN_EXTRA:-} > "$S/sweep.txt" 2>&1 &
+      sweep_pid=$!
+      while :; do  # the multirun's runs as each finishes (summary.json: written after the drafter)
+        kill -0 $sweep_pid 2>/dev/null && alive=1 || alive=0
+        for r in outputs/h200/$glob; do
+          n=$(basename "$r")
+          [ -f "$r/summary.json" ] && [[ $started != *" $n "* ]] || continue
+          started+="$n "
+          evaluate "$n" &
+        done
+        [ $alive = 1 ] || break
+        sleep 2
+      done
+      wait
+      specs=$(for r in outputs/h200/$glob; do [ -f "$r/config.yaml" ] && printf '%s\t\n' "$(basename "$r")"; done)
     else
       IFS=';' read -r -a runs <<< "${RUNS:?RUNS: NAME:TRAIN_OVERRIDES;… for the batch stage (or SWEEP)}"
       specs=$(python3 -m dspark.bench.batch split "${runs[@]}") || return 2
       while IFS=$'\t' read -r n o; do  # all at once: each its own process, the GPU shared
-        run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
-          bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1 &
+        { run "train:$n" env CALL_LIMIT=$((minutes * 60 + 300)) \
+            bash scripts/h200_drafter.sh train "$n" "$minutes" $o ${TRAIN_EXTRA:-} > "$S/train_$n.txt" 2>&1
+          evaluate "$n"; } &
       done <<< "$specs"
       wait
     fi
     [ -n "$specs" ] || return 1
-    for t in ${BATCH_TEMPERATURES:-0 1}; do  # τ does not depend on timing: the evaluations run at once too
-      while IFS=$'\t' read -r n o; do
-        [ -f "outputs/h200/$n/drafter/config.json" ] || continue
-        run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
-          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1 &
-      done <<< "$specs"
-      wait
+    for t in ${BATCH_TEMPERATURES:-0 1}; do
       while IFS=$'\t' read -r n o; do
         [ -f "outputs/h200/eval_${n}_t$t/results.json" ] && sources+=("$n:outputs/h200/eval_${n}_t$t")
       done <<< "$specs"

@@ -427,26 +427,42 @@ def test_script_resumes_a_batch_and_gathers_it(evals, tmp_path):
 # scripts/h200_session.sh, batch stage: the device steps stubbed, its orchestration and gathering real
 
 STUB = """#!/usr/bin/env bash
-# h200_drafter.sh's train / eval as the session's batch stage calls them: copies of real folders.
+# h200_drafter.sh's train / sweep / eval as the session's batch stage calls them: copies of real
+# folders, each step's start and end times logged. A run named DFlash trains for 1 s, any other for 8:
+# the short one's evaluations (their arguments read by Python first) can start while the long one trains.
 set -e
+stamp() { echo "$1 $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt; }
+trained() {  # trained NAME DRAFTER: a finished run's folder, summary last (as training writes it)
+  mkdir -p outputs/h200/$1
+  cp -r "$SRC/drafters/$2" outputs/h200/$1/drafter
+  echo "run_name: $1" > outputs/h200/$1/config.yaml
+  echo '{"global_step": 2}' > outputs/h200/$1/summary.json
+}
 case $1 in
 train)
-  echo "start $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt
-  sleep 1
-  mkdir -p outputs/h200/$2
-  cp -r "$SRC/drafters/${2,,}" outputs/h200/$2/drafter
-  echo "end $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt ;;
+  stamp start $2
+  sleep $([ "$2" = DFlash ] && echo 1 || echo 8)
+  trained $2 ${2,,}
+  stamp end $2 ;;
+sweep)  # a two-point grid 'DSpark-${…}': its runs end 8 s apart, in one process
+  stamp start sweep
+  trained DSpark-A dspark
+  stamp end DSpark-A
+  sleep 8
+  trained DSpark-B dspark
+  stamp end DSpark-B ;;
 eval)
+  stamp eval $2
   echo "$2 T=$EVAL_T ${*:3}" >> outputs/h200/stub_evals.txt
-  cp -r "$SRC/evals/eval_${2,,}_t$EVAL_T" outputs/h200/eval_$2_t$EVAL_T ;;
+  src=${2,,}
+  cp -r "$SRC/evals/eval_${src%%-*}_t$EVAL_T" outputs/h200/eval_$2_t$EVAL_T ;;
 esac
 """
 
 
-def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
-    """`h200_session.sh start` with STAGES=batch runs the drafters' trainings at the same time,
-    evaluates each at T = 0 and 1 with the overrides its drafter needs, gathers Table 1, the
-    figures and the dashboard, and `wait` brings back a bundle without rounds or generations."""
+def _session_batch(evals, tmp_path: Path, **settings) -> tuple[Path, dict]:
+    """`h200_session.sh start` with STAGES=batch and the stubbed device steps, waited on; the
+    outputs folder and the steps' logged times."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
     (tmp_path / "scripts" / "h200_drafter.sh").write_text(STUB)
@@ -458,8 +474,7 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     cal.write_text(json.dumps({"turns": ["Say hello."]}) + "\n")
     env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{ENV['PATH']}", "SRC": str(evals["drafters"].parent),
            "PYTHONPATH": str(ROOT / "src"), "STAGES": "batch", "TRAIN_MINUTES": "3", "CAL_FILE": str(cal),
-           "RUNS": "DFlash:drafter=dflash;DSpark:drafter=dspark head=markov",
-           "OUT": str(tmp_path / "out")}  # fmt: skip
+           "OUT": str(tmp_path / "out"), **settings}  # fmt: skip
 
     def run(*args):
         cmd = ["bash", "scripts/h200_session.sh", *args]
@@ -469,18 +484,32 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     proc = run("wait", "240")
     assert "PIPELINE DONE" in proc.stdout, proc.stdout + proc.stderr
     h200 = tmp_path / "outputs" / "h200"
+    times: dict = {}
+    for line in (h200 / "stub_times.txt").read_text().split("\n")[:-1]:
+        what, name, t = line.split()
+        times.setdefault((what, name), float(t))  # an evaluation's first start
+    return h200, times
+
+
+def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
+    """`h200_session.sh start` with STAGES=batch runs the drafters' trainings at the same time,
+    evaluates each at T = 0 and 1 with the overrides its drafter needs as soon as its own training
+    ends (the short run's evaluations beside the long run's training), gathers Table 1, the figures
+    and the dashboard, and `wait` brings back a bundle without rounds or generations."""
+    h200, times = _session_batch(
+        evals, tmp_path, RUNS="DFlash:drafter=dflash;DSpark:drafter=dspark head=markov"
+    )
     stages = (h200 / "session" / "stages.txt").read_text().split("\n")
     assert {" ".join(s.split()[:2]) for s in stages if s} == {
         "train:DFlash 0", "train:DSpark 0", "eval:DFlash:t0 0", "eval:DSpark:t0 0", "eval:DFlash:t1 0",
         "eval:DSpark:t1 0", "batch 0",
     }  # fmt: skip
-    times = {}
-    for line in (h200 / "stub_times.txt").read_text().split("\n")[:-1]:
-        what, name, t = line.split()
-        times[what, name] = float(t)
     names = ("DFlash", "DSpark")
     assert max(times["start", n] for n in names) < min(times["end", n] for n in names)  # overlapping
+    assert times["end", "DFlash"] < times["eval", "DFlash"] < times["end", "DSpark"]  # evaluated at once
+    assert times["end", "DSpark"] < times["eval", "DSpark"]
     calls = (h200 / "stub_evals.txt").read_text()
+    cal = tmp_path / "cal.jsonl"
     assert f"DSpark T=0 engine=fast calibrate=true calibration.file={cal}" in calls
     assert "DFlash T=1 engine=fast\n" in calls  # no confidence head: nothing to calibrate
     t0, t1 = json.loads((h200 / "out" / "table1" / "table1.json").read_text())
@@ -493,6 +522,27 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
         members = set(tar.getnames())
     assert "eval_DSpark_t1/results.json" in members
     assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in members)
+
+
+def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, tmp_path):
+    """SWEEP: one multirun trains the grid; each of its runs is evaluated once its summary is written,
+    while the multirun goes on (the first point's τ does not wait for the last point's training)."""
+    grid = {
+        "SWEEP": "drafter=dspark head=markov drafter.num_layers=1,2",
+        "SWEEP_RUNS": "DSpark-${drafter.num_layers}",
+    }
+    h200, times = _session_batch(evals, tmp_path, BATCH_TEMPERATURES="0", **grid)
+    stages = (h200 / "session" / "stages.txt").read_text().split("\n")
+    assert {" ".join(s.split()[:2]) for s in stages if s} == {
+        "sweep 0",
+        "eval:DSpark-A:t0 0",
+        "eval:DSpark-B:t0 0",
+        "batch 0",
+    }
+    assert times["end", "DSpark-A"] < times["eval", "DSpark-A"] < times["end", "DSpark-B"]
+    assert times["end", "DSpark-B"] < times["eval", "DSpark-B"]
+    table = json.loads((h200 / "out" / "table1" / "table1.json").read_text())  # one temperature: one table
+    assert table["temperature"] == 0 and list(table["rows"]) == ["DSpark-A", "DSpark-B"]
 
 
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
