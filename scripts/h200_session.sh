@@ -63,7 +63,9 @@
 #           the overrides in SWEEP (comma lists: the grid), SWEEP_JOBS (3) at once (the joblib launcher:
 #           stage hydra-joblib-launcher and joblib with the wheels), each run in outputs/h200/<SWEEP_RUNS
 #           resolved for it>, e.g. SWEEP="drafter=dspark head=markov drafter.num_layers=1,2,3"
-#           SWEEP_RUNS='DSpark-L${drafter.num_layers}'; evaluated and reported as RUNS are.
+#           SWEEP_RUNS='DSpark-L${drafter.num_layers}'; evaluated and reported as RUNS are, and its τ along
+#           the swept key drawn as the paper's Figs. 3 / 4 are (python -m dspark.report mode=tau_by_axis,
+#           into outputs/h200/out/table1/axis/).
 #   headlat issue 19, Fig. 4's latency panel (python -m dspark.bench.head_latency): freshly built DFlash,
 #           DSpark-Markov and DSpark-RNN drafters (5 layers, no training needed) at block sizes 4, 7, 10, 16,
 #           R = 1 and 128, context 512: the sequential head's cost, the draft step, whole rounds and the
@@ -254,6 +256,9 @@ pipeline)
     done <<< "$specs"
     python3 -m dspark.report "runs=[$(IFS=,; echo "${folders[*]}")]" hydra.run.dir="$dest/dashboard" ||
       echo "dashboard of the batch failed (Table 1 and the figures stand)"
+    # A sweep's τ along its key in the paper's layout (Fig. 3 / Fig. 4's τ panel), by domain.
+    [ -z "${SWEEP:-}" ] || python3 -m dspark.report mode=tau_by_axis "runs=[$(IFS=,; echo "${folders[*]}")]" \
+      hydra.run.dir="$dest/axis" > /dev/null || echo "the sweep's τ figure failed (Table 1 and the figures stand)"
   }
   headlat() {  # Fig. 4's latency panel; the JSON is rewritten after each drafter, so a cut-off run keeps its rows
     local dest=outputs/h200/out/head_latency status=0

@@ -432,10 +432,10 @@ STUB = """#!/usr/bin/env bash
 # the short one's evaluations (their arguments read by Python first) can start while the long one trains.
 set -e
 stamp() { echo "$1 $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt; }
-trained() {  # trained NAME DRAFTER: a finished run's folder, summary last (as training writes it)
+trained() {  # trained NAME DRAFTER [LAYERS]: a finished run's folder, summary last (as training writes it)
   mkdir -p outputs/h200/$1
   cp -r "$SRC/drafters/$2" outputs/h200/$1/drafter
-  echo "run_name: $1" > outputs/h200/$1/config.yaml
+  printf 'run_name: %s\ndrafter: {num_layers: %s}\n' $1 ${3:-5} > outputs/h200/$1/config.yaml
   echo '{"global_step": 2}' > outputs/h200/$1/summary.json
 }
 case $1 in
@@ -446,16 +446,19 @@ train)
   stamp end $2 ;;
 sweep)  # a two-point grid 'DSpark-${…}': its runs end 8 s apart, in one process
   stamp start sweep
-  trained DSpark-A dspark
+  trained DSpark-A dspark 1
   stamp end DSpark-A
   sleep 8
-  trained DSpark-B dspark
+  trained DSpark-B dspark 2
   stamp end DSpark-B ;;
 eval)
   stamp eval $2
   echo "$2 T=$EVAL_T ${*:3}" >> outputs/h200/stub_evals.txt
   src=${2,,}
-  cp -r "$SRC/evals/eval_${src%%-*}_t$EVAL_T" outputs/h200/eval_$2_t$EVAL_T ;;
+  out=outputs/h200/eval_$2_t$EVAL_T
+  cp -r "$SRC/evals/eval_${src%%-*}_t$EVAL_T" $out
+  # as evaluate writes it: the drafter it read, the run's
+  sed -i 's#"drafter_dir": *"[^"]*"#"drafter_dir": "outputs/h200/'"$2"'/drafter"#' $out/meta.json ;;
 esac
 """
 
@@ -543,6 +546,7 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
     assert times["end", "DSpark-B"] < times["eval", "DSpark-B"]
     table = json.loads((h200 / "out" / "table1" / "table1.json").read_text())  # one temperature: one table
     assert table["temperature"] == 0 and list(table["rows"]) == ["DSpark-A", "DSpark-B"]
+    assert (h200 / "out" / "table1" / "axis" / "tau_by_num_layers.png").is_file()  # the sweep's τ figure
 
 
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
