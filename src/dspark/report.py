@@ -44,12 +44,12 @@ def run_report(cfg: DictConfig) -> Path:
     if cfg.get("mode") == "head_latency":
         return _head_latency(cfg, spec)
     runs = find_runs(spec)
-    if cfg.get("mode") == "tau_by_axis":
-        return _tau_by_axis(cfg, runs, spec)
     if not runs:
         raise FileNotFoundError(
             f"runs={spec}: no run folder (config.yaml) or evaluation (results.json) found"
         )
+    if cfg.get("mode") == "tau_by_axis":
+        return _tau_by_axis(cfg, runs)
     out = Path(cfg.out_dir)
     index = build_dashboard(runs, out, title=cfg.title, axis=cfg.get("axis"), source=f"runs={spec}")
     log.info("dashboard of %d runs: %s", len(runs), index)
@@ -107,11 +107,9 @@ def _head_latency(cfg: DictConfig, spec) -> Path:
     return path
 
 
-def _tau_by_axis(cfg: DictConfig, runs, spec) -> Path:
+def _tau_by_axis(cfg: DictConfig, runs) -> Path:
     from .reporting.axis_figure import tau_by_axis
 
-    if not runs:
-        raise FileNotFoundError(f"runs={spec}: no run folder (config.yaml) or evaluation (results.json)")
     path, table = tau_by_axis(runs, Path(cfg.out_dir), axis=cfg.get("axis"))
     print(table)
     print(path)

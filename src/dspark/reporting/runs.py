@@ -183,8 +183,9 @@ def _published_parts(run_dir: Path) -> list[tuple[int, Path]]:
     first = next((f for f in (run_dir / "metrics.csv", run_dir / "metrics_logs.csv") if f.is_file()), None)
     parts = [(0, first)] if first else []
     for f in run_dir.glob("metrics_resumed-*.csv"):
-        if f.stem[16:].isdigit():
-            parts.append((int(f.stem[16:]), f))
+        step = f.stem.removeprefix("metrics_resumed-")
+        if step.isdigit():
+            parts.append((int(step), f))
     return sorted(parts)
 
 

@@ -81,6 +81,10 @@ __all__ = [
     "throughput_path",
 ]
 
+# What decided a planned round (``Policy.plan_record``): per drafted length 0..γ its expected rate, the
+# rounds' clock's measured / priced ratio it was priced at, and the tokens it was expected to emit.
+PlanRecord = tuple[list[float], list[float], list[float]]
+
 
 # ---------------------------------------------------------------------------------------------
 # shared pieces
@@ -421,7 +425,7 @@ class RoundClock:
         # rows bucket -> {γ: ``_ratios``}, until the bucket's next observed round changes them
         self._priced: dict[int, dict[int, tuple[list[float], list[bool]]]] = {}
         # the last choice's rates, ratios and expected tokens (``Policy.plan_record``)
-        self.last: tuple[list[float], list[float], list[float]] | None = None
+        self.last: PlanRecord | None = None
 
     def _ratios(self, rows: int, gamma: int) -> tuple[list[float], list[bool]]:
         """Per ``γ_d = 0..gamma`` at this rows bucket: measured / priced where timed (``min_timed``
@@ -680,7 +684,7 @@ class Policy:
         them) nor expects them: the policy gets a tensor of their shape."""
         return self.needs_confidence
 
-    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
+    def plan_record(self) -> PlanRecord | None:
         """What decided the last ``draft_length``, for a run's record: the expected rate of each
         drafted length ``0..γ`` (tokens per second), the rounds' clock's measured / priced ratio it
         priced each at, and the tokens each was expected to emit (the round's rows, each
@@ -942,7 +946,7 @@ class HardwareAware(Policy):
         self._plans.append((rows, drafted, walk, cost))
         return drafted
 
-    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
+    def plan_record(self) -> PlanRecord | None:
         return None if self._rounds is None else self._rounds.last
 
     @staticmethod
@@ -1240,7 +1244,7 @@ class DraftAware(Policy):
         self._plans.append((rows, drafted, cost))
         return drafted
 
-    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
+    def plan_record(self) -> PlanRecord | None:
         return None if self.clock is None else self.clock.last
 
     def width(self, drafted: int) -> int:
@@ -1298,7 +1302,7 @@ class Truncated(Policy):
     def reads_confidences(self) -> bool:
         return self.inner.reads_confidences()
 
-    def plan_record(self) -> tuple[list[float], list[float], list[float]] | None:
+    def plan_record(self) -> PlanRecord | None:
         return self.inner.plan_record()
 
     def observe_round(self, lengths: np.ndarray, accepted: np.ndarray) -> None:
