@@ -191,17 +191,19 @@ pipeline)
       python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
         > /dev/null || return 2
     fi
-    # Each run is evaluated (T = 0, then 1) as soon as its own training has written its summary, beside
-    # the runs still training: a batch's short runs (a small block, a shallow drafter) bring their τ
-    # back minutes before the long ones end, and a session cut short keeps them. τ does not depend on
-    # timing, so sharing the GPU changes no number.
+    # Each run is evaluated as soon as its own training has written its summary, beside the runs still
+    # training: a batch's short runs (a small block, a shallow drafter) bring their τ back minutes before
+    # the long ones end, and a session cut short keeps them. Its temperatures run at once too: the last
+    # run's evaluations are the batch's tail (T = 0 then 1 one after the other took 238 s of a session's
+    # last minutes, 2026-12-06-e). τ does not depend on timing, so sharing the GPU changes no number.
     evaluate() {
       local n=$1 t
       [ -f "outputs/h200/$n/drafter/config.json" ] || return 0
       for t in ${BATCH_TEMPERATURES:-0 1}; do
         run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
-          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1
+          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1 &
       done
+      wait
     }
     if [ -n "${SWEEP:-}" ]; then  # one Hydra multirun: its runs at once, the GPU shared
       local glob r sweep_pid alive started=" "

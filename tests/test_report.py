@@ -129,6 +129,21 @@ def test_tau_by_axis_draws_each_family_along_the_key_and_one_at_a_single_value_a
         run_report(cfg)
 
 
+def test_tau_by_axis_names_a_lone_family_by_its_drafter_and_head(tmp_path):
+    """One family's block-size sweep (Fig. 4, a session per family) splits into no series: its line is
+    still named by what it is, so the figures of several sessions read alike."""
+    from dspark.reporting.axis_figure import tau_points
+
+    for block in (4, 16):
+        run = fake_run(tmp_path / f"b{block}", block=block)
+        fake_eval(run / "eval", run / "drafter")
+    runs = find_runs(str(tmp_path))
+    axis = sweep_axis(runs)
+    assert axis.key == "drafter.block_size" and axis.series == []
+    got = [(p["series"], p["value"]) for p in tau_points(runs, axis)]
+    assert got == [("dspark markov", 4), ("dspark markov", 16)]
+
+
 def test_rank_sweep_axis_puts_head_none_at_rank_zero(tmp_path):
     fake_run(tmp_path / "a", head="none", rank=32)  # a preset's rank, ignored without a head
     for r in (512, 32):

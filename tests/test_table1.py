@@ -453,12 +453,15 @@ sweep)  # a two-point grid 'DSpark-${…}': its runs end 8 s apart, in one proce
   stamp end DSpark-B ;;
 eval)
   stamp eval $2
+  stamp "t$EVAL_T" $2
   echo "$2 T=$EVAL_T ${*:3}" >> outputs/h200/stub_evals.txt
   src=${2,,}
   out=outputs/h200/eval_$2_t$EVAL_T
   cp -r "$SRC/evals/eval_${src%%-*}_t$EVAL_T" $out
   # as evaluate writes it: the drafter it read, the run's
-  sed -i 's#"drafter_dir": *"[^"]*"#"drafter_dir": "outputs/h200/'"$2"'/drafter"#' $out/meta.json ;;
+  sed -i 's#"drafter_dir": *"[^"]*"#"drafter_dir": "outputs/h200/'"$2"'/drafter"#' $out/meta.json
+  sleep 1
+  stamp "t${EVAL_T}_end" $2 ;;
 esac
 """
 
@@ -511,6 +514,8 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     assert max(times["start", n] for n in names) < min(times["end", n] for n in names)  # overlapping
     assert times["end", "DFlash"] < times["eval", "DFlash"] < times["end", "DSpark"]  # evaluated at once
     assert times["end", "DSpark"] < times["eval", "DSpark"]
+    for n in names:  # a run's two temperatures at once: the batch's tail is one evaluation long
+        assert max(times["t0", n], times["t1", n]) < min(times["t0_end", n], times["t1_end", n])
     calls = (h200 / "stub_evals.txt").read_text()
     cal = tmp_path / "cal.jsonl"
     assert f"DSpark T=0 engine=fast calibrate=true calibration.file={cal}" in calls

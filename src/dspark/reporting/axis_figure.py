@@ -36,7 +36,7 @@ def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
         for ev in run.evaluations:
             res = ev.results
             point = {
-                "series": axis.series_label(run) or "runs",
+                "series": axis.series_label(run) or _family(run),
                 "value": axis.value(run),
                 "temperature": res.get("temperature"),
                 "evaluation": ev.path.name,
@@ -52,6 +52,13 @@ def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
             seen[key] = ev.path
             points.append(point)
     return points
+
+
+def _family(run: Run) -> str:
+    """A run's drafter family ("dspark markov", "dflash none"): the line's name when the runs split
+    into no series, as one family's block-size sweep does."""
+    names = (run.flat.get("drafter.name"), run.flat.get("head.name"))
+    return " ".join(str(n) for n in names if n is not None) or "runs"
 
 
 def _cell(tau: float | None, stderr: float | None) -> str:
