@@ -68,9 +68,11 @@
 #           into outputs/h200/out/table1/axis/).
 #   headlat issue 19, Fig. 4's latency panel (python -m dspark.bench.head_latency): freshly built DFlash,
 #           DSpark-Markov and DSpark-RNN drafters (5 layers, no training needed) at block sizes 4, 7, 10, 16,
-#           R = 1 and 128, context 512: the sequential head's cost, the draft step, whole rounds and the
-#           head's share of them, into outputs/h200/out/head_latency/ (JSON, fig4_latency.png, log.txt);
-#           12 drafters, each compiled and captured anew: about 3-4 minutes, HEADLAT_LIMIT (480 s) at most
+#           R = 1 and 128, contexts HEADLAT_CONTEXTS (default 512,1024,2048,4096: the paper's, the figure
+#           their mean): the sequential head's cost, the draft step, whole rounds and the head's share of
+#           them, into outputs/h200/out/head_latency/ (JSON, fig4_latency.png, log.txt); 12 drafters, each
+#           compiled and captured anew: 3-4 minutes with context 512 alone (2026-12-02-e; four contexts
+#           not yet timed), HEADLAT_LIMIT (960 s) at most; a run cut off keeps every context it measured
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
@@ -265,9 +267,9 @@ pipeline)
   headlat() {  # Fig. 4's latency panel; the JSON is rewritten after each drafter, so a cut-off run keeps its rows
     local dest=outputs/h200/out/head_latency status=0
     mkdir -p "$dest"
-    timeout "${HEADLAT_LIMIT:-480}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
+    timeout "${HEADLAT_LIMIT:-960}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
       target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families dflash,markov,rnn \
-      --blocks 4,7,10,16 --rows 1,128 --context 512 --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 ||
+      --blocks 4,7,10,16 --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 ||
       status=$?
     [ -f "$dest/head_latency.json" ] && python3 -m dspark.report mode=head_latency runs="$dest/head_latency.json" \
       hydra.run.dir="$dest" >> "$dest/log.txt" 2>&1  # fig4_latency.png, also of a cut-off run's rows

@@ -60,6 +60,32 @@ def test_head_latency_table_per_family_block_and_rows(tmp_path):
     assert json.loads(plot.with_suffix(".json").read_text()) == saved
 
 
+def test_head_latency_averages_contexts_as_the_papers_panel(tmp_path):
+    """--context with several lengths (the paper's 512-4096): every row measured at each, and
+    mean_over_contexts per family, B and R, which the figure draws; a configuration cut off before its
+    last context is left out of the means rather than averaged over fewer."""
+    out = tmp_path / "head_latency.json"
+    fast = [a if a != "8" else "8,24" for a in FAST]  # --context 8,24
+    report = head_latency.main(["--families", "dflash,markov", "--blocks", "4", "--out", str(out), *fast])
+    assert report["contexts"] == [8, 24]
+    assert [(r["family"], r["context"]) for r in report["results"]] == [
+        ("dflash", 8), ("dflash", 24), ("markov", 8), ("markov", 24)
+    ]  # fmt: skip
+    means = {m["family"]: m for m in report["mean_over_contexts"]}
+    for family, m in means.items():
+        rs = [r for r in report["results"] if r["family"] == family]
+        assert m["contexts"] == [8, 24] and (m["block_size"], m["rows"]) == (4, 1)
+        for key in ("round_ms", "sequential_head_ms", "draft_step_ms"):
+            assert m[key] == pytest.approx((rs[0][key] + rs[1][key]) / 2)
+        assert m["head_share"] == pytest.approx(m["sequential_head_ms"] / m["round_ms"])
+        assert m["round_vs_dflash"] == pytest.approx(m["round_ms"] / means["dflash"]["round_ms"] - 1)
+    cut = head_latency.mean_over_contexts(report["results"][:3])  # markov measured at 8 only
+    assert [m["family"] for m in cut] == ["dflash"]
+    plot = report_head_latency(str(out), tmp_path / "fig")
+    drawn = json.loads(plot.with_suffix(".json").read_text())
+    assert drawn["mean_over_contexts"] == report["mean_over_contexts"]
+
+
 def report_head_latency(runs: str, out_dir):
     from hydra import compose, initialize_config_module
 
@@ -103,7 +129,8 @@ def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch)
         (["--blocks", ""], "--blocks is empty: give at least one value"),
         (["--blocks", "4,x"], "not a comma-separated list of integers"),
         (["--rows", "0"], "--rows '0': \\[0\\] below 1"),
-        (["--context", "0"], "--context 0 is below 1"),
+        (["--context", "0"], r"--context '0': \[0\] below 1"),
+        (["--context", "512,4k"], "--context '512,4k' is not a comma-separated list of integers"),
         (["--blokcs", "4"], r"unknown arguments \['--blokcs', '4'\]"),
         (["drafter.num_heads=3"], "num_heads=3 is not a multiple of num_kv_heads"),
     ],

@@ -1,7 +1,7 @@
 """Fig. 4's latency panel: what the sequential head costs a round, per drafter family and block size.
 
     python -m dspark.bench.head_latency target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
-        [--families dflash,markov,rnn] [--blocks 4,7,10,16] [--rows 1,128] [--context 512] \\
+        [--families dflash,markov,rnn] [--blocks 4,7,10,16] [--rows 1,128] [--context 512[,1024,…]] \\
         [--layers 5] [--warmup 3] [--repeats 10] [--round-tokens 32] [--no-compile] \\
         [--out head_latency.json] [drafter.… head.… overrides for every family]
     python -m dspark.report mode=head_latency runs=head_latency.json   # fig4_latency.png (+ .json)
@@ -10,8 +10,8 @@ Latency does not depend on trained weights, so each drafter is a fresh one, buil
 training builds it (``conf/train.yaml`` composed with ``drafter=dflash`` or ``drafter=dspark
 head=<family>``, ``drafter.block_size=B``, ``drafter.num_layers=--layers``; DSpark keeps its
 confidence head, as trained) and served as the engines serve one (``sps.served``: the target's
-device and precision). Per family, block size B and row count R, with the context cache holding
-``--context`` random positions:
+device and precision). Per family, block size B, row count R and context length (the context cache
+holding that many random positions; ``--context 512,1024,2048,4096`` is the paper's protocol):
 
   * ``sequential_head_ms``: what the sequential head adds to the draft step, the drafter's heads
     and sampling over the γ positions (left to right, each position conditioned on the token drawn
@@ -25,8 +25,12 @@ device and precision). Per family, block size B and row count R, with the contex
     them (``sps.round_times``, ``--round-tokens`` new tokens per request);
   * ``head_share``: ``sequential_head_ms / round_ms`` (issue 19's check: at most 3 % at R = 128;
     the paper's 4B target verifies slowly enough for that, a small target leaves the head more);
-  * ``round_vs_dflash``: ``round_ms`` over DFlash's at the same B and R, minus 1 (what the paper's
-    panel reports: 0.2 % to 1.3 % at R = 128, averaged over contexts of 512 to 4096).
+  * ``round_vs_dflash``: ``round_ms`` over DFlash's at the same B, R and context, minus 1 (what the
+    paper's panel reports: 0.2 % to 1.3 % at R = 128, averaged over contexts of 512 to 4096).
+
+With several contexts, ``mean_over_contexts`` holds each family, B and R averaged over them as the
+paper's panel is (the mean round and head latency; the share and ``round_vs_dflash`` of the means),
+and the figure draws those.
 
 The JSON (with provenance) is rewritten after each configuration, so a run cut off keeps what it
 measured; the blocks are the outer loop, DFlash first. Prints a table; ``python -m dspark.report
@@ -58,7 +62,11 @@ def _parse(argv):
     ap.add_argument("--families", default="dflash,markov,rnn", help=f"of {', '.join(FAMILIES)}")
     ap.add_argument("--blocks", default="4,7,10,16", help="drafter.block_size values (>= 2)")
     ap.add_argument("--rows", default="1,128", help="row counts R (the batch)")
-    ap.add_argument("--context", type=int, default=512, help="cached context positions per row")
+    ap.add_argument(
+        "--context", default="512",
+        help="cached context positions per row; several (512,1024,2048,4096: the paper's) are each "
+        "measured and averaged",
+    )  # fmt: skip
     ap.add_argument("--layers", type=int, default=5, help="drafter.num_layers (the paper's 5)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
@@ -100,8 +108,9 @@ def check_args(args, overrides: list[str]) -> dict:
         raise ConfigError(f"--families: unknown {unknown}; choose from {', '.join(FAMILIES)}")
     blocks = _ints(args.blocks, "--blocks", 2, "4,7,10,16")
     rows = _ints(args.rows, "--rows", 1, "1,128")
+    contexts = _ints(args.context, "--context", 1, "512,1024,2048,4096")
     for flag, value, least in (
-        ("--context", args.context, 1), ("--layers", args.layers, 1), ("--repeats", args.repeats, 1),
+        ("--layers", args.layers, 1), ("--repeats", args.repeats, 1),
         ("--warmup", args.warmup, 0), ("--round-tokens", args.round_tokens, 2),
     ):  # fmt: skip
         if value < least:
@@ -112,7 +121,7 @@ def check_args(args, overrides: list[str]) -> dict:
             f"unknown arguments {stray}: this command takes its --options and target=…, target.…, "
             f"drafter.… and head.… overrides (see --help); --families picks the drafters and heads"
         )
-    return {"families": families, "blocks": blocks, "rows": rows}
+    return {"families": families, "blocks": blocks, "rows": rows, "contexts": contexts}
 
 
 def drafter_configs(families: list[str], blocks: list[int], layers: int, overrides: list[str]) -> dict:
@@ -165,6 +174,7 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
                 "block_size": int(drafter.block_size),
                 "gamma": gamma,
                 "rows": r,
+                "context": ctx,
                 "sequential_head_ms": head,
                 "head_us_per_position": 1000.0 * head / gamma,  # flat in γ when the head scales as it should
                 "draft_step_ms": draft[gamma][r],
@@ -177,13 +187,36 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
     return out
 
 
-def _relate(results: list[dict]) -> None:
-    """``round_vs_dflash`` on every row whose DFlash counterpart (same B and R) was measured."""
-    base = {(r["block_size"], r["rows"]): r["round_ms"] for r in results if r["family"] == "dflash"}
+def _relate(results: list[dict], where: tuple[str, ...] = ("block_size", "rows", "context")) -> None:
+    """``round_vs_dflash`` on every row whose DFlash counterpart (the same ``where``) was measured."""
+    base = {tuple(r[k] for k in where): r["round_ms"] for r in results if r["family"] == "dflash"}
     for r in results:
-        ref = base.get((r["block_size"], r["rows"]))
+        ref = base.get(tuple(r[k] for k in where))
         if ref:
             r["round_vs_dflash"] = r["round_ms"] / ref - 1.0
+
+
+def mean_over_contexts(results: list[dict]) -> list[dict]:
+    """Each family, B and R with every measured context, averaged as the paper's Fig. 4 panel is:
+    the mean round and head latency, the head's share of the mean round, and ``round_vs_dflash``
+    of the means. A configuration cut off before its last context is left out, not averaged over fewer."""
+    contexts = sorted({r["context"] for r in results})
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["family"], r["block_size"], r["rows"]), []).append(r)
+    out = []
+    for (family, block, rows), rs in groups.items():
+        if sorted(r["context"] for r in rs) != contexts:
+            continue
+        keys = ("sequential_head_ms", "draft_step_ms", "round_ms")
+        mean = {k: sum(r[k] for r in rs) / len(rs) for k in keys}
+        share = mean["sequential_head_ms"] / mean["round_ms"]
+        out.append(
+            {"family": family, "label": rs[0]["label"], "block_size": block, "gamma": rs[0]["gamma"],
+             "rows": rows, "contexts": contexts, **mean, "head_share": share}
+        )  # fmt: skip
+    _relate(out, ("block_size", "rows"))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -204,11 +237,11 @@ def main(argv=None) -> dict:
     chosen = check_args(args, overrides)
     configs = drafter_configs(chosen["families"], chosen["blocks"], args.layers, overrides)
     target = load_target(compose_target(overrides))
-    ctx, rows = int(args.context), chosen["rows"]
+    contexts, rows = chosen["contexts"], chosen["rows"]
     results: list[dict] = []
     report = {
         **report_header("dspark.bench.head_latency", argv, target, args.compile),
-        "context": ctx,
+        "contexts": contexts,
         "layers": args.layers,
         "families": chosen["families"],
         "blocks": chosen["blocks"],
@@ -224,15 +257,18 @@ def main(argv=None) -> dict:
             "round_ms": "a whole round drafting and verifying γ, median on the device's timeline",
             "plain_round_ms": "a round drafting nothing (γ_d = 0)",
             "head_share": "sequential_head_ms / round_ms",
-            "round_vs_dflash": "round_ms / DFlash's round_ms at the same block size and R - 1",
+            "round_vs_dflash": "round_ms / DFlash's round_ms at the same block size, R and context - 1",
+            "mean_over_contexts": "per family, block size and R: the means over the contexts (the paper's "
+            "panel), head_share and round_vs_dflash of the means",
         },
         "results": results,
     }
-    # Each configuration's drafter is a new module with its own block size: its fused paths would
-    # pass dynamo's default recompile limit (8) after a few, and run eagerly from then on.
+    # Each configuration's drafter is a new module with its own block size, and each context a new
+    # cache shape: its fused paths would pass dynamo's default recompile limit (8) after a few, and run
+    # eagerly from then on.
     dynamo = torch._dynamo.config
     limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-    with dynamo.patch({limit: max(getattr(dynamo, limit), 8 * len(configs))}):
+    with dynamo.patch({limit: max(getattr(dynamo, limit), 8 * len(configs) * len(contexts))}):
         for b in chosen["blocks"]:
             for family in chosen["families"]:
                 drafter_cfg, head_cfg, picked = configs[family, b]
@@ -240,9 +276,12 @@ def main(argv=None) -> dict:
                 torch.manual_seed(0)
                 drafter = served(build_drafter(TargetDims.of(target), drafter_cfg, head_cfg), target)
                 built = {"overrides": picked, "parameters": sum(p.numel() for p in drafter.parameters())}
-                results += [{**row, **built} for row in measure(target, drafter, rows, ctx, args, family)]
-                _relate(results)
-                atomic_write_json(args.out, report)  # a run cut off keeps what it measured
+                for ctx in contexts:
+                    results += [{**row, **built} for row in measure(target, drafter, rows, ctx, args, family)]
+                    _relate(results)
+                    if len(contexts) > 1:
+                        report["mean_over_contexts"] = mean_over_contexts(results)
+                    atomic_write_json(args.out, report)  # a run cut off keeps what it measured
                 del drafter
                 gc.collect()
                 if target.device.type == "cuda":
@@ -251,10 +290,10 @@ def main(argv=None) -> dict:
     publish(
         args.out,
         report,
-        ["drafter", "B", "γ", "R", "head ms", "head µs/pos", "draft ms", "round ms", "plain ms", "head share",
-         "vs DFlash"],
+        ["drafter", "B", "γ", "R", "context", "head ms", "head µs/pos", "draft ms", "round ms", "plain ms",
+         "head share", "vs DFlash"],
         [
-            [r["label"], f"{r['block_size']}", f"{r['gamma']}", f"{r['rows']}",
+            [r["label"], f"{r['block_size']}", f"{r['gamma']}", f"{r['rows']}", f"{r['context']}",
              f"{r['sequential_head_ms']:.3f}", f"{r['head_us_per_position']:.1f}",
              f"{r['draft_step_ms']:.3f}", f"{r['round_ms']:.3f}", f"{r['plain_round_ms']:.3f}",
              f"{100 * r['head_share']:.2f} %",

@@ -140,7 +140,8 @@ def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: di
     """``rows`` of ``python -m dspark.bench.head_latency`` (``label``, ``block_size``, ``rows``,
     ``round_ms``, ``sequential_head_ms``, ``head_share``): a column per row count R, a line per
     drafter against the block size; top the whole round's latency (Fig. 4's rightmost panel), then
-    the sequential head's latency, then its share of the round. Writes ``path`` and
+    the sequential head's latency, then its share of the round (rows of ``mean_over_contexts``, which
+    name their ``contexts``, say so in the titles). Writes ``path`` and
     ``<stem>.json`` (``data`` if given, else the rows)."""
     path = Path(path)
     counts = sorted({int(r["rows"]) for r in rows})
@@ -163,7 +164,8 @@ def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: di
             for i, (key, scale, _) in enumerate(panels):
                 ys = [scale * r[key] for r in pts]
                 axes[i][j].plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label)
-        axes[0][j].set_title(f"R = {r_count}")
+        contexts = rows[0].get("contexts")  # mean_over_contexts' rows
+        axes[0][j].set_title(f"R = {r_count}" + (f", mean over contexts {contexts}" if contexts else ""))
         axes[-1][j].set_xlabel("Block size")
         for ax in axes[:, j]:
             ax.set_xticks(blocks)
