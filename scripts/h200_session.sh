@@ -6,7 +6,8 @@
 #   bash scripts/h200_session.sh wait SECONDS      # until the pipeline ends or SECONDS pass; then
 #                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log),
 #                                                  # $OUT/evals.tgz (the evaluation folders)
-# `wait` prints the stages and the log's last WAIT_TAIL lines (default 8): short, so that whoever drives the
+# `wait` prints the stages, each run still training (its last logged step and step time: whether the runs
+# will reach their steps in the session's minutes) and the log's last WAIT_TAIL lines (default 8): short, so that whoever drives the
 # calls can send the next `wait` inside the machine's 30 s idle window (a 30-line tail of benchmark tables
 # was read while the window closed, twice: sessions 2026-12-04-f and -g lost their machine that way).
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
@@ -117,6 +118,23 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
   ls -la "$OUT"
 }
 
+progress() {  # each run still training: its last logged step and step time, to judge what fits the session
+  local m run
+  for m in outputs/h200/*/logs/metrics.csv; do
+    run=$(dirname "$(dirname "$m")")
+    [ -f "$m" ] && [ ! -f "$run/summary.json" ] || continue
+    python3 - "$m" "$(basename "$run")" <<'PY'
+import csv, sys
+last = {}
+with open(sys.argv[1], newline="") as f:
+    for row in csv.DictReader(f):
+        last.update({k: v for k, v in row.items() if v})  # Lightning logs a row per metric group
+ms = last.get("train/step_ms")
+print(f"{sys.argv[2]}: step {last.get('step', '?')}" + (f", {float(ms):.0f} ms a step" if ms else ""))
+PY
+  done
+}
+
 case $step in
 start)
   for t in ${BATCH_TEMPERATURES:-0 1}; do  # refused here, before a machine's minutes go into training
@@ -136,6 +154,7 @@ wait)
   # The bundle first: a reader that closes the pipe early (`wait 60 | head`) must not cost it.
   listing=$(bundle)
   echo "== stages"; cat $S/stages.txt
+  echo "== training"; progress
   echo "== log (last ${WAIT_TAIL:-8} lines)"
   tr '\r' '\n' < $S/log.txt | grep -a -v -e Warning -e warn | tail -"${WAIT_TAIL:-8}"
   [ -f $S/done ] && echo "PIPELINE DONE" || echo "pipeline still running"

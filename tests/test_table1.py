@@ -554,6 +554,28 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
     assert (h200 / "out" / "table1" / "axis" / "tau_by_num_layers.png").is_file()  # the sweep's τ figure
 
 
+def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
+    """`wait` names every run still training with its last logged step and step time (Lightning's CSV:
+    a row per metric group, so the latest non-empty value of each), and no run that has finished."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
+    h200 = tmp_path / "outputs" / "h200"
+    csv_text = "epoch,lr-AdamW,step,train/step_ms\n,0.001,9,\n0,,9,141.2\n,0.0009,19,\n"
+    for run in ("DSpark-B4", "DSpark-B16"):
+        (h200 / run / "logs").mkdir(parents=True)
+        (h200 / run / "logs" / "metrics.csv").write_text(csv_text)
+    (h200 / "DSpark-B4" / "summary.json").write_text('{"global_step": 19}')
+    (h200 / "session").mkdir()
+    (h200 / "session" / "stages.txt").write_text("")
+    (h200 / "session" / "log.txt").write_text("")
+    env = {**ENV, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", "scripts/h200_session.sh", "wait", "1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    training = proc.stdout.split("== training\n")[1].split("== log")[0]
+    assert training == "DSpark-B16: step 19, 141 ms a step\n"
+
+
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
     """`h200_drafter.sh pack` keeps what training reads (build key, DONE.json, prompts, tokens; not
     the answer shards) in <= 15 MiB pieces; `wait` brings pieces back as files of their own; a
