@@ -52,7 +52,9 @@
 #           only, for a batch whose evaluations would not fit the session; the evaluate overrides it needs,
 #           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
 #           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
-#           CAL_FILE), then python -m dspark.report mode=table1 and
+#           CAL_FILE; and raw, STS and STS with offsets scored on held-out requests of the evaluation's
+#           rounds, python -m dspark.reporting.calibration_compare, into its calibration_compare.json),
+#           then python -m dspark.report mode=table1 and
 #           mode=figures into outputs/h200/out/table1/ (SPLIT_GAMMA=1: a table per temperature and γ, for
 #           runs of different block sizes), and the runs' dashboard into its dashboard/. Steps per
 #           drafter are in each run's summary: state the budget as minutes on a shared GPU, or compare
@@ -218,13 +220,25 @@ pipeline)
     # run's evaluations are the batch's tail (T = 0 then 1 one after the other took 238 s of a session's
     # last minutes, 2026-12-06-e). τ does not depend on timing, so sharing the GPU changes no number.
     evaluate() {
-      local n=$1 t
+      local n=$1 t args
       [ -f "outputs/h200/$n/drafter/config.json" ] || return 0
+      args=$(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal")
       for t in ${BATCH_TEMPERATURES:-0 1}; do
-        run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
-          $(python3 -m dspark.bench.batch eval-args "outputs/h200/$n/drafter" "$cal") > "$S/eval_${n}_t$t.txt" 2>&1 &
+        # shellcheck disable=SC2086
+        { run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
+            $args > "$S/eval_${n}_t$t.txt" 2>&1
+          [[ $args != *calibrate=true* ]] || held_out_calibration "$n" "$t"; } &
       done
       wait
+    }
+    # A drafter with a confidence head: raw, STS and STS with offsets each fitted and scored on held-out
+    # requests of its benchmark rounds (calibration_compare, the device's CPU), beside the evaluation in
+    # its folder: the rounds themselves are too large to bring back (10-20 MB).
+    held_out_calibration() {
+      local e=outputs/h200/eval_$1_t$2
+      [ -f "$e/results.json" ] || return 0
+      run "calib:$1:t$2" python3 -m dspark.reporting.calibration_compare "$e" --out "$e/calibration_compare.json" \
+        > "$e/calibration_compare.txt" 2>&1 || echo "held-out calibration of $e failed (its τ stands)"
     }
     if [ -n "${SWEEP:-}" ]; then  # one Hydra multirun: its runs at once, the GPU shared
       local glob r sweep_pid alive started=" "

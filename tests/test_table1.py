@@ -508,8 +508,8 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
     stages = (h200 / "session" / "stages.txt").read_text().split("\n")
     assert {" ".join(s.split()[:2]) for s in stages if s} == {
         "train:DFlash 0", "train:DSpark 0", "eval:DFlash:t0 0", "eval:DSpark:t0 0", "eval:DFlash:t1 0",
-        "eval:DSpark:t1 0", "batch 0",
-    }  # fmt: skip
+        "eval:DSpark:t1 0", "calib:DSpark:t0 0", "calib:DSpark:t1 0", "batch 0",
+    }  # fmt: skip  (held-out calibration for the drafter with a confidence head only)
     names = ("DFlash", "DSpark")
     assert max(times["start", n] for n in names) < min(times["end", n] for n in names)  # overlapping
     assert times["end", "DFlash"] < times["eval", "DFlash"] < times["end", "DSpark"]  # evaluated at once
@@ -530,6 +530,11 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
         members = set(tar.getnames())
     assert "eval_DSpark_t1/results.json" in members
     assert not any(n.endswith(("rounds.jsonl", "generations.jsonl")) for n in members)
+    # the held-out calibration of the rounds left behind comes back in their evaluation's folder
+    assert {"eval_DSpark_t0/calibration_compare.json", "eval_DSpark_t1/calibration_compare.json"} <= members
+    held_out = json.loads((h200 / "eval_DSpark_t1" / "calibration_compare.json").read_text())
+    (source,) = held_out["sources"].values()
+    assert set(source["methods"]) == {"raw", "sts", "sts_offsets"} and source["rounds"] > 0
 
 
 def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, tmp_path):
@@ -545,6 +550,8 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
         "sweep 0",
         "eval:DSpark-A:t0 0",
         "eval:DSpark-B:t0 0",
+        "calib:DSpark-A:t0 0",
+        "calib:DSpark-B:t0 0",
         "batch 0",
     }
     assert times["end", "DSpark-A"] < times["eval", "DSpark-A"] < times["end", "DSpark-B"]
