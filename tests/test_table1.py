@@ -506,10 +506,11 @@ def test_session_batch_stage_trains_at_once_and_gathers(evals, tmp_path):
         evals, tmp_path, RUNS="DFlash:drafter=dflash;DSpark:drafter=dspark head=markov"
     )
     stages = (h200 / "session" / "stages.txt").read_text().split("\n")
+    # held-out calibration (calib:) for the drafter with a confidence head only
     assert {" ".join(s.split()[:2]) for s in stages if s} == {
         "train:DFlash 0", "train:DSpark 0", "eval:DFlash:t0 0", "eval:DSpark:t0 0", "eval:DFlash:t1 0",
         "eval:DSpark:t1 0", "calib:DSpark:t0 0", "calib:DSpark:t1 0", "batch 0",
-    }  # fmt: skip  (held-out calibration for the drafter with a confidence head only)
+    }  # fmt: skip
     names = ("DFlash", "DSpark")
     assert max(times["start", n] for n in names) < min(times["end", n] for n in names)  # overlapping
     assert times["end", "DFlash"] < times["eval", "DFlash"] < times["end", "DSpark"]  # evaluated at once
