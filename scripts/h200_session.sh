@@ -7,9 +7,10 @@
 #                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log),
 #                                                  # $OUT/evals.tgz (the evaluation folders)
 # `wait` prints the stages, each run still training (its last logged step and step time: whether the runs
-# will reach their steps in the session's minutes) and the log's last WAIT_TAIL lines (default 8): short, so that whoever drives the
-# calls can send the next `wait` inside the machine's 30 s idle window (a 30-line tail of benchmark tables
-# was read while the window closed, twice: sessions 2026-12-04-f and -g lost their machine that way).
+# will reach their steps in the session's minutes) and the log's last WAIT_TAIL lines (default 8): short, so
+# that whoever drives the calls can send the next `wait` inside the machine's 30 s idle window (a 30-line
+# tail of benchmark tables was read while the window closed, twice: sessions 2026-12-04-f and -g lost their
+# machine that way).
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
 # outputs/h200/out (the layout of h200_drafter.sh) and appends "stage status seconds" to
 # outputs/h200/session/stages.txt (the bundle leaves out the evaluations' rounds and generations):
@@ -302,8 +303,8 @@ pipeline)
     mkdir -p "$dest"
     timeout "${HEADLAT_LIMIT:-960}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
       target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families dflash,markov,rnn \
-      --blocks 4,7,10,16 --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 ||
-      status=$?
+      --blocks 4,7,10,16 --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" \
+      --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 || status=$?
     [ -f "$dest/head_latency.json" ] && python3 -m dspark.report mode=head_latency runs="$dest/head_latency.json" \
       hydra.run.dir="$dest" >> "$dest/log.txt" 2>&1  # fig4_latency.png, also of a cut-off run's rows
     grep -a -e "^|" -e "^== " "$dest/log.txt" | tail -45  # the table (and where a cut-off run stopped)
