@@ -213,6 +213,24 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
         torch.testing.assert_close(got["conf_loss"], (num["conf"] / den).detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_position_weights_decay_by_the_block_when_none(tiny_target, batch):
+    """loss.gamma_decay=null: w_k = exp(-(k-1)/γ) with the block's own γ (the paper's eq. as written),
+    the same loss as that γ given as a number, and not the default's 4."""
+    torch.testing.assert_close(position_weights(16, None), torch.exp(-torch.arange(16.0) / 16))
+    ids, lm, step = batch
+    drafter = make(tiny_target, "dspark", "markov", gamma=6)
+    anchors = torch.tensor([[3, 8, 20], [6, 11, -1]])
+    out = drafter.train_forward(step.taps, ids, lm, anchors, Shared.of(tiny_target))
+    losses = {}
+    for decay in (None, float(drafter.gamma), 4.0):
+        cfg = load_group("loss", "dspark")
+        cfg.gamma_decay, cfg.impl = decay, "materialized"
+        w = LossWeights.from_cfg(cfg)  # the schema takes null
+        losses[decay] = block_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)["loss"]
+    torch.testing.assert_close(losses[None], losses[float(drafter.gamma)])
+    assert not torch.allclose(losses[None], losses[4.0])
+
+
 @pytest.mark.parametrize("name,head", VARIANTS)
 def test_gradients_reach_exactly_trainable_params(tiny_target, batch, name, head):
     ids, lm, step = batch

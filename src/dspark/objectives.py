@@ -32,7 +32,8 @@ class LossWeights:
     ce: NonNegative = 0.1
     tv: NonNegative = 0.9
     confidence: NonNegative = 1.0
-    gamma_decay: Positive = 4.0  # w_k = exp(-(k-1)/gamma_decay)
+    # w_k = exp(-(k-1)/gamma_decay); None: the block's own γ, the paper's eq. as written (DeepSpec uses 4)
+    gamma_decay: Positive | None = 4.0
     impl: Literal["auto", "torch", "triton", "materialized"] = "auto"
     chunk_rows: Count | None = None  # rows per fused-loss chunk (None: sized from the vocabulary)
     kind: Literal["block", "eagle3"] = "block"
@@ -51,9 +52,10 @@ class LossWeights:
         return check(cfg, cls, "loss")
 
 
-def position_weights(gamma: int, decay: float, device=None) -> Tensor:
-    """w_k = exp(-(k-1)/decay) for k = 1..γ: earlier positions matter more under prefix acceptance."""
-    return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
+def position_weights(gamma: int, decay: float | None, device=None) -> Tensor:
+    """w_k = exp(-(k-1)/decay) for k = 1..γ: earlier positions matter more under prefix acceptance.
+    ``decay`` None: γ itself, so that a longer block keeps weight on its later positions."""
+    return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / (decay or gamma))
 
 
 class _StackedHead:
