@@ -6,11 +6,11 @@
 #   bash scripts/h200_session.sh wait SECONDS      # until the pipeline ends or SECONDS pass; then
 #                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log),
 #                                                  # $OUT/evals.tgz (the evaluation folders)
-# `wait` prints the stages, each run still training (its last logged step and step time: whether the runs
-# will reach their steps in the session's minutes) and the log's last WAIT_TAIL lines (default 8): short, so
-# that whoever drives the calls can send the next `wait` inside the machine's 30 s idle window (a 30-line
-# tail of benchmark tables was read while the window closed, twice: sessions 2026-12-04-f and -g lost their
-# machine that way).
+# `wait` prints the stages, each run still training (its last logged step, step time and the time its steps
+# left take at that pace: whether the runs fit the session's minutes) and the log's last WAIT_TAIL lines
+# (default 8): short, so that whoever drives the calls can send the next `wait` inside the machine's 30 s
+# idle window (a 30-line tail of benchmark tables was read while the window closed, twice: sessions
+# 2026-12-04-f and -g lost their machine that way).
 # Stages run in order (STAGES, default "data train eval0 spec eval1"); each writes under
 # outputs/h200/out (the layout of h200_drafter.sh) and appends "stage status seconds" to
 # outputs/h200/session/stages.txt (the bundle leaves out the evaluations' rounds and generations):
@@ -121,19 +121,31 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
   ls -la "$OUT"
 }
 
-progress() {  # each run still training: its last logged step and step time, to judge what fits the session
+progress() {  # each run still training: its last logged step, step time and the steps left at that pace
   local m run
   for m in outputs/h200/*/logs/metrics.csv; do
     run=$(dirname "$(dirname "$m")")
     [ -f "$m" ] && [ ! -f "$run/summary.json" ] || continue
-    python3 - "$m" "$(basename "$run")" <<'PY'
-import csv, sys
+    python3 - "$run" <<'PY'
+import csv, os, sys
+run = sys.argv[1]
 last = {}
-with open(sys.argv[1], newline="") as f:
+with open(os.path.join(run, "logs", "metrics.csv"), newline="") as f:
     for row in csv.DictReader(f):
         last.update({k: v for k, v in row.items() if v})  # Lightning logs a row per metric group
-ms = last.get("train/step_ms")
-print(f"{sys.argv[2]}: step {last.get('step', '?')}" + (f", {float(ms):.0f} ms a step" if ms else ""))
+line = f"{os.path.basename(run)}: step {last.get('step', '?')}"
+if last.get("train/step_ms"):
+    ms = float(last["train/step_ms"])
+    line += f", {ms:.0f} ms a step"
+    try:
+        import yaml
+        with open(os.path.join(run, ".hydra", "config.yaml")) as f:
+            total = int(yaml.safe_load(f)["trainer"]["max_steps"])
+        if total > 0:
+            line += f", {total} steps in ~{(total - 1 - int(last['step'])) * ms / 1000:.0f} s at that pace"
+    except (ImportError, OSError, KeyError, TypeError, ValueError):
+        pass  # no step budget known: the pace alone
+print(line)
 PY
   done
 }

@@ -573,6 +573,8 @@ def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
         (h200 / run / "logs").mkdir(parents=True)
         (h200 / run / "logs" / "metrics.csv").write_text(csv_text)
     (h200 / "DSpark-B4" / "summary.json").write_text('{"global_step": 19}')
+    (h200 / "DSpark-B16" / ".hydra").mkdir()
+    (h200 / "DSpark-B16" / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 4500\n")
     (h200 / "session").mkdir()
     (h200 / "session" / "stages.txt").write_text("")
     (h200 / "session" / "log.txt").write_text("")
@@ -581,7 +583,8 @@ def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     training = proc.stdout.split("== training\n")[1].split("== log")[0]
-    assert training == "DSpark-B16: step 19, 141 ms a step\n"
+    # 4 480 steps left (the log counts from 0) at 141.2 ms: ~633 s
+    assert training == "DSpark-B16: step 19, 141 ms a step, 4500 steps in ~633 s at that pace\n"
 
 
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
