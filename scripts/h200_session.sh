@@ -142,7 +142,7 @@ if last.get("train/step_ms"):
         with open(os.path.join(run, ".hydra", "config.yaml")) as f:
             total = int(yaml.safe_load(f)["trainer"]["max_steps"])
         if total > 0:
-            line += f", {total} steps in ~{(total - 1 - int(last['step'])) * ms / 1000:.0f} s at that pace"
+            line += f", ~{(total - 1 - int(last['step'])) * ms / 1000:.0f} s to step {total} at that pace"
     except (ImportError, OSError, KeyError, TypeError, ValueError):
         pass  # no step budget known: the pace alone
 print(line)

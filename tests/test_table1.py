@@ -584,7 +584,7 @@ def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
     assert proc.returncode == 0, proc.stderr
     training = proc.stdout.split("== training\n")[1].split("== log")[0]
     # 4 480 steps left (the log counts from 0) at 141.2 ms: ~633 s
-    assert training == "DSpark-B16: step 19, 141 ms a step, 4500 steps in ~633 s at that pace\n"
+    assert training == "DSpark-B16: step 19, 141 ms a step, ~633 s to step 4500 at that pace\n"
 
 
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
