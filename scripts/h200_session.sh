@@ -121,7 +121,7 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
   ls -la "$OUT"
 }
 
-progress() {  # each run still training: its last logged step, step time and the steps left at that pace
+progress() {  # each run still training: its last logged step, step time and the time to its step budget
   local m run
   for m in outputs/h200/*/logs/metrics.csv; do
     run=$(dirname "$(dirname "$m")")
