@@ -119,13 +119,14 @@ def test_tau_by_axis_draws_each_family_along_the_key_and_one_at_a_single_value_a
     path = run_report(cfg)
     assert path == tmp_path / "out" / "tau_by_num_layers.png" and path.is_file()
     data = json.loads(path.with_suffix(".json").read_text())
-    assert data["axis"] == "drafter.num_layers" and data["levels"] == ["dflash"]
+    assert data["axis"] == "drafter.num_layers" and data["levels"] == ["dflash none"]
     got = sorted((p["series"], p["value"], p["temperature"], p["tau"]["all"]) for p in data["points"])
-    assert got == [("dflash", 2, 1.0, 2.75), ("dspark", 1, 1.0, 2.25), ("dspark", 2, 1.0, 3.25)]
+    want = [("dflash none", 2, 1.0, 2.75), ("dspark markov", 1, 1.0, 2.25), ("dspark markov", 2, 1.0, 3.25)]
+    assert got == want  # each line named by its drafter and head, as a lone family's is
     table = path.with_suffix(".md").read_text()
-    assert "| dspark | 2 | 1 | 3.00 | – | 3.50 | 3.25 |" in table  # these results carry no errors
+    assert "| dspark markov | 2 | 1 | 3.00 | – | 3.50 | 3.25 |" in table  # these results carry no errors
     fake_eval(tmp_path / "runs" / "dspark2" / "eval_again", tmp_path / "runs" / "dspark2" / "drafter")
-    with pytest.raises(AxisError, match="both dspark at drafter.num_layers=2, T = 1.0: give one evaluation"):
+    with pytest.raises(AxisError, match="both dspark markov at drafter.num_layers=2, T = 1.0: give one"):
         run_report(cfg)
 
 
@@ -170,6 +171,7 @@ def test_head_type_axis_and_series(tmp_path):
     runs = find_runs(str(mixed))
     axis = sweep_axis(runs)
     assert axis.key == "drafter.block_size" and axis.series == ["drafter.name"], axis
+    assert sorted({axis.series_label(r) for r in runs}) == ["dflash none", "dspark markov"]
     label_runs(runs, axis)
     assert len({r.label for r in runs}) == 4
     with pytest.raises(AxisError):

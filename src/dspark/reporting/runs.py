@@ -391,15 +391,17 @@ class SweepAxis:
     series: list[str]  # further keys that split runs into lines
     differing: list[str]  # every experimental key that differs
     names: list[str] = field(default_factory=list)  # a name axis' labels: the names it determines
+    # the series' names and those they determine ("dspark markov", not "dspark", beside "dflash none")
+    series_names: list[str] = field(default_factory=list)
 
     def value(self, run: Run) -> Any:
         return run.flat.get(self.key) if self.key else None
 
     def series_label(self, run: Run) -> str:
         f = run.flat  # names speak for themselves ("dflash"); numbers need their key ("rank=64")
-        return " ".join(
-            str(f.get(k)) if k.endswith(".name") else f"{k.split('.')[-1]}={f.get(k)}" for k in self.series
-        )
+        names = self.series_names or [k for k in self.series if k.endswith(".name")]
+        numbers = [f"{k.split('.')[-1]}={f.get(k)}" for k in self.series if not k.endswith(".name")]
+        return " ".join([*(str(f.get(k)) for k in names), *numbers])
 
     def order(self, runs: Sequence[Run]) -> list[Run]:
         """Runs sorted along the axis (numbers ascending, known categories in their natural order)."""
@@ -464,7 +466,15 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
     ):
         if k != key and not _determined(k, [key, *series], flats):
             series.append(k)
-    return SweepAxis(key, series, differing, names)
+    named = [k for k in series if k in SERIES_FIRST]
+    series_names = [
+        k
+        for k in SERIES_FIRST
+        if k in differing
+        and k != key
+        and (k in named or (named and _determined(k, named, flats) and not _determined(k, [key], flats)))
+    ]
+    return SweepAxis(key, series, differing, names, series_names)
 
 
 def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
