@@ -174,6 +174,13 @@ def test_head_type_axis_and_series(tmp_path):
     assert sorted({axis.series_label(r) for r in runs}) == ["dflash none", "dspark markov"]
     label_runs(runs, axis)
     assert len({r.label for r in runs}) == 4
+    # Fig. 4's three families: the head no longer follows from the drafter and splits lines itself.
+    for g in (4, 8):
+        fake_run(mixed / f"rnn{g}", head="rnn", block=g)
+    runs = find_runs(str(mixed))
+    axis = sweep_axis(runs, prefer="drafter.block_size")  # three heads outnumber two blocks here
+    assert axis.series == ["drafter.name", "head.name"], axis
+    assert sorted({axis.series_label(r) for r in runs}) == ["dflash none", "dspark markov", "dspark rnn"]
     with pytest.raises(AxisError):
         sweep_axis(runs, prefer="no.such.key")
 
