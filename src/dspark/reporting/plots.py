@@ -165,8 +165,9 @@ def head_latency_plot(rows: Sequence[Mapping], path: str | os.PathLike, data: di
                 ys = [scale * r[key] for r in pts]
                 axes[i][j].plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label)
         contexts = rows[0].get("contexts")  # mean_over_contexts' rows
-        span = f", mean over contexts {min(contexts)}-{max(contexts)}" if contexts else ""
-        axes[0][j].set_title(f"R = {r_count}{span}")
+        # a second line: on one, two columns' titles ran into each other
+        span = f"\nmean over contexts {min(contexts)}-{max(contexts)}" if contexts else ""
+        axes[0][j].set_title(f"R = {r_count}{span}", fontsize=10)
         axes[-1][j].set_xlabel("Block size")
         for ax in axes[:, j]:
             ax.set_xticks(blocks)
