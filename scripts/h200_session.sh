@@ -75,8 +75,10 @@
 #           R = 1 and 128, contexts HEADLAT_CONTEXTS (default 512,1024,2048,4096: the paper's, the figure
 #           their mean): the sequential head's cost, the draft step, whole rounds and the head's share of
 #           them, into outputs/h200/out/head_latency/ (JSON, fig4_latency.png, log.txt); 12 drafters, each
-#           compiled and captured anew: 3-4 minutes with context 512 alone (2026-12-02-e; four contexts
-#           not yet timed), HEADLAT_LIMIT (960 s) at most; a run cut off keeps every context it measured
+#           compiled and captured anew: 3-4 minutes with context 512 alone (2026-12-02-e), ≈ 55 s a drafter
+#           with the four (2026-12-06-f, an H100), HEADLAT_LIMIT (960 s) at most; a run cut off keeps every
+#           context it measured. HEADLAT_BLOCKS / HEADLAT_FAMILIES (default 4,7,10,16 / dflash,markov,rnn):
+#           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b])
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
@@ -314,8 +316,8 @@ pipeline)
     local dest=outputs/h200/out/head_latency status=0
     mkdir -p "$dest"
     timeout "${HEADLAT_LIMIT:-960}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
-      target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families dflash,markov,rnn \
-      --blocks 4,7,10,16 --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" \
+      target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families "${HEADLAT_FAMILIES:-dflash,markov,rnn}" \
+      --blocks "${HEADLAT_BLOCKS:-4,7,10,16}" --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" \
       --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 || status=$?
     [ -f "$dest/head_latency.json" ] && python3 -m dspark.report mode=head_latency runs="$dest/head_latency.json" \
       hydra.run.dir="$dest" >> "$dest/log.txt" 2>&1  # fig4_latency.png, also of a cut-off run's rows

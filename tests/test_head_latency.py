@@ -97,9 +97,36 @@ def report_head_latency(runs: str, out_dir):
 
 
 def test_report_head_latency_names_what_it_reads(tmp_path):
-    with pytest.raises(ConfigError, match="mode=head_latency reads one JSON .* runs=<head_latency.json>"):
+    with pytest.raises(ConfigError, match="mode=head_latency reads JSONs .* runs=<head_latency.json>"):
         report_head_latency(str(tmp_path), tmp_path / "fig")  # a folder, not the JSON
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    with pytest.raises(ConfigError, match="other.json is no JSON of python -m dspark.bench.head_latency"):
+        report_head_latency(str(tmp_path / "other.json"), tmp_path / "fig")
     assert not (tmp_path / "fig").exists()
+
+
+def test_report_joins_parts_of_the_grid_that_compare(tmp_path):
+    """Two sessions' parts of the grid (blocks 4, then 7) on one panel; a part measured otherwise (other
+    contexts here; another GPU alike) or a configuration given twice is refused by name, nothing drawn."""
+    a, b = tmp_path / "b4.json", tmp_path / "b7.json"
+    for path, block in ((a, "4"), (b, "7")):
+        head_latency.main(["--families", "dflash,markov", "--blocks", block, "--out", str(path), *FAST])
+    plot = report_head_latency(f"[{a},{b}]", tmp_path / "fig")
+    drawn = json.loads(plot.with_suffix(".json").read_text())
+    assert [s["path"] for s in drawn["sources"]] == [str(a), str(b)]
+    assert [(r["label"], r["block_size"]) for r in drawn["rows"]] == [
+        ("DFlash", 4), ("DSpark-Markov", 4), ("DFlash", 7), ("DSpark-Markov", 7)
+    ]  # fmt: skip
+    assert drawn["contexts"] == [8] and drawn["target"] == "tiny"
+    with pytest.raises(ConfigError, match="DFlash at block 4, R = 1 is in both .*b4.json and .*b4.json"):
+        report_head_latency(f"[{a},{a}]", tmp_path / "twice")
+    other = json.loads(b.read_text())
+    other["contexts"] = [8, 24]
+    (tmp_path / "ctx.json").write_text(json.dumps(other))
+    differ = r"b4.json and .*ctx.json differ in contexts \(\[8\] against \[8, 24\]\)"
+    with pytest.raises(ConfigError, match=differ):
+        report_head_latency(f"[{a},{tmp_path / 'ctx.json'}]", tmp_path / "apart")
+    assert not (tmp_path / "twice").exists() and not (tmp_path / "apart").exists()
 
 
 def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch):

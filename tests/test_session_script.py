@@ -79,3 +79,22 @@ def test_batch_temperatures_are_checked_before_the_pipeline_starts(tmp_path):
     assert "pipeline started" in _session(tmp_path, "start", BATCH_TEMPERATURES="0", STAGES="")
     _session(tmp_path, "wait", "30", OUT=tmp_path / "out")  # the empty pipeline ends
     assert (tmp_path / "outputs/h200/session/done").is_file()
+
+
+def test_headlat_measures_the_part_of_the_grid_it_is_given(tmp_path):
+    """``HEADLAT_BLOCKS`` / ``HEADLAT_FAMILIES``: a session measures the blocks another did not (its JSON
+    joins the other's on the CPU); unset, the whole grid. ``python3`` stubbed: it records its
+    arguments, the stage's orchestration is the script's own."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    (bin_dir / "python3").chmod(0o755)
+    (tmp_path / "outputs/h200/session").mkdir(parents=True)
+    path = f"{bin_dir}:/usr/bin:/bin"
+    part = {"HEADLAT_BLOCKS": "10,16", "HEADLAT_FAMILIES": "rnn"}
+    _session(tmp_path, "pipeline", STAGES="headlat", PATH=path, **part)
+    _session(tmp_path, "pipeline", STAGES="headlat", PATH=path)
+    bench = [c for c in calls.read_text().splitlines() if c.startswith("-m dspark.bench.head_latency")]
+    assert len(bench) == 2
+    assert "--families rnn --blocks 10,16 --rows 1,128" in bench[0]
+    assert "--families dflash,markov,rnn --blocks 4,7,10,16 --rows 1,128" in bench[1]

@@ -1,7 +1,7 @@
 """python -m dspark.report runs=<folder or glob> [axis=<config key>] [logger=wandb|tensorboard]
 python -m dspark.report mode=table1 runs=[Label:<eval folder>,…] [table1=<json>] [split_gamma=true]
 python -m dspark.report mode=figures runs=[Label:<eval folder>,…]
-python -m dspark.report mode=head_latency runs=<head_latency.json>
+python -m dspark.report mode=head_latency runs=<head_latency.json>   # or runs=[<a.json>,<b.json>]
 python -m dspark.report mode=tau_by_axis runs=[<run and evaluation folders>] [axis=<config key>]
 
 Static ablation dashboard from run folders (training runs, evaluation folders, multirun dirs):
@@ -12,7 +12,8 @@ mode=table1: the paper's Table 1 from evaluation folders (dspark.reporting.table
 (τ ± standard error per benchmark, macro averages by domain, one table per temperature) and its
 markdown, printed. mode=figures: Figs. 2, 5 and 6 across those drafters into out_dir
 (dspark.reporting.paper_figures), each PNG with its JSON, and figures.md, printed.
-mode=head_latency: Fig. 4's latency panel from ``python -m dspark.bench.head_latency``'s JSON into
+mode=head_latency: Fig. 4's latency panel from ``python -m dspark.bench.head_latency``'s JSON (or
+several, each a part of the grid that compares: dspark.reporting.head_latency) into
 out_dir/fig4_latency.png (+ its JSON). mode=tau_by_axis: τ by domain along the key that differs across
 the runs (or axis=), a line per drafter family (dspark.reporting.axis_figure): Fig. 3 over a depth
 sweep, Fig. 4's τ panel over a block-size sweep; out_dir/tau_by_<key>.png with its JSON and markdown."""
@@ -91,20 +92,11 @@ def _figures(cfg: DictConfig, spec) -> Path:
 
 
 def _head_latency(cfg: DictConfig, spec) -> Path:
-    from .core.errors import ConfigError
-    from .core.io import read_json
+    from .reporting.head_latency import head_latency_rows
     from .reporting.plots import head_latency_plot
 
-    sources = _sources(spec)
-    if len(sources) != 1 or not Path(sources[0]).is_file():
-        raise ConfigError(
-            f"mode=head_latency reads one JSON of python -m dspark.bench.head_latency, got runs={spec}: "
-            f"runs=<head_latency.json>"
-        )
-    report = read_json(sources[0])
-    # Several contexts: the paper's panel, each point the mean over them.
-    rows = report.get("mean_over_contexts") or report.get("results", [])
-    path = head_latency_plot(rows, Path(cfg.out_dir) / "fig4_latency.png", data=report)
+    rows, data = head_latency_rows(_sources(spec))  # several: one session's part of the grid each
+    path = head_latency_plot(rows, Path(cfg.out_dir) / "fig4_latency.png", data=data)
     print(path)
     return path
 
