@@ -64,7 +64,8 @@ def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", layers
     return d
 
 
-def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0) -> Path:
+def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0, totals: dict | None = None) -> Path:
+    """``totals``: each benchmark's per-request (Σ (accepted + 1), rounds), for paired comparisons."""
     d.mkdir(parents=True)
     res = {
         "target": "tiny",
@@ -82,6 +83,8 @@ def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0) -> Path:
         },
         "macro": {"math": tau, "chat": tau + 0.5, "all": tau + 0.25},
     }
+    for name, per_request in (totals or {}).items():
+        res["benchmarks"][name]["request_totals"] = per_request
     (d / "results.json").write_text(json.dumps(res))
     (d / "calibration.json").write_text(
         json.dumps(
@@ -143,6 +146,51 @@ def test_tau_by_axis_names_a_lone_family_by_its_drafter_and_head(tmp_path):
     assert axis.key == "drafter.block_size" and axis.series == []
     got = [(p["series"], p["value"]) for p in tau_points(runs, axis)]
     assert got == [("dspark markov", 4), ("dspark markov", 16)]
+
+
+def test_tau_by_axis_pairs_families_at_each_value_and_values_along_each_family(tmp_path):
+    """The differences Fig. 4 is read for, paired on the same prompts: DSpark against DFlash at each
+    block, each family from one block to the next. An evaluation without per-request totals (an older
+    session's row) pairs with nothing: the next block is compared with the nearest earlier one that pairs."""
+    from dspark.decoding.uncertainty import paired_comparison
+    from dspark.reporting.axis_figure import tau_by_axis
+
+    def totals(k: int) -> dict:  # two benchmarks, three requests each: (Σ (accepted + 1), rounds)
+        return {
+            b: {f"r{i}": [6 + k * (i + 1) + j, 3] for i in range(3)}
+            for j, b in enumerate(("gsm8k", "mt-bench"))
+        }
+
+    made = {}
+    for name, block, k in (
+        ("dflash", 4, 0),
+        ("dflash", 16, 1),
+        ("dspark", 4, 2),
+        ("dspark", 8, None),
+        ("dspark", 16, 4),
+    ):
+        head, rank = ("markov", 256) if name == "dspark" else ("none", 0)
+        run = fake_run(tmp_path / f"{name}{block}", drafter=name, head=head, rank=rank, block=block)
+        made[name, block] = None if k is None else totals(k)
+        fake_eval(run / "eval", run / "drafter", totals=made[name, block])
+    path, table = tau_by_axis(find_runs(str(tmp_path)), tmp_path / "out", axis="drafter.block_size")
+    pairs = json.loads(path.with_suffix(".json").read_text())["paired"]
+    got = [
+        (c["kind"], c["row"]["series"], c["row"]["value"], c["baseline"]["series"], c["baseline"]["value"])
+        for c in pairs
+    ]
+    assert got == [
+        ("families", "dspark markov", 4, "dflash none", 4),
+        ("families", "dspark markov", 16, "dflash none", 16),
+        ("axis", "dflash none", 16, "dflash none", 4),
+        ("axis", "dspark markov", 16, "dspark markov", 4),  # block 8 pairs with nothing
+    ]
+    want = paired_comparison(made["dspark", 16], made["dspark", 4])
+    assert pairs[-1]["difference"] == pytest.approx(want["difference"]) and want["difference"] > 0
+    assert pairs[-1]["stderr"] == pytest.approx(want["difference_stderr"])
+    assert pairs[-1]["ratio"] == pytest.approx(want["ratio"])
+    assert "| 1 | dspark markov block_size=16 | dspark markov block_size=4 |" in table
+    assert "_totals" not in json.dumps(json.loads(path.with_suffix(".json").read_text())["points"])
 
 
 def test_rank_sweep_axis_puts_head_none_at_rank_zero(tmp_path):

@@ -5,6 +5,10 @@ against DFlash at 5 layers) and Fig. 4's τ panel (the block size, per family).
 
 A family evaluated at a single value of the key (the 5-layer DFlash of Fig. 3) is drawn as a dashed
 level across the panel: the reference the others are read against.
+
+Beside the figure, the differences it shows, paired on the same prompts where the evaluations carry
+each request's totals (their difficulty, common to both, cancels; ``paired_comparison``): each family
+against each earlier one at every value, and each family from one value to the next.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ..core.io import atomic_write_text  # noqa: E402
+from ..decoding.uncertainty import paired_comparison  # noqa: E402
 from .plots import save_figure  # noqa: E402
-from .runs import AxisError, Run, SweepAxis, sweep_axis  # noqa: E402
+from .runs import CATEGORY_ORDER, AxisError, Run, SweepAxis, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER  # noqa: E402
 
-__all__ = ["tau_by_axis", "tau_points"]
+__all__ = ["paired_differences", "tau_by_axis", "tau_points"]
 
 PANELS = (*DOMAIN_ORDER, "all")
 
@@ -42,6 +47,7 @@ def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
                 "evaluation": ev.path.name,
                 "tau": {d: (res.get("macro") or {}).get(d) for d in PANELS},
                 "stderr": {d: (res.get("macro_stderr") or {}).get(d) for d in PANELS},
+                "_totals": {n: b.get("request_totals") for n, b in (res.get("benchmarks") or {}).items()},
             }
             key = (point["series"], repr(point["value"]), point["temperature"])
             if key in seen:
@@ -52,6 +58,76 @@ def tau_points(runs: Sequence[Run], axis: SweepAxis) -> list[dict]:
             seen[key] = ev.path
             points.append(point)
     return points
+
+
+def _family_order(series: str) -> tuple:
+    """Weaker families first (Eagle3, DFlash, DSpark), so a pair reads "dspark … against dflash …"."""
+    order = CATEGORY_ORDER["drafter.name"]
+    first = series.split(" ")[0]
+    return (order.index(first) if first in order else len(order), series)
+
+
+def _compare(row: dict, base: dict, kind: str) -> dict | None:
+    a, b = row["_totals"], base["_totals"]
+    if not a or any(t is None for t in (*a.values(), *b.values())):
+        return None  # written before the totals were recorded
+    try:
+        c = paired_comparison(a, b)
+    except ValueError:  # other prompts or benchmarks: nothing pairs
+        return None
+    return {
+        "kind": kind,
+        "temperature": row["temperature"],
+        "row": {"series": row["series"], "value": row["value"]},
+        "baseline": {"series": base["series"], "value": base["value"]},
+        "difference": c["difference"],
+        "stderr": c["difference_stderr"],
+        "ratio": c["ratio"],
+        "ratio_stderr": c["ratio_stderr"],
+    }
+
+
+def paired_differences(points: Sequence[dict]) -> list[dict]:
+    """Macro τ (all benchmarks) differences, paired on the same prompts: ``families``, each family
+    against each weaker one at one value and temperature; ``axis``, each family from the nearest earlier
+    value its evaluation pairs with to the next. Evaluations that do not pair (no per-request totals,
+    other prompts: a row from another protocol's session) are left out."""
+    out = []
+    for t in sorted({p["temperature"] for p in points}):
+        at_t = [p for p in points if p["temperature"] == t]
+        for v in sorted({p["value"] for p in at_t}):
+            fams = sorted((p for p in at_t if p["value"] == v), key=lambda p: _family_order(p["series"]))
+            out += [_compare(fams[j], fams[i], "families") for j in range(len(fams)) for i in range(j)]
+        for fam in sorted({p["series"] for p in at_t}, key=_family_order):
+            line = sorted((p for p in at_t if p["series"] == fam), key=lambda p: p["value"])
+            for j in range(1, len(line)):  # against the nearest earlier value that pairs
+                earlier = (_compare(line[j], line[i], "axis") for i in range(j - 1, -1, -1))
+                out.append(next((c for c in earlier if c is not None), None))
+    return [c for c in out if c is not None]
+
+
+def _paired_markdown(pairs: Sequence[dict], key: str) -> str:
+    if not pairs:
+        return ""
+    lines = [
+        "",
+        f"Paired on the same prompts (macro τ, all benchmarks; ± one standard error), across families at one "
+        f"{key} and along it:",
+        "",
+        "| T | row | baseline | difference | ratio |",
+        "|---|---|---|---|---|",
+    ]
+
+    def pm(value: float | None, err: float | None, fmt: str) -> str:
+        if value is None:
+            return "–"
+        return format(value, fmt) + ("" if err is None else f" ± {err:.3f}")
+
+    for c in pairs:
+        row, base = (f"{x['series']} {key.split('.')[-1]}={x['value']}" for x in (c["row"], c["baseline"]))
+        diff, ratio = pm(c["difference"], c["stderr"], "+.3f"), pm(c["ratio"], c["ratio_stderr"], ".3f")
+        lines.append(f"| {c['temperature']:g} | {row} | {base} | {diff} | {ratio} |")
+    return "\n".join(lines) + "\n"
 
 
 def _family(run: Run) -> str:
@@ -116,8 +192,10 @@ def tau_by_axis(runs: Sequence[Run], out: str | Path, axis: str | None = None) -
             ax.grid(alpha=0.3)
         row[0].set_ylabel("τ (macro)")
         row[0].legend(fontsize=7)
-    data = {"axis": found.key, "levels": levels, "points": points}
+    pairs = paired_differences(points)
+    points = [{k: v for k, v in p.items() if k != "_totals"} for p in points]
+    data = {"axis": found.key, "levels": levels, "points": points, "paired": pairs}
     path = save_figure(fig, Path(out) / f"tau_by_{short}.png", data)
-    table = _markdown(points, found.key)
+    table = _markdown(points, found.key) + _paired_markdown(pairs, found.key)
     atomic_write_text(path.with_suffix(".md"), table)
     return path, table
