@@ -115,7 +115,8 @@ def test_tau_by_axis_draws_each_family_along_the_key_and_one_at_a_single_value_a
         run = fake_run(
             tmp_path / "runs" / f"{name}{layers}", drafter=name, head=head, rank=rank, layers=layers
         )
-        fake_eval(run / "eval", run / "drafter", tau=tau)
+        per_request = {b: {"r0": [int(4 * tau), 2], "r1": [int(3 * tau), 2]} for b in ("gsm8k", "mt-bench")}
+        fake_eval(run / "eval", run / "drafter", tau=tau, totals=per_request)
     with initialize_config_module("dspark.conf", version_base="1.3"):
         args = ["mode=tau_by_axis", f"runs={tmp_path / 'runs'}", "axis=drafter.num_layers"]
         cfg = compose("report", overrides=[*args, f"out_dir={tmp_path / 'out'}"])
@@ -128,6 +129,9 @@ def test_tau_by_axis_draws_each_family_along_the_key_and_one_at_a_single_value_a
     assert got == want  # each line named by its drafter and head, as a lone family's is
     table = path.with_suffix(".md").read_text()
     assert "| dspark markov | 2 | 1 | 3.00 | – | 3.50 | 3.25 |" in table  # these results carry no errors
+    # Each DSpark depth against DFlash's level (once: not again as two families at 2 layers), then along.
+    got = [(c["kind"], c["row"]["value"], c["baseline"]["series"]) for c in data["paired"]]
+    assert got == [("level", 1, "dflash none"), ("level", 2, "dflash none"), ("axis", 2, "dspark markov")]
     fake_eval(tmp_path / "runs" / "dspark2" / "eval_again", tmp_path / "runs" / "dspark2" / "drafter")
     with pytest.raises(AxisError, match="both dspark markov at drafter.num_layers=2, T = 1.0: give one"):
         run_report(cfg)

@@ -87,16 +87,20 @@ def _compare(row: dict, base: dict, kind: str) -> dict | None:
     }
 
 
-def paired_differences(points: Sequence[dict]) -> list[dict]:
+def paired_differences(points: Sequence[dict], levels: Sequence[str] = ()) -> list[dict]:
     """Macro τ (all benchmarks) differences, paired on the same prompts: ``families``, each family
-    against each weaker one at one value and temperature; ``axis``, each family from the nearest earlier
-    value its evaluation pairs with to the next. Evaluations that do not pair (no per-request totals,
-    other prompts: a row from another protocol's session) are left out."""
+    against each weaker one at one value and temperature; ``level``, every point of the other families
+    against a family drawn as a level (Fig. 3's DFlash at 5 layers); ``axis``, each family from the
+    nearest earlier value its evaluation pairs with to the next. Evaluations that do not pair (no
+    per-request totals, other prompts: a row from another protocol's session) are left out."""
     out = []
     for t in sorted({p["temperature"] for p in points}):
         at_t = [p for p in points if p["temperature"] == t]
-        for v in sorted({p["value"] for p in at_t}):
-            fams = sorted((p for p in at_t if p["value"] == v), key=lambda p: _family_order(p["series"]))
+        for level in (p for p in at_t if p["series"] in levels):
+            out += [_compare(p, level, "level") for p in at_t if p["series"] not in levels]
+        for v in sorted({p["value"] for p in at_t}):  # a level's pairs are the level's own
+            fams = [p for p in at_t if p["value"] == v and p["series"] not in levels]
+            fams.sort(key=lambda p: _family_order(p["series"]))
             out += [_compare(fams[j], fams[i], "families") for j in range(len(fams)) for i in range(j)]
         for fam in sorted({p["series"] for p in at_t}, key=_family_order):
             line = sorted((p for p in at_t if p["series"] == fam), key=lambda p: p["value"])
@@ -111,8 +115,8 @@ def _paired_markdown(pairs: Sequence[dict], key: str) -> str:
         return ""
     lines = [
         "",
-        f"Paired on the same prompts (macro τ, all benchmarks; ± one standard error), across families at one "
-        f"{key} and along it:",
+        "Paired on the same prompts (macro τ, all benchmarks; ± one standard error): families at one "
+        f"value of {key}, each point against a level, each family along {key}:",
         "",
         "| T | row | baseline | difference | ratio |",
         "|---|---|---|---|---|",
@@ -192,7 +196,7 @@ def tau_by_axis(runs: Sequence[Run], out: str | Path, axis: str | None = None) -
             ax.grid(alpha=0.3)
         row[0].set_ylabel("τ (macro)")
         row[0].legend(fontsize=7)
-    pairs = paired_differences(points)
+    pairs = paired_differences(points, levels)
     points = [{k: v for k, v in p.items() if k != "_totals"} for p in points]
     data = {"axis": found.key, "levels": levels, "points": points, "paired": pairs}
     path = save_figure(fig, Path(out) / f"tau_by_{short}.png", data)
