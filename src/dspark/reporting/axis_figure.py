@@ -8,7 +8,8 @@ level across the panel: the reference the others are read against.
 
 Beside the figure, the differences it shows, paired on the same prompts where the evaluations carry
 each request's totals (their difficulty, common to both, cancels; ``paired_comparison``): each family
-against each earlier one at every value, and each family from one value to the next.
+against each weaker one at every value, every point against a level, each family from one value to the
+next.
 """
 
 from __future__ import annotations
