@@ -400,7 +400,7 @@ class SweepAxis:
     def series_label(self, run: Run) -> str:
         f = run.flat  # names speak for themselves ("dflash"); numbers need their key ("rank=64")
         names = self.series_names + [k for k in self.series if k.endswith(".name")]
-X
+        names = list(dict.fromkeys(names))  # each once: drafter, head, target, then any other
         numbers = [f"{k.split('.')[-1]}={f.get(k)}" for k in self.series if not k.endswith(".name")]
         return " ".join([*(str(f.get(k)) for k in names), *numbers])
 
