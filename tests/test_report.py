@@ -188,12 +188,18 @@ def test_tau_by_axis_pairs_families_at_each_value_and_values_along_each_family(t
         ("families", "dspark markov", 16, "dflash none", 16),
         ("axis", "dflash none", 16, "dflash none", 4),
         ("axis", "dspark markov", 16, "dspark markov", 4),  # block 8 pairs with nothing
+        ("gap", "dspark markov − dflash none", 16, "dspark markov − dflash none", 4),
     ]
+    axis, gap = pairs[-2], pairs[-1]
     want = paired_comparison(made["dspark", 16], made["dspark", 4])
-    assert pairs[-1]["difference"] == pytest.approx(want["difference"]) and want["difference"] > 0
-    assert pairs[-1]["stderr"] == pytest.approx(want["difference_stderr"])
-    assert pairs[-1]["ratio"] == pytest.approx(want["ratio"])
+    assert axis["difference"] == pytest.approx(want["difference"]) and want["difference"] > 0
+    assert axis["stderr"] == pytest.approx(want["difference_stderr"])
+    assert axis["ratio"] == pytest.approx(want["ratio"])
     assert "| 1 | dspark markov block_size=16 | dspark markov block_size=4 |" in table
+    # The lead's growth: DSpark − DFlash at 16 minus the same at 4, its error over the four evaluations.
+    lead = [paired_comparison(made["dspark", b], made["dflash", b])["difference"] for b in (16, 4)]
+    assert gap["difference"] == pytest.approx(lead[0] - lead[1]) and gap["ratio"] is None
+    assert gap["stderr"] > 0
     assert "_totals" not in json.dumps(json.loads(path.with_suffix(".json").read_text())["points"])
 
 

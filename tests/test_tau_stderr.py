@@ -10,6 +10,7 @@ from dspark.decoding.engine import tau
 from dspark.decoding.uncertainty import (
     mean_stderr,
     paired_comparison,
+    paired_contrast,
     per_request_totals,
     ratio_stderr,
     tau_stderr,
@@ -118,3 +119,44 @@ def test_paired_errors_match_the_spread_of_the_comparison_over_repeated_prompt_s
     assert np.mean(diff_se) == pytest.approx(np.std(diffs), rel=0.08)
     assert np.mean(ratio_se) == pytest.approx(np.std(ratios), rel=0.08)
     assert np.mean(independent) > 1.5 * np.std(diffs)  # the unpaired error overstates it
+
+
+def _rows(rng, n: int, scales, benchmarks: int = 2, gamma: int = 7):
+    """Drafters on the same prompts: prompt difficulty p shared, drafter j accepting scales[j] · p."""
+    rows = [{} for _ in scales]
+    for k in range(benchmarks):
+        p = rng.beta(2, 3, size=n)
+        for row, scale in zip(rows, scales):
+            x = 1 + rng.poisson(15, size=n)
+            y = x + rng.binomial(gamma * x, scale * p)
+            row[f"b{k}"] = {f"b{k}/{i}": (int(y[i]), int(x[i])) for i in range(n)}
+    return rows
+
+
+def test_paired_contrast_is_the_paired_difference_for_two_rows_and_refuses_what_does_not_pair():
+    a, b = _two_rows(np.random.default_rng(3), n=20)
+    two = paired_contrast([a, b], [1, -1])
+    want = paired_comparison(a, b)
+    assert two["value"] == pytest.approx(want["difference"])
+    assert two["stderr"] == pytest.approx(want["difference_stderr"])
+    # A lead that does not change (the same two rows again) has no growth and no error.
+    same = paired_contrast([a, b, a, b], [1, -1, -1, 1])
+    assert same["value"] == pytest.approx(0) and same["stderr"] == pytest.approx(0)
+    with pytest.raises(ValueError, match="2 rows against 3 weights"):
+        paired_contrast([a, b], [1, -1, 0])
+    with pytest.raises(ValueError, match="the rows' requests differ"):
+        paired_contrast([a, {k: dict(list(v.items())[1:]) for k, v in b.items()}], [1, -1])
+
+
+def test_paired_contrast_error_matches_the_spread_of_a_growing_lead_over_repeated_prompt_sets():
+    """How much A's lead over B grows from one setting to another (four rows on the same prompts,
+    weights 1, −1, −1, 1): the paired error matches the contrast's spread over 800 prompt sets."""
+    rng = np.random.default_rng(2)
+    values, errors = [], []
+    for _ in range(800):
+        rows = _rows(rng, n=40, scales=(1.0, 0.8, 0.95, 0.85))
+        got = paired_contrast(rows, [1, -1, -1, 1])
+        values.append(got["value"])
+        errors.append(got["stderr"])
+    assert np.mean(values) > 0  # the lead grows: 0.2 p against 0.1 p
+    assert np.mean(errors) == pytest.approx(np.std(values), rel=0.1)

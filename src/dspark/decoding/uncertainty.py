@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["mean_stderr", "paired_comparison", "per_request_totals", "ratio_stderr", "tau_stderr"]
+__all__ = [
+    "mean_stderr", "paired_comparison", "paired_contrast", "per_request_totals", "ratio_stderr", "tau_stderr",
+]  # fmt: skip
 
 
 def _get(rec, key):
@@ -79,17 +81,51 @@ def _influences(totals: dict) -> tuple[float, dict]:
     return tau_hat, {k: (y - tau_hat * x) / total_x for k, (y, x) in totals.items()}
 
 
+def _check_pairs(rows: Sequence[dict]) -> None:
+    """A ValueError naming what does not pair: other benchmarks, or a benchmark whose requests differ."""
+    first = rows[0]
+    for other in rows[1:]:
+        if set(other) != set(first) or not first:
+            raise ValueError(
+                f"the rows were evaluated on different benchmarks: {sorted(first)} against {sorted(other)}"
+            )
+        for name in first:
+            if set(first[name]) != set(other[name]):
+                raise ValueError(
+                    f"{name}: the rows' requests differ ({len(first[name])} against {len(other[name])})"
+                )
+
+
+def paired_contrast(rows: Sequence[dict], weights: Sequence[float]) -> dict:
+    """Σ_j w_j · macro τ_j over rows evaluated on the same requests (each as ``paired_comparison``'s
+    ``a``) and its paired standard error: e.g. weights (1, −1, −1, 1) over (A at 10, B at 10, A at 4,
+    B at 4) is how much A's lead over B grows from 4 to 10, every prompt's difficulty cancelling."""
+    if len(rows) != len(weights) or not rows:
+        raise ValueError(f"{len(rows)} rows against {len(weights)} weights")
+    _check_pairs(rows)
+    k = len(rows[0])
+    fitted = {name: [_influences(r[name]) for r in rows] for name in rows[0]}
+    value = sum(w * sum(f[j][0] for f in fitted.values()) / k for j, w in enumerate(weights))
+    total = 0.0
+    for per_row in fitted.values():
+        n = len(per_row[0][1])
+        if n < 2:
+            return {"value": value, "stderr": None}
+        total += (
+            n
+            / (n - 1)
+            * sum((sum(w * u[i] for w, (_, u) in zip(weights, per_row)) / k) ** 2 for i in per_row[0][1])
+        )
+    return {"value": value, "stderr": math.sqrt(total)}
+
+
 def paired_comparison(a: dict, b: dict) -> dict:
     """Row ``a`` against row ``b`` evaluated on the same requests: ``a`` and ``b`` map each benchmark
     to its per-request totals (request -> (Σ (accepted + 1), rounds), ``per_request_totals``). The
     macro τ of each (the mean over benchmarks), their difference and ratio, each with its paired
     standard error (None with fewer than two requests in a benchmark). A ValueError names what
     does not pair: other benchmarks, or a benchmark whose requests differ."""
-    if set(a) != set(b) or not a:
-        raise ValueError(f"the rows were evaluated on different benchmarks: {sorted(a)} against {sorted(b)}")
-    for name in a:
-        if set(a[name]) != set(b[name]):
-            raise ValueError(f"{name}: the rows' requests differ ({len(a[name])} against {len(b[name])})")
+    _check_pairs([a, b])
     k = len(a)
     fitted = {name: (_influences(a[name]), _influences(b[name])) for name in a}
     macro_a = sum(ta for (ta, _), _ in fitted.values()) / k

@@ -23,7 +23,7 @@ matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ..core.io import atomic_write_text  # noqa: E402
-from ..decoding.uncertainty import paired_comparison  # noqa: E402
+from ..decoding.uncertainty import paired_comparison, paired_contrast  # noqa: E402
 from .plots import save_figure  # noqa: E402
 from .runs import CATEGORY_ORDER, AxisError, Run, SweepAxis, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER  # noqa: E402
@@ -68,12 +68,17 @@ def _family_order(series: str) -> tuple:
     return (order.index(first) if first in order else len(order), series)
 
 
+def _totals(*points: dict) -> list[dict] | None:
+    """The points' per-request totals, or None where one was written before they were recorded."""
+    totals = [p["_totals"] for p in points]
+    return None if any(not t or any(v is None for v in t.values()) for t in totals) else totals
+
+
 def _compare(row: dict, base: dict, kind: str) -> dict | None:
-    a, b = row["_totals"], base["_totals"]
-    if not a or any(t is None for t in (*a.values(), *b.values())):
-        return None  # written before the totals were recorded
+    if (totals := _totals(row, base)) is None:
+        return None
     try:
-        c = paired_comparison(a, b)
+        c = paired_comparison(*totals)
     except ValueError:  # other prompts or benchmarks: nothing pairs
         return None
     return {
@@ -88,12 +93,51 @@ def _compare(row: dict, base: dict, kind: str) -> dict | None:
     }
 
 
+def _gap(new: tuple[dict, dict], old: tuple[dict, dict]) -> dict | None:
+    """How much family A's lead over B grows from ``old``'s value to ``new``'s: (A − B)_new − (A − B)_old,
+    each (A, B), paired over the four evaluations (the paper's "the gap widens with γ")."""
+    if (totals := _totals(*new, *old)) is None:
+        return None
+    try:
+        c = paired_contrast(totals, [1, -1, -1, 1])
+    except ValueError:
+        return None
+    lead = f"{new[0]['series']} − {new[1]['series']}"
+    return {
+        "kind": "gap",
+        "temperature": new[0]["temperature"],
+        "row": {"series": lead, "value": new[0]["value"]},
+        "baseline": {"series": lead, "value": old[0]["value"]},
+        "difference": c["value"],
+        "stderr": c["stderr"],
+        "ratio": None,
+        "ratio_stderr": None,
+    }
+
+
+def _gaps(at_t: Sequence[dict], families: Sequence[str]) -> list[dict | None]:
+    """Each family's lead over each weaker one, from the nearest earlier shared value it pairs at."""
+    out = []
+    for j, strong in enumerate(families):
+        for weak in families[:j]:
+            at = {p["value"]: p for p in at_t if p["series"] == weak}
+            both = sorted(
+                (p["value"], (p, at[p["value"]])) for p in at_t if p["series"] == strong and p["value"] in at
+            )
+            for n in range(1, len(both)):
+                earlier = (_gap(both[n][1], both[m][1]) for m in range(n - 1, -1, -1))
+                out.append(next((c for c in earlier if c is not None), None))
+    return out
+
+
 def paired_differences(points: Sequence[dict], levels: Sequence[str] = ()) -> list[dict]:
     """Macro τ (all benchmarks) differences, paired on the same prompts: ``families``, each family
     against each weaker one at one value and temperature; ``level``, every point of the other families
     against a family drawn as a level (Fig. 3's DFlash at 5 layers); ``axis``, each family from the
-    nearest earlier value its evaluation pairs with to the next. Evaluations that do not pair (no
-    per-request totals, other prompts: a row from another protocol's session) are left out."""
+    nearest earlier value its evaluation pairs with to the next; ``gap``, how much each family's lead
+    over each weaker one grows from the nearest earlier value where the four evaluations pair (its
+    ``difference``; no ratio). Evaluations that do not pair (no per-request totals, other prompts: a
+    row from another protocol's session) are left out."""
     out = []
     for t in sorted({p["temperature"] for p in points}):
         at_t = [p for p in points if p["temperature"] == t]
@@ -103,11 +147,13 @@ def paired_differences(points: Sequence[dict], levels: Sequence[str] = ()) -> li
             fams = [p for p in at_t if p["value"] == v and p["series"] not in levels]
             fams.sort(key=lambda p: _family_order(p["series"]))
             out += [_compare(fams[j], fams[i], "families") for j in range(len(fams)) for i in range(j)]
-        for fam in sorted({p["series"] for p in at_t}, key=_family_order):
+        families = sorted({p["series"] for p in at_t}, key=_family_order)
+        for fam in families:
             line = sorted((p for p in at_t if p["series"] == fam), key=lambda p: p["value"])
             for j in range(1, len(line)):  # against the nearest earlier value that pairs
                 earlier = (_compare(line[j], line[i], "axis") for i in range(j - 1, -1, -1))
                 out.append(next((c for c in earlier if c is not None), None))
+        out += _gaps(at_t, [f for f in families if f not in levels])
     return [c for c in out if c is not None]
 
 
@@ -117,7 +163,8 @@ def _paired_markdown(pairs: Sequence[dict], key: str) -> str:
     lines = [
         "",
         "Paired on the same prompts (macro τ, all benchmarks; ± one standard error): families at one "
-        f"value of {key}, each point against a level, each family along {key}:",
+        f"value of {key}, each point against a level, each family along {key}, and how much a family's "
+        "lead over another grows along it (row A − B):",
         "",
         "| T | row | baseline | difference | ratio |",
         "|---|---|---|---|---|",
