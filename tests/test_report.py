@@ -316,6 +316,22 @@ def test_synthetic_dashboard_and_markdown(tmp_path):
         )
     tau = (tmp_path / "out" / "tables" / "tau.md").read_text()
     assert "rank=8" in tau and "rank=64" in tau and "**3.25**" in tau  # best macro bold
+    assert not (tmp_path / "out" / "tables" / "paired.md").exists()  # no per-request totals: nothing pairs
+
+
+def test_dashboard_sweep_shows_the_paired_differences(tmp_path):
+    """Evaluations that carry each request's totals: the sweep section adds which differences along the
+    sweep exceed prompt noise (the same rows as mode=tau_by_axis writes)."""
+    for r, k in ((8, 1), (64, 3)):
+        run = fake_run(tmp_path / "runs" / f"r{r}", rank=r)
+        per_request = {
+            b: {f"q{i}": [4 + k * i + j, 2] for i in range(3)} for j, b in enumerate(("gsm8k", "mt-bench"))
+        }
+        fake_eval(run / "eval", run / "drafter", totals=per_request)
+    index = build_dashboard(find_runs(str(tmp_path / "runs")), tmp_path / "out", title="t")
+    paired = (tmp_path / "out" / "tables" / "paired.md").read_text()
+    assert "| 1 | dspark markov rank=64 | dspark markov rank=8 |" in paired
+    assert "tables/paired.md" in index.read_text()
     html = md_to_html("| a | b |\n|---|---|\n| x\\|y | **1** |\n")
     assert "<td>x|y</td>" in html and "<b>1</b>" in html
 

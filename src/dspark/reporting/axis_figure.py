@@ -28,7 +28,7 @@ from .plots import save_figure  # noqa: E402
 from .runs import CATEGORY_ORDER, AxisError, Run, SweepAxis, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER  # noqa: E402
 
-__all__ = ["paired_differences", "tau_by_axis", "tau_points"]
+__all__ = ["paired_differences", "paired_table", "tau_by_axis", "tau_points"]
 
 PANELS = (*DOMAIN_ORDER, "all")
 
@@ -182,6 +182,25 @@ def _paired_markdown(pairs: Sequence[dict], key: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _levels(points: Sequence[dict]) -> list[str]:
+    """Families evaluated at a single value where the others span several: drawn as a level."""
+    values = {p["value"] for p in points}
+    families = list(dict.fromkeys(p["series"] for p in points))
+    return [
+        f for f in families if len(values) > 1 and len({p["value"] for p in points if p["series"] == f}) == 1
+    ]
+
+
+def paired_table(runs: Sequence[Run], axis: SweepAxis) -> str:
+    """The paired differences' markdown for a dashboard's sweep section ("" where nothing pairs, or
+    where a family has two evaluations at one value and temperature: another policy or γ)."""
+    try:
+        points = tau_points(runs, axis)
+    except AxisError:
+        return ""
+    return _paired_markdown(paired_differences(points, _levels(points)), axis.key).lstrip("\n")
+
+
 def _family(run: Run) -> str:
     """A run's drafter family ("dspark markov", "dflash none"): the line's name when the runs split
     into no series, as one family's block-size sweep does."""
@@ -218,11 +237,7 @@ def tau_by_axis(runs: Sequence[Run], out: str | Path, axis: str | None = None) -
     families = list(dict.fromkeys(p["series"] for p in points))
     colors = dict(zip(families, plt.get_cmap("tab10").colors))
     values = sorted({p["value"] for p in points})
-
-    def values_of(fam: str) -> set:
-        return {p["value"] for p in points if p["series"] == fam}
-
-    levels = [f for f in families if len(values) > 1 and len(values_of(f)) == 1]
+    levels = _levels(points)
     fig, axes = plt.subplots(len(temps), len(PANELS), figsize=(3.3 * len(PANELS), 2.9 * len(temps)))
     for row, t in zip(axes.reshape(len(temps), len(PANELS)), temps):
         for ax, domain in zip(row, PANELS):

@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..artifacts import RunFolder  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
+from .axis_figure import paired_table  # noqa: E402
 from .paper_figures import domain_acceptance  # noqa: E402
 from .plots import acceptance_by_position_plot, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
@@ -277,7 +278,10 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
             macro = r.evaluations[0].results.get("macro", {}) if r.evaluations else {}
             row += [macro.get(d) for d in (*DOMAIN_ORDER, "all")]
         rows.append(row)
-    return [fig_path], {"sweep": md_table(header, rows)}, []
+    tables = {"sweep": md_table(header, rows)}
+    if paired := paired_table(runs, axis):  # which differences along the sweep exceed prompt noise
+        tables["paired"] = paired
+    return [fig_path], tables, []
 
 
 def _line(ax, pts, **style):
