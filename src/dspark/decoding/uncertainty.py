@@ -84,8 +84,10 @@ def _influences(totals: dict) -> tuple[float, dict]:
 def _check_pairs(rows: Sequence[dict]) -> None:
     """A ValueError naming what does not pair: other benchmarks, or a benchmark whose requests differ."""
     first = rows[0]
+    if not first:
+        raise ValueError("the rows hold no benchmarks")
     for other in rows[1:]:
-        if set(other) != set(first) or not first:
+        if set(other) != set(first):
             raise ValueError(
                 f"the rows were evaluated on different benchmarks: {sorted(first)} against {sorted(other)}"
             )
@@ -108,14 +110,12 @@ def paired_contrast(rows: Sequence[dict], weights: Sequence[float]) -> dict:
     value = sum(w * sum(f[j][0] for f in fitted.values()) / k for j, w in enumerate(weights))
     total = 0.0
     for per_row in fitted.values():
-        n = len(per_row[0][1])
+        influences = [u for _, u in per_row]  # each row's, per request
+        n = len(influences[0])
         if n < 2:
             return {"value": value, "stderr": None}
-        total += (
-            n
-            / (n - 1)
-            * sum((sum(w * u[i] for w, (_, u) in zip(weights, per_row)) / k) ** 2 for i in per_row[0][1])
-        )
+        combined = (sum(w * u[i] for w, u in zip(weights, influences)) / k for i in influences[0])
+        total += n / (n - 1) * sum(g * g for g in combined)
     return {"value": value, "stderr": math.sqrt(total)}
 
 
