@@ -98,25 +98,41 @@ def _check_pairs(rows: Sequence[dict]) -> None:
                 )
 
 
+def _fit(rows: Sequence[dict]) -> tuple[list[float], dict[str, list[dict]]]:
+    """Each row's macro τ (the mean over benchmarks) and, per benchmark, each row's per-request
+    influences on its τ̂, for rows that pair (``_check_pairs``)."""
+    _check_pairs(rows)
+    k = len(rows[0])
+    fitted = {name: [_influences(r[name]) for r in rows] for name in rows[0]}
+    macros = [sum(f[j][0] for f in fitted.values()) / k for j in range(len(rows))]
+    return macros, {name: [u for _, u in per_row] for name, per_row in fitted.items()}
+
+
+def _paired_stderr(influences: dict[str, list[dict]], combine) -> float | None:
+    """Standard error of a smooth function of the rows' macro τs whose influence per request is
+    ``combine([u_row(i) for each row])``: sqrt(Σ_b n_b / (n_b − 1) Σ_i g_bi²); None with fewer than two
+    requests in a benchmark."""
+    total = 0.0
+    for per_row in influences.values():
+        n = len(per_row[0])
+        if n < 2:
+            return None
+        total += n / (n - 1) * sum(combine([u[i] for u in per_row]) ** 2 for i in per_row[0])
+    return math.sqrt(total)
+
+
 def paired_contrast(rows: Sequence[dict], weights: Sequence[float]) -> dict:
     """Σ_j w_j · macro τ_j over rows evaluated on the same requests (each as ``paired_comparison``'s
     ``a``) and its paired standard error: e.g. weights (1, −1, −1, 1) over (A at 10, B at 10, A at 4,
     B at 4) is how much A's lead over B grows from 4 to 10, every prompt's difficulty cancelling."""
     if len(rows) != len(weights) or not rows:
         raise ValueError(f"{len(rows)} rows against {len(weights)} weights")
-    _check_pairs(rows)
+    macros, influences = _fit(rows)
     k = len(rows[0])
-    fitted = {name: [_influences(r[name]) for r in rows] for name in rows[0]}
-    value = sum(w * sum(f[j][0] for f in fitted.values()) / k for j, w in enumerate(weights))
-    total = 0.0
-    for per_row in fitted.values():
-        influences = [u for _, u in per_row]  # each row's, per request
-        n = len(influences[0])
-        if n < 2:
-            return {"value": value, "stderr": None}
-        combined = (sum(w * u[i] for w, u in zip(weights, influences)) / k for i in influences[0])
-        total += n / (n - 1) * sum(g * g for g in combined)
-    return {"value": value, "stderr": math.sqrt(total)}
+    return {
+        "value": sum(w * m for w, m in zip(weights, macros)),
+        "stderr": _paired_stderr(influences, lambda u: sum(w * x for w, x in zip(weights, u)) / k),
+    }
 
 
 def paired_comparison(a: dict, b: dict) -> dict:
@@ -125,27 +141,16 @@ def paired_comparison(a: dict, b: dict) -> dict:
     macro τ of each (the mean over benchmarks), their difference and ratio, each with its paired
     standard error (None with fewer than two requests in a benchmark). A ValueError names what
     does not pair: other benchmarks, or a benchmark whose requests differ."""
-    _check_pairs([a, b])
+    (macro_a, macro_b), influences = _fit([a, b])
     k = len(a)
-    fitted = {name: (_influences(a[name]), _influences(b[name])) for name in a}
-    macro_a = sum(ta for (ta, _), _ in fitted.values()) / k
-    macro_b = sum(tb for _, (tb, _) in fitted.values()) / k
     ratio = macro_a / macro_b if macro_b else None
-
-    def stderr(combine) -> float | None:  # combine(u_a, u_b) -> the function's influence
-        total = 0.0
-        for (_, ua), (_, ub) in fitted.values():
-            n = len(ua)
-            if n < 2:
-                return None
-            total += n / (n - 1) * sum(combine(ua[i], ub[i]) ** 2 for i in ua)
-        return math.sqrt(total)
-
     return {
         "tau": macro_a,
         "baseline_tau": macro_b,
         "difference": macro_a - macro_b,
-        "difference_stderr": stderr(lambda ua, ub: (ua - ub) / k),
+        "difference_stderr": _paired_stderr(influences, lambda u: (u[0] - u[1]) / k),
         "ratio": ratio,
-        "ratio_stderr": None if ratio is None else stderr(lambda ua, ub: (ua - ratio * ub) / (k * macro_b)),
+        "ratio_stderr": None
+        if ratio is None
+        else _paired_stderr(influences, lambda u: (u[0] - ratio * u[1]) / (k * macro_b)),
     }

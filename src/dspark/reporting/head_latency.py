@@ -26,6 +26,10 @@ def _get(report: dict, key: str):
     return value
 
 
+def _rows(report: dict) -> list[dict]:
+    return report.get("mean_over_contexts") or report["results"]  # several contexts: their means
+
+
 def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
     """The panel's rows (each report's ``mean_over_contexts``, else its ``results``) and the data
     written beside the figure: one report as it is, several as their sources and joined rows."""
@@ -42,7 +46,7 @@ def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
             raise ConfigError(f"{path} is no JSON of python -m dspark.bench.head_latency (no 'results')")
     if len(reports) == 1:
         report = reports[0]
-        return report.get("mean_over_contexts") or report["results"], report
+        return _rows(report), report
     first = reports[0]
     for path, report in zip(paths[1:], reports[1:]):
         for key in COMPARABLE:
@@ -53,7 +57,7 @@ def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
                 )
     rows, seen = [], {}
     for path, report in zip(paths, reports):
-        for row in report.get("mean_over_contexts") or report["results"]:
+        for row in _rows(report):
             point = (row["label"], row["block_size"], row["rows"])
             if point in seen:
                 raise ConfigError(
