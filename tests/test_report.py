@@ -64,13 +64,15 @@ def fake_run(d: Path, head="markov", rank=256, block=7, drafter="dspark", layers
     return d
 
 
-def fake_eval(d: Path, drafter_dir: Path | None, tau=2.0, totals: dict | None = None) -> Path:
+def fake_eval(
+    d: Path, drafter_dir: Path | None, tau=2.0, totals: dict | None = None, temperature: float = 1.0
+) -> Path:
     """``totals``: each benchmark's per-request (Σ (accepted + 1), rounds), for paired comparisons."""
     d.mkdir(parents=True)
     res = {
         "target": "tiny",
         "drafter": "dspark-markov",
-        "temperature": 1.0,
+        "temperature": temperature,
         "policy": {"name": "fixed", "gamma": 7},
         "benchmarks": {
             "gsm8k": {"tau": tau, "rounds": 3, "new_tokens": 6, "accept_rate_by_position": [0.5, None]},
@@ -317,6 +319,67 @@ def test_synthetic_dashboard_and_markdown(tmp_path):
     tau = (tmp_path / "out" / "tables" / "tau.md").read_text()
     assert "rank=8" in tau and "rank=64" in tau and "**3.25**" in tau  # best macro bold
     assert not (tmp_path / "out" / "tables" / "paired.md").exists()  # no per-request totals: nothing pairs
+
+
+def test_dashboard_panels_split_by_temperature_and_name_runs_once(tmp_path):
+    """Runs evaluated at two temperatures: the τ figure and the acceptance figure get a panel (row) per
+    evaluation tag, so a bar or line is named by its run alone (eleven runs at two temperatures had been
+    22 bars a group under a legend taller than the figure)."""
+    from dspark.reporting.dashboard import _eval_rows, tau_panels
+
+    for r in (8, 64):
+        run = fake_run(tmp_path / "runs" / f"r{r}", rank=r)
+        for t in (0.0, 1.0):
+            fake_eval(run / f"eval_t{t:g}", run / "drafter", tau=1 + r / 32 + t, temperature=t)
+    runs = find_runs(str(tmp_path / "runs"))
+    build_dashboard(runs, tmp_path / "out", title="t")  # labels the runs by the swept key
+    panels = tau_panels(_eval_rows(runs))
+    assert [tag for tag, _ in panels] == ["fixed γ=7 T=0.0", "fixed γ=7 T=1.0"]
+    for tag, rows in panels:
+        assert sorted(r.label for r, _ in rows) == ["rank=64", "rank=8"]
+        assert all(ev.tag == tag for _, ev in rows)
+    acc = json.loads((tmp_path / "out" / "figures" / "acceptance_by_position.json").read_text())["curves"]
+    assert list(acc)[:4] == [
+        "Math, fixed γ=7 T=0.0",
+        "Chat, fixed γ=7 T=0.0",
+        "Math, fixed γ=7 T=1.0",
+        "Chat, fixed γ=7 T=1.0",
+    ]
+    assert sorted(acc["Chat, fixed γ=7 T=1.0"]) == [
+        "rank=64",
+        "rank=8",
+    ]  # the tag is the panel's, not the line's
+
+
+def test_many_lines_get_distinct_colours_and_one_legend_beside_the_panels(monkeypatch, tmp_path):
+    from dspark.reporting import plots
+
+    assert len(set(plots.distinct_colors(22))) == 22  # tab20 cycled would repeat two
+    assert plots.distinct_colors(3) == [plots.plt.get_cmap("tab10")(i) for i in range(3)]
+    drawn = {}
+
+    def keep(fig, path, data, **kw):
+        drawn["fig"] = fig
+        return path
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    few = {"math": {"a": [0.5, 0.4]}, "code": {"a": [0.6, 0.5], "b": [0.7, None]}}
+    plots.acceptance_by_position_plot(few, tmp_path / "few.png")
+    axes = [ax for ax in drawn["fig"].axes if ax.get_visible()]
+    assert len(axes) == 2 and all(ax.get_legend() is not None for ax in axes)  # Fig. 2: a legend a panel
+    colour = {ln.get_label(): ln.get_color() for ax in axes for ln in ax.get_lines()}
+    assert len(set(colour.values())) == 2  # "a" keeps its colour across the panels
+    many = {
+        f"{d}, T={t}": {f"run{i}": [0.5, 0.4] for i in range(9)}
+        for t in (0, 1)
+        for d in ("math", "code", "chat")
+    }
+    plots.acceptance_by_position_plot(many, tmp_path / "many.png", per_row=3)
+    fig = drawn["fig"]
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 6 and len(fig.axes) == 6  # two rows of three
+    assert [ax.get_legend() is not None for ax in visible] == [False, False, True, False, False, False]
+    assert len(visible[2].get_legend().get_texts()) == 9
 
 
 def test_dashboard_sweep_shows_the_paired_differences(tmp_path):

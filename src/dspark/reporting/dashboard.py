@@ -26,13 +26,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless nodes and CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..artifacts import RunFolder  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
 from .axis_figure import paired_table  # noqa: E402
 from .paper_figures import domain_acceptance  # noqa: E402
-from .plots import acceptance_by_position_plot, write_json  # noqa: E402
+from .plots import acceptance_by_position_plot, distinct_colors, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
 
@@ -69,11 +70,6 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-
-
-def _colors(n: int) -> list:
-    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
-    return [cmap(i % cmap.N) for i in range(n)]
 
 
 def _save(fig, path: Path) -> Path:
@@ -196,7 +192,7 @@ def _section_sweep(runs, axis: SweepAxis, out: Path):
         return axis.value(r) if numeric else cats.index(axis.value(r))
 
     groups = _series(runs, axis)
-    colors = dict(zip(groups, _colors(len(groups))))
+    colors = dict(zip(groups, distinct_colors(len(groups))))
     evals = _eval_rows(runs)
     tags = sorted({ev.tag for _, ev, _ in evals})
     panels = []
@@ -293,6 +289,10 @@ def _line(ax, pts, **style):
         ax.plot(xs, ys, linewidth=1.6, **style)
 
 
+def _domain_rank(domain: str) -> int:
+    return DOMAIN_ORDER.index(domain) if domain in DOMAIN_ORDER else len(DOMAIN_ORDER)
+
+
 def _cal_mean(run: Run, key: str) -> float | None:
     cal = run.calibration_summary()
     if cal is None:
@@ -320,33 +320,73 @@ def _section_tau(runs, axis, out: Path):
         domains.update(_domains(res))
     table = table1(results, domains)
     names = list(dict.fromkeys(n for res in results for n in res["benchmarks"]))
-    names.sort(key=lambda n: DOMAIN_ORDER.index(domains[n]) if domains.get(n) in DOMAIN_ORDER else 9)
+    names.sort(key=lambda n: _domain_rank(domains.get(n, "")))
     cols = names + ["macro all"]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(cols) + 0.25 * len(results)), 3.4))
-    width = 0.8 / len(results)
-    for i, (res, color) in enumerate(zip(results, _colors(len(results)))):
-        ys = [res["benchmarks"].get(n, {}).get("tau") for n in names] + [res.get("macro", {}).get("all")]
-        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(cols))]
-        ax.bar(
-            [x for x, y in zip(xs, ys) if y is not None],
-            [y for y in ys if y is not None],
-            width=width,
-            color=color,
-            label=res["drafter"],
-        )
-    ax.set_xticks(range(len(cols)), cols, rotation=20, fontsize=8)
-    ax.set_ylabel("τ (accepted + 1)")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # bars stay uncovered
+    panels = tau_panels(evals)
+    runs_drawn = list({id(r): r for _, rows in panels for r, _ in rows}.values())  # Run is unhashable
+    color = {id(r): c for r, c in zip(runs_drawn, distinct_colors(len(runs_drawn)))}
+    widest = max(len(rows) for _, rows in panels)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(max(5.0, 1.1 * len(cols) + 0.25 * widest), 0.6 + 2.9 * len(panels)),
+        sharex=True,
+        squeeze=False,
+    )
+    for ax, (tag, rows) in zip(axes[:, 0], panels):
+        width = 0.8 / len(rows)
+        for i, (run, ev) in enumerate(rows):
+            res = ev.results
+            ys = [res["benchmarks"].get(n, {}).get("tau") for n in names] + [res.get("macro", {}).get("all")]
+            xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(cols))]
+            ax.bar(
+                [x for x, y in zip(xs, ys) if y is not None],
+                [y for y in ys if y is not None],
+                width=width,
+                color=color[id(run)],
+            )
+        if len(panels) > 1:
+            ax.set_title(tag, fontsize=9)
+        ax.set_ylabel("τ (accepted + 1)")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[-1, 0].set_xticks(range(len(cols)), cols, rotation=20, fontsize=8)
+    handles = [Patch(color=color[id(r)], label=r.label) for r in runs_drawn]
+    axes[0, 0].legend(  # one entry a run, beside the bars so none is covered
+        handles=handles,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        ncol=1 if len(handles) <= 12 * len(panels) else 2,
+    )
     return [_save(fig, out / "figures" / "tau_by_benchmark.png")], {"tau": table}, []
+
+
+def tau_panels(evals) -> list[tuple[str, list]]:
+    """The τ figure's panels: one per evaluation tag (policy, γ, temperature), in first-seen order,
+    each with its (run, evaluation) bars; a run keeps one colour across the panels, so the legend
+    names runs and the panel titles name the tags (eleven runs at two temperatures were 22 bars a
+    group and a legend taller than the figure)."""
+    panels: dict[str, list] = {}
+    for run, ev, _ in evals:
+        panels.setdefault(ev.tag, []).append((run, ev))
+    return list(panels.items())
 
 
 def _section_acceptance(runs, axis, out: Path):
     curves: dict[str, dict[str, list]] = {}
-    for _, ev, label in _eval_rows(runs):
+    evals = _eval_rows(runs)
+    tags = list(dict.fromkeys(ev.tag for _, ev, _ in evals))
+    by_tag = len(tags) > 1  # then a row of panels per tag, a line per run (one colour across rows)
+    found = []
+    for run, ev, label in evals:
         for dom, rates in domain_acceptance(ev.results, _domains(ev.results)).items():
-            curves.setdefault(dom, {})[label] = rates
+            found.append(
+                (tags.index(ev.tag), _domain_rank(dom), dom, ev.tag, run.label if by_tag else label, rates)
+            )
+    for _, _, dom, tag, label, rates in sorted(found, key=lambda f: f[:2]):  # stable: runs keep their order
+        curves.setdefault(f"{dom.capitalize()}, {tag}" if by_tag else dom, {})[label] = rates
+    domains_shown = len({f[2] for f in found}) or 1
     val_panel = "Validation c*ₖ (teacher-forced)"
     for r in runs:
         acc = _val_acceptance(r)
@@ -358,7 +398,9 @@ def _section_acceptance(runs, axis, out: Path):
             {},
             ["No position-wise acceptance: neither evaluations nor val/c_star_k metrics were found."],
         )
-    path = acceptance_by_position_plot(curves, out / "figures" / "acceptance_by_position.png")
+    path = acceptance_by_position_plot(
+        curves, out / "figures" / "acceptance_by_position.png", per_row=domains_shown if by_tag else 4
+    )
     gamma = max(len(v) for panel in curves.values() for v in panel.values())
     rows = [
         [panel, label, *(list(v) + [None] * (gamma - len(v)))]
@@ -394,7 +436,7 @@ def _section_calibration(runs, axis, out: Path):
             ],
         )
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.3), sharey=True)
-    for (r, cal), color in zip(cals, _colors(len(cals))):
+    for (r, cal), color in zip(cals, distinct_colors(len(cals))):
         pp = cal["per_position"]
         ks = [p.get("position", i + 1) for i, p in enumerate(pp)]
         for ax, key in zip(axes, ("ece_raw", "ece_sts")):
@@ -442,7 +484,7 @@ def _section_loss(runs, axis, out: Path):
             ],
         )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.2), squeeze=False)
-    for r, color in zip(runs, _colors(len(runs))):
+    for r, color in zip(runs, distinct_colors(len(runs))):
         for ax, (key, _) in zip(axes[0], panels):
             pts = r.curves.get(key) or []
             _line(ax, pts, color=color, label=r.label, marker="o" if len(pts) < 20 else "", markersize=3)

@@ -17,6 +17,7 @@ from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
 __all__ = [
     "acceptance_by_position_plot",
+    "distinct_colors",
     "head_latency_plot",
     "save_figure",
     "threshold_sweep_plot",
@@ -41,38 +42,71 @@ def save_figure(fig, path: Path, data, dpi: int = 120, **savefig) -> Path:
     return path
 
 
-def _panels(n: int, width: float = 3.6, height: float = 3.0):
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
-    return fig, list(axes[0])
+def distinct_colors(n: int) -> list:
+    """n colours, all different: past tab20's twenty, a continuous map sampled evenly (a cycled
+    palette would give two lines of one figure the same colour)."""
+    if n <= 20:
+        cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+        return [cmap(i) for i in range(n)]
+    return [plt.get_cmap("turbo")(0.05 + 0.9 * i / (n - 1)) for i in range(n)]
+
+
+def _panels(n: int, width: float = 3.6, height: float = 3.0, per_row: int = 4):
+    """n panels, at most ``per_row`` to a row (a dashboard's seven stay readable); the unused
+    cells of the last row are hidden."""
+    cols = min(n, per_row)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    cells = list(axes.flat)
+    for ax in cells[n:]:
+        ax.set_visible(False)
+    return fig, cells[:n]
+
+
+_LEGEND_IN_PANEL = 6  # more lines than this and a legend inside a panel covers them
 
 
 def acceptance_by_position_plot(
     curves: Mapping[str, Mapping[str, Sequence[float | None]]],
     path: str | os.PathLike,
     data: dict | None = None,
+    per_row: int = 4,
 ) -> Path:
     """``curves[panel][label]`` = conditional acceptance at draft positions 1..γ (None = no data):
-    one panel per domain, one line per drafter (or benchmark), as in Fig. 2. Writes ``path`` and
-    ``<stem>.json`` (``data`` if given, else the curves)."""
+    one panel per domain, one line per drafter (or benchmark), as in Fig. 2, ``per_row`` panels to a
+    row. Writes ``path`` and ``<stem>.json`` (``data`` if given, else the curves)."""
     path = Path(path)
     panels = list(curves)
     if not panels:
         raise ValueError("no acceptance curves to plot")
-    fig, axes = _panels(len(panels))
+    fig, axes = _panels(len(panels), per_row=per_row)
     gamma = max(len(r) for panel in panels for r in curves[panel].values())
+    labels = list(dict.fromkeys(label for panel in panels for label in curves[panel]))
+    color = dict(zip(labels, distinct_colors(len(labels))))  # one colour a line across the panels
     for ax, panel in zip(axes, panels):
         for label, rates in curves[panel].items():
             pts = [(k + 1, r) for k, r in enumerate(rates) if r is not None]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label)
+                ax.plot(xs, ys, marker="o", markersize=4, linewidth=1.6, label=label, color=color[label])
         ax.set_title(panel.capitalize() if panel.islower() else panel)
         ax.set_xlim(0.5, gamma + 0.5)
         ax.set_xticks(range(1, gamma + 1))
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("Draft position")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if len(labels) <= _LEGEND_IN_PANEL:
+            ax.legend(fontsize=7)
+    if len(labels) > _LEGEND_IN_PANEL:  # one legend beside the first row: in a panel it would hide the lines
+        handles = [plt.Line2D([], [], color=color[lb], marker="o", markersize=4, label=lb) for lb in labels]
+        first_row_end = axes[min(len(axes), per_row) - 1]
+        first_row_end.legend(
+            handles=handles,
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            ncol=1 + len(labels) // 24,
+        )
     axes[0].set_ylabel("Cond. acceptance")
     return save_figure(fig, path, data if data is not None else {"curves": curves})
 
