@@ -63,7 +63,7 @@ def _panels(n: int, width: float = 3.6, height: float = 3.0, per_row: int = 4):
     return fig, cells[:n]
 
 
-_LEGEND_IN_PANEL = 6  # more lines than this and a legend inside a panel covers them
+_LEGEND_IN_PANEL = 6  # more lines in a panel than this and a legend inside it covers them
 
 
 def acceptance_by_position_plot(
@@ -83,6 +83,7 @@ def acceptance_by_position_plot(
     gamma = max(len(r) for panel in panels for r in curves[panel].values())
     labels = list(dict.fromkeys(label for panel in panels for label in curves[panel]))
     color = dict(zip(labels, distinct_colors(len(labels))))  # one colour a line across the panels
+    crowded = max(len(curves[panel]) for panel in panels) > _LEGEND_IN_PANEL
     for ax, panel in zip(axes, panels):
         for label, rates in curves[panel].items():
             pts = [(k + 1, r) for k, r in enumerate(rates) if r is not None]
@@ -95,9 +96,9 @@ def acceptance_by_position_plot(
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("Draft position")
         ax.grid(alpha=0.3)
-        if len(labels) <= _LEGEND_IN_PANEL:
+        if not crowded:
             ax.legend(fontsize=7)
-    if len(labels) > _LEGEND_IN_PANEL:  # one legend beside the first row: in a panel it would hide the lines
+    if crowded:  # one legend beside the first row: in a panel it would hide the lines
         handles = [plt.Line2D([], [], color=color[lb], marker="o", markersize=4, label=lb) for lb in labels]
         first_row_end = axes[min(len(axes), per_row) - 1]
         first_row_end.legend(
