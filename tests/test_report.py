@@ -262,6 +262,26 @@ def test_a_comparison_of_drafters_is_labelled_by_their_names(tmp_path):
     assert axis.names == [] and sorted(r.label for r in runs) == ["rank=0", "rank=256"]
 
 
+def test_table1_rows_are_labelled_drafter_first(tmp_path):
+    """Table 1's five drafters: the head has the most levels and becomes the axis, the drafter its series;
+    the labels still read drafter first, as the sweep figures' series do."""
+    for drafter, head, rank in (("dflash", "none", 0), ("eagle3", "none", 0), ("dspark", "markov", 256)):
+        fake_run(tmp_path / f"{drafter}-{head}", head=head, rank=rank, drafter=drafter)
+    for head in ("gated", "rnn"):
+        fake_run(tmp_path / f"dspark-{head}", head=head)
+    runs = find_runs(str(tmp_path))
+    axis = sweep_axis(runs)
+    assert axis.key == "head.name" and "drafter.name" in axis.series
+    label_runs(runs, axis)
+    assert sorted(r.label for r in runs) == [
+        "dflash none",
+        "dspark gated",
+        "dspark markov",
+        "dspark rnn",
+        "eagle3 none",
+    ]
+
+
 def test_evaluations_join_their_runs(tmp_path):
     run = fake_run(tmp_path / "train" / "a", rank=64)
     fake_eval(run / "eval", run / "drafter")  # inside

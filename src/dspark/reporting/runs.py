@@ -397,9 +397,15 @@ class SweepAxis:
     def value(self, run: Run) -> Any:
         return run.flat.get(self.key) if self.key else None
 
-    def series_label(self, run: Run) -> str:
+    def series_label(self, run: Run, with_axis_names: bool = False) -> str:
+        """The run's series: its names ("dflash none"), then its numbers with their keys ("rank=64").
+        ``with_axis_names``: a name axis' own names join them in the usual order, drafter before head
+        (a Table 1 comparison's axis is the head: "dflash none", not "none dflash")."""
         f = run.flat  # names speak for themselves ("dflash"); numbers need their key ("rank=64")
         names = self.series_names + [k for k in self.series if k.endswith(".name")]
+        if with_axis_names:
+            names = [*(self.names or [self.key]), *names]
+            names.sort(key=lambda k: SERIES_FIRST.index(k) if k in SERIES_FIRST else len(SERIES_FIRST))
         names = list(dict.fromkeys(names))  # each once: drafter, head, target, then any other
         numbers = [f"{k.split('.')[-1]}={f.get(k)}" for k in self.series if not k.endswith(".name")]
         return " ".join([*(str(f.get(k)) for k in names), *numbers])
@@ -481,7 +487,9 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
 def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
     """Short, unique labels: the axis value (and series) when there is an axis, else the run name."""
     for r in runs:
-        if axis.key:
+        if axis.key in SERIES_FIRST:
+            r.label = axis.series_label(r, with_axis_names=True)
+        elif axis.key:
             short = axis.key.split(".")[-1]
             head = [str(r.flat.get(k)) for k in axis.names] or [f"{short}={axis.value(r)}"]
             parts = head + ([axis.series_label(r)] if axis.series else [])
