@@ -402,6 +402,31 @@ def test_many_lines_get_distinct_colours_and_one_legend_beside_the_panels(monkey
     assert len(visible[2].get_legend().get_texts()) == 9
 
 
+def test_dashboard_legends_move_beside_the_panels_past_six_runs(monkeypatch, tmp_path):
+    """Calibration and loss figures: the runs' legend sits in the first panel for a few runs and beside
+    the last one for more (inside, seven entries covered the lines); each run named once."""
+    from dspark.reporting import dashboard
+
+    drawn = {}
+    keep = dashboard._save
+
+    def capture(fig, path):
+        drawn[path.stem] = [(ax.get_legend() is not None, len(ax.get_lines())) for ax in fig.axes]
+        return keep(fig, path)
+
+    monkeypatch.setattr(dashboard, "_save", capture)
+    for n in (3, 7):
+        for r in range(n):
+            run = fake_run(tmp_path / f"n{n}" / f"r{r}", rank=8 * (r + 1))
+            fake_eval(run / "eval", run / "drafter", tau=1 + r / 8)
+        build_dashboard(find_runs(str(tmp_path / f"n{n}")), tmp_path / f"out{n}", title="t")
+        for fig in ("calibration", "loss_curves"):
+            legends = [has for has, _ in drawn[fig]]
+            assert legends == (
+                [True] + [False] * (len(legends) - 1) if n == 3 else [False] * (len(legends) - 1) + [True]
+            )
+
+
 def test_dashboard_sweep_shows_the_paired_differences(tmp_path):
     """Evaluations that carry each request's totals: the sweep section adds which differences along the
     sweep exceed prompt noise (the same rows as mode=tau_by_axis writes)."""

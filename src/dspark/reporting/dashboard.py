@@ -33,7 +33,7 @@ from ..artifacts import RunFolder  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
 from .axis_figure import paired_table  # noqa: E402
 from .paper_figures import domain_acceptance  # noqa: E402
-from .plots import acceptance_by_position_plot, distinct_colors, write_json  # noqa: E402
+from .plots import LEGEND_IN_PANEL, acceptance_by_position_plot, distinct_colors, write_json  # noqa: E402
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
 
@@ -289,6 +289,26 @@ def _line(ax, pts, **style):
         ax.plot(xs, ys, linewidth=1.6, **style)
 
 
+def _legend(axes) -> None:
+    """Each run once: inside the first panel while it holds at most LEGEND_IN_PANEL lines, else
+    beside the last panel, where it covers none of them."""
+    found: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            found.setdefault(label, handle)
+    if len(found) <= LEGEND_IN_PANEL:
+        axes[0].legend(list(found.values()), list(found), fontsize=7)
+    else:
+        axes[-1].legend(
+            list(found.values()),
+            list(found),
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            ncol=1 + len(found) // 24,
+        )
+
+
 def _domain_rank(domain: str) -> int:
     return DOMAIN_ORDER.index(domain) if domain in DOMAIN_ORDER else len(DOMAIN_ORDER)
 
@@ -446,7 +466,7 @@ def _section_calibration(runs, axis, out: Path):
         ax.set_xlabel("Draft position")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("ECE of Π σ(z_i / T_i)")
-    axes[0].legend(fontsize=7)
+    _legend(list(axes))
     path = _save(fig, out / "figures" / "calibration.png")
     rows = [
         [
@@ -493,7 +513,7 @@ def _section_loss(runs, axis, out: Path):
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # steps run to 5 digits
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend(list(axes[0]))
     rows = [
         [
             r.label,

@@ -63,7 +63,7 @@ def _panels(n: int, width: float = 3.6, height: float = 3.0, per_row: int = 4):
     return fig, cells[:n]
 
 
-_LEGEND_IN_PANEL = 6  # more lines in a panel than this and a legend inside it covers them
+LEGEND_IN_PANEL = 6  # more lines in a panel than this and a legend inside it covers them
 
 
 def acceptance_by_position_plot(
@@ -83,7 +83,7 @@ def acceptance_by_position_plot(
     gamma = max(len(r) for panel in panels for r in curves[panel].values())
     labels = list(dict.fromkeys(label for panel in panels for label in curves[panel]))
     color = dict(zip(labels, distinct_colors(len(labels))))  # one colour a line across the panels
-    crowded = max(len(curves[panel]) for panel in panels) > _LEGEND_IN_PANEL
+    crowded = max(len(curves[panel]) for panel in panels) > LEGEND_IN_PANEL
     for ax, panel in zip(axes, panels):
         for label, rates in curves[panel].items():
             pts = [(k + 1, r) for k, r in enumerate(rates) if r is not None]
