@@ -33,7 +33,13 @@ from ..artifacts import RunFolder  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_text  # noqa: E402
 from .axis_figure import paired_table  # noqa: E402
 from .paper_figures import domain_acceptance  # noqa: E402
-from .plots import LEGEND_IN_PANEL, acceptance_by_position_plot, distinct_colors, write_json  # noqa: E402
+from .plots import (  # noqa: E402
+    LEGEND_IN_PANEL,
+    acceptance_by_position_plot,
+    distinct_colors,
+    legend_beside,
+    write_json,
+)
 from .runs import Run, SweepAxis, is_numeric, label_runs, read_run, sweep_axis  # noqa: E402
 from .tables import DOMAIN_ORDER, table1  # noqa: E402
 
@@ -299,14 +305,7 @@ def _legend(axes) -> None:
     if len(found) <= LEGEND_IN_PANEL:
         axes[0].legend(list(found.values()), list(found), fontsize=7)
     else:
-        axes[-1].legend(
-            list(found.values()),
-            list(found),
-            fontsize=7,
-            loc="upper left",
-            bbox_to_anchor=(1.02, 1.0),
-            ncol=1 + len(found) // 24,
-        )
+        legend_beside(axes[-1], list(found.values()))
 
 
 def _domain_rank(domain: str) -> int:
@@ -371,14 +370,8 @@ def _section_tau(runs, axis, out: Path):
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.grid(axis="y", alpha=0.3)
     axes[-1, 0].set_xticks(range(len(cols)), cols, rotation=20, fontsize=8)
-    handles = [Patch(color=color[id(r)], label=r.label) for r in runs_drawn]
-    axes[0, 0].legend(  # one entry a run, beside the bars so none is covered
-        handles=handles,
-        fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        ncol=1 if len(handles) <= 12 * len(panels) else 2,
-    )
+    # one entry a run, beside the bars so none is covered
+    legend_beside(axes[0, 0], [Patch(color=color[id(r)], label=r.label) for r in runs_drawn])
     return [_save(fig, out / "figures" / "tau_by_benchmark.png")], {"tau": table}, []
 
 

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..core.io import atomic_savefig, atomic_write_json, finite  # noqa: E402
 
 __all__ = [
+    "LEGEND_IN_PANEL",
     "acceptance_by_position_plot",
     "distinct_colors",
     "head_latency_plot",
@@ -66,6 +67,18 @@ def _panels(n: int, width: float = 3.6, height: float = 3.0, per_row: int = 4):
 LEGEND_IN_PANEL = 6  # more lines in a panel than this and a legend inside it covers them
 
 
+def legend_beside(ax, handles: Sequence) -> None:
+    """A crowded figure's one legend, right of ``ax`` and outside every panel (tight_layout makes
+    room), a second column past 24 entries."""
+    ax.legend(
+        handles=list(handles),
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        ncol=1 + len(handles) // 24,
+    )
+
+
 def acceptance_by_position_plot(
     curves: Mapping[str, Mapping[str, Sequence[float | None]]],
     path: str | os.PathLike,
@@ -100,14 +113,7 @@ def acceptance_by_position_plot(
             ax.legend(fontsize=7)
     if crowded:  # one legend beside the first row: in a panel it would hide the lines
         handles = [plt.Line2D([], [], color=color[lb], marker="o", markersize=4, label=lb) for lb in labels]
-        first_row_end = axes[min(len(axes), per_row) - 1]
-        first_row_end.legend(
-            handles=handles,
-            fontsize=7,
-            loc="upper left",
-            bbox_to_anchor=(1.02, 1.0),
-            ncol=1 + len(labels) // 24,
-        )
+        legend_beside(axes[min(len(axes), per_row) - 1], handles)  # the first row's last panel
     axes[0].set_ylabel("Cond. acceptance")
     return save_figure(fig, path, data if data is not None else {"curves": curves})
 

@@ -487,13 +487,11 @@ def sweep_axis(runs: Sequence[Run], prefer: str | None = None) -> SweepAxis:
 def label_runs(runs: Sequence[Run], axis: SweepAxis) -> None:
     """Short, unique labels: the axis value (and series) when there is an axis, else the run name."""
     for r in runs:
-        if axis.key in SERIES_FIRST:
+        if axis.key in SERIES_FIRST:  # a name axis: its names and the series', drafter first
             r.label = axis.series_label(r, with_axis_names=True)
-        elif axis.key:
-            short = axis.key.split(".")[-1]
-            head = [str(r.flat.get(k)) for k in axis.names] or [f"{short}={axis.value(r)}"]
-            parts = head + ([axis.series_label(r)] if axis.series else [])
-            r.label = " ".join(parts)
+        elif axis.key:  # a number axis: "rank=64", then the series
+            head = f"{axis.key.split('.')[-1]}={axis.value(r)}"
+            r.label = " ".join([head, axis.series_label(r)] if axis.series else [head])
         else:
             r.label = r.name
     counts: dict[str, int] = {}
