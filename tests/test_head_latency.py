@@ -108,15 +108,18 @@ def test_report_head_latency_names_what_it_reads(tmp_path):
 def test_report_joins_parts_of_the_grid_that_compare(tmp_path):
     """Two sessions' parts of the grid (blocks 4, then 7) on one panel; a part measured otherwise (other
     contexts here; another GPU alike) or a configuration given twice is refused by name, nothing drawn."""
-    a, b = tmp_path / "b4.json", tmp_path / "b7.json"
-    for path, block in ((a, "4"), (b, "7")):
-        head_latency.main(["--families", "dflash,markov", "--blocks", block, "--out", str(path), *FAST])
-    plot = report_head_latency(f"[{a},{b}]", tmp_path / "fig")
+    a, b, rnn = tmp_path / "b4.json", tmp_path / "b7.json", tmp_path / "rnn.json"
+    for path, families, block in ((a, "dflash,markov", "4"), (b, "dflash,markov", "7"), (rnn, "rnn", "4")):
+        head_latency.main(["--families", families, "--blocks", block, "--out", str(path), *FAST])
+    assert "round_vs_dflash" not in json.loads(rnn.read_text())["results"][0]  # no DFlash in its part
+    plot = report_head_latency(f"[{a},{b},{rnn}]", tmp_path / "fig")
     drawn = json.loads(plot.with_suffix(".json").read_text())
-    assert [s["path"] for s in drawn["sources"]] == [str(a), str(b)]
+    assert [s["path"] for s in drawn["sources"]] == [str(a), str(b), str(rnn)]
     assert [(r["label"], r["block_size"]) for r in drawn["rows"]] == [
-        ("DFlash", 4), ("DSpark-Markov", 4), ("DFlash", 7), ("DSpark-Markov", 7)
+        ("DFlash", 4), ("DSpark-Markov", 4), ("DFlash", 7), ("DSpark-Markov", 7), ("DSpark-RNN", 4)
     ]  # fmt: skip
+    dflash4, rnn4 = drawn["rows"][0], drawn["rows"][-1]  # the RNN relates to the other part's DFlash
+    assert rnn4["round_vs_dflash"] == pytest.approx(rnn4["round_ms"] / dflash4["round_ms"] - 1)
     assert drawn["contexts"] == [8] and drawn["target"] == "tiny"
     with pytest.raises(ConfigError, match="DFlash at block 4, R = 1 is in both .*b4.json and .*b4.json"):
         report_head_latency(f"[{a},{a}]", tmp_path / "twice")

@@ -2,7 +2,8 @@
 
 A session may measure part of the grid (blocks 4 and 7 one day, 10 and 16 the next): their rows
 join into one panel only where they compare, the same GPU, PyTorch, target, dtype, compilation,
-drafter depth and contexts; anything else is refused by name before a figure is drawn.
+drafter depth and contexts; anything else is refused by name before a figure is drawn. Joined rows
+relate to DFlash's at the same block size and R whichever part measured it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..bench.head_latency import relate_to_dflash
 from ..core.errors import ConfigError
 from ..core.io import read_json
 
@@ -65,7 +67,8 @@ def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
                     f"{seen[point]} and {path}: give each configuration once"
                 )
             seen[point] = path
-            rows.append(row)
+            rows.append(dict(row))
+    relate_to_dflash(rows)  # a part without DFlash (one family measured again) relates to another's
     data = {
         "sources": [
             {"path": str(p), **{k: r.get(k) for k in ("command", "commit", "date", "machine")}}
