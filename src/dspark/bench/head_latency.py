@@ -44,7 +44,7 @@ import argparse
 
 from ..core.errors import ConfigError
 
-__all__ = ["FAMILIES", "check_args", "main", "relate_to_dflash"]
+__all__ = ["FAMILIES", "check_args", "main"]
 
 # family -> (label, the overrides that select it, as for python -m dspark.train)
 FAMILIES = {
@@ -187,12 +187,11 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
     return out
 
 
-def relate_to_dflash(results: list[dict], where=("block_size", "rows", "context")) -> None:
-    """``round_vs_dflash`` on every row whose DFlash counterpart (the same ``where``; a key a row
-    lacks, as a mean's ``context``, matches alike) was measured."""
-    base = {tuple(r.get(k) for k in where): r["round_ms"] for r in results if r["family"] == "dflash"}
+def _relate(results: list[dict], where: tuple[str, ...] = ("block_size", "rows", "context")) -> None:
+    """``round_vs_dflash`` on every row whose DFlash counterpart (the same ``where``) was measured."""
+    base = {tuple(r[k] for k in where): r["round_ms"] for r in results if r["family"] == "dflash"}
     for r in results:
-        ref = base.get(tuple(r.get(k) for k in where))
+        ref = base.get(tuple(r[k] for k in where))
         if ref:
             r["round_vs_dflash"] = r["round_ms"] / ref - 1.0
 
@@ -216,7 +215,7 @@ def mean_over_contexts(results: list[dict]) -> list[dict]:
             {"family": family, "label": rs[0]["label"], "block_size": block, "gamma": rs[0]["gamma"],
              "rows": rows, "contexts": contexts, **mean, "head_share": share}
         )  # fmt: skip
-    relate_to_dflash(out, ("block_size", "rows"))
+    _relate(out, ("block_size", "rows"))
     return out
 
 
@@ -279,7 +278,7 @@ def main(argv=None) -> dict:
                 built = {"overrides": picked, "parameters": sum(p.numel() for p in drafter.parameters())}
                 for ctx in contexts:
                     results += [{**row, **built} for row in measure(target, drafter, rows, ctx, args, family)]
-                    relate_to_dflash(results)
+                    _relate(results)
                     if len(contexts) > 1:
                         report["mean_over_contexts"] = mean_over_contexts(results)
                     atomic_write_json(args.out, report)  # a run cut off keeps what it measured

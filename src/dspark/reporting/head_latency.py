@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..bench.head_latency import relate_to_dflash
 from ..core.errors import ConfigError
 from ..core.io import read_json
 
@@ -26,6 +25,18 @@ def _get(report: dict, key: str):
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
+
+
+def _relate_to_dflash(rows: list[dict]) -> None:
+    """``round_vs_dflash`` as the bench defines it (the round over DFlash's at the same block size,
+    R and context, or over the means of DFlash's, minus 1), for every row whose DFlash counterpart
+    any of the joined parts measured."""
+    where = ("block_size", "rows", "context")  # a mean has no "context": None matches None
+    dflash = {tuple(r.get(k) for k in where): r["round_ms"] for r in rows if r["family"] == "dflash"}
+    for r in rows:
+        ref = dflash.get(tuple(r.get(k) for k in where))
+        if ref:
+            r["round_vs_dflash"] = r["round_ms"] / ref - 1.0
 
 
 def _rows(report: dict) -> list[dict]:
@@ -68,7 +79,7 @@ def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
                 )
             seen[point] = path
             rows.append(dict(row))
-    relate_to_dflash(rows)  # a part without DFlash (one family measured again) relates to another's
+    _relate_to_dflash(rows)  # a part without DFlash (one family measured again) relates to another's
     data = {
         "sources": [
             {"path": str(p), **{k: r.get(k) for k in ("command", "commit", "date", "machine")}}
