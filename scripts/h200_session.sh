@@ -60,8 +60,9 @@
 #           runs of different block sizes), and the runs' dashboard into its dashboard/. Steps per
 #           drafter are in each run's summary: state the budget as minutes on a shared GPU, or compare
 #           at equal steps: put
-#           trainer.max_steps=S in TRAIN_EXTRA and a TRAIN_MINUTES above the time S steps take (the
-#           learning-rate schedule follows whichever of steps and clock is further along), so rows
+#           trainer.max_steps=S optim.schedule_by=steps in TRAIN_EXTRA and a TRAIN_MINUTES above the
+#           time S steps take (without schedule_by=steps the learning rate follows whichever of steps
+#           and clock is further along: runs sharing the GPU had their clock run ahead), so rows
 #           trained in different sessions, alone or side by side, had the same budget.
 #           SWEEP instead of RUNS: the runs are one Hydra multirun (an ablation grid, as a user runs it) of
 #           the overrides in SWEEP (comma lists: the grid), SWEEP_JOBS (3) at once (the joblib launcher:

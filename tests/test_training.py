@@ -83,6 +83,39 @@ def test_lr_factor_warms_up_then_decays_to_the_floor():
     assert lr_factor(0.0, 0.1, 0.1) > 0  # the first step still moves
 
 
+@pytest.mark.parametrize("by, progress", [("auto", 0.6), ("steps", 0.2), ("clock", 0.6)])
+def test_run_progress_follows_what_the_schedule_is_set_by(by, progress):
+    """Step 20 of 100 with 60 of the clock's 100 seconds gone: auto takes the further along (a GPU
+    shared three ways runs a step-bounded run's clock ahead of its steps), steps or clock one alone."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import Timer
+
+    from dspark.module import run_progress
+
+    timer = Timer(duration=timedelta(seconds=100))
+    timer.time_elapsed = lambda stage="train": 60.0
+    trainer = SimpleNamespace(global_step=19, max_steps=100, callbacks=[timer])
+    assert run_progress(trainer, None, by) == pytest.approx(progress)
+
+
+def test_a_run_scheduled_by_its_clock_ignores_its_steps(tmp_path, data_dir):
+    """optim.schedule_by reaches the optimizer: by the clock (5 minutes, barely started) a run of 6
+    steps keeps its peak learning rate to the end, where by the default it decays to the floor."""
+    import csv
+
+    peak, lrs = 6e-4, {}  # conf/train.yaml optim.lr
+    for by in ("auto", "clock"):
+        out = tmp_path / by
+        overrides = ["trainer.max_steps=6", "trainer.max_time=00:00:05:00", "trainer.log_every_n_steps=1"]
+        run_training(cfg_for(out, data_dir, *overrides, "optim.warmup_ratio=0", f"optim.schedule_by={by}"))
+        with (out / "logs" / "metrics.csv").open() as f:
+            lrs[by] = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
+    assert lrs["clock"][-1] > 0.99 * peak, lrs
+    assert lrs["auto"][-1] < 0.2 * peak, lrs
+
+
 def test_time_bounded_run_gets_a_whole_schedule(tmp_path, data_dir):
     """A run that stops on the clock (trainer.max_time, max_steps out of reach) warms up to the peak
     learning rate and decays towards the floor within that time, and logs the learning rate and

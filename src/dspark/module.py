@@ -183,20 +183,23 @@ def _timer(trainer):
     return timer if timer is not None and timer._duration else None
 
 
-def run_progress(trainer, clock_start: float | None = None) -> float:
+def run_progress(trainer, clock_start: float | None = None, by: str = "auto") -> float:
     """How far a fit is, in [0, 1], counting the optimizer step about to be taken: the larger of
     steps / trainer.max_steps and, for a run with a clock (trainer.max_time), its training time /
     max_time on the clock Lightning stops the run by. So a run bounded by time gets its whole
     schedule (warm-up and decay) inside that time, and a step-bounded one inside its steps; with
-    neither, the steps Lightning estimates for max_epochs. ``clock_start`` (seconds on that clock
+    neither, the steps Lightning estimates for max_epochs. ``by`` (``optim.schedule_by``) "steps"
+    or "clock" counts that one alone: a run compared with others at equal steps keeps their
+    schedule even where a clock set as a safety limit runs ahead (a GPU shared with other runs),
+    and stops on that clock with its schedule unfinished. ``clock_start`` (seconds on that clock
     when the first optimizer step ended) moves the clock's zero past compilation and start-up,
     which would otherwise use up the warm-up before the first real step."""
     step = int(trainer.global_step) + 1
     fractions = []
-    if trainer.max_steps and trainer.max_steps > 0:
+    if trainer.max_steps and trainer.max_steps > 0 and by != "clock":
         fractions.append(step / trainer.max_steps)
     timer = _timer(trainer)
-    if timer is not None:
+    if timer is not None and by != "steps":
         start = min(clock_start or 0.0, 0.5 * timer._duration)
         fractions.append(max(0.0, timer.time_elapsed("train") - start) / (timer._duration - start))
     if not fractions:
@@ -431,11 +434,12 @@ class DraftingModule(L.LightningModule):
             fused=self.device.type == "cuda" and not (self._trainer and _grad_scaler(self._trainer)),
         )
         warmup, floor = self.optim["warmup_ratio"], self.optim["min_lr_ratio"]
+        by = self.optim.get("schedule_by", "auto")  # a run saved before the key: auto
         # The multiplier follows the run's progress (steps or clock), not the scheduler's own count.
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,
             lambda _: lr_factor(
-                run_progress(self._trainer, self.clock_start) if self._trainer else 0.0, warmup, floor
+                run_progress(self._trainer, self.clock_start, by) if self._trainer else 0.0, warmup, floor
             ),
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

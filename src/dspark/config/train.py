@@ -124,6 +124,9 @@ class OptimConfig:
     betas: list[Fraction] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: Fraction = 0.0
     min_lr_ratio: Unit = 0.1
+    # What the learning-rate schedule follows (module.run_progress): auto, the further along of the
+    # steps (trainer.max_steps) and the clock (trainer.max_time); steps or clock alone.
+    schedule_by: Literal["auto", "steps", "clock"] = "auto"
 
     def __post_init__(self):
         if len(self.betas) != 2:
@@ -148,6 +151,19 @@ class TrainConfig:
     features: Literal["online", "offline"]
     compile_target: Literal["auto", True, False] = "auto"  # the target's forward in the training step
     init_from: str | None = None  # a saved drafter whose weights start the run (warm start)
+
+    def __post_init__(self):
+        by = self.optim.schedule_by
+        if by == "clock" and self.trainer.max_time is None:
+            raise ConfigError(
+                "optim.schedule_by=clock needs a clock to follow: set trainer.max_time (e.g. 00:00:10:00), "
+                "or schedule by steps"
+            )
+        if by == "steps" and self.trainer.max_steps == -1:
+            raise ConfigError(
+                "optim.schedule_by=steps needs steps to follow: set trainer.max_steps, or schedule by "
+                "the clock (auto or clock, with trainer.max_time)"
+            )
 
 
 @dataclass
