@@ -189,7 +189,7 @@ def run_progress(trainer, clock_start: float | None = None, by: str = "auto") ->
     max_time on the clock Lightning stops the run by. So a run bounded by time gets its whole
     schedule (warm-up and decay) inside that time, and a step-bounded one inside its steps; with
     neither, the steps Lightning estimates for max_epochs. ``by`` (``optim.schedule_by``) "steps"
-    or "clock" counts that one alone: a run compared with others at equal steps keeps their
+    or "clock" counts that one alone: a run compared with others at equal steps keeps the step
     schedule even where a clock set as a safety limit runs ahead (a GPU shared with other runs),
     and stops on that clock with its schedule unfinished. ``clock_start`` (seconds on that clock
     when the first optimizer step ended) moves the clock's zero past compilation and start-up,
