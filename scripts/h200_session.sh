@@ -97,6 +97,8 @@
 #   DATA_PACK=data/packs/smollm2_30000_bfloat16.tar.xz STAGES="data gputests batch" RUNS=… TRAIN_EXTRA=… \
 #     bash scripts/h200_session.sh start      # the committed data instead of six minutes regenerating it
 #   STAGES=headlat bash scripts/h200_session.sh start   # Fig. 4's latency panel alone (no data, no drafter)
+#   NAME=DSpark-RNN-B16 KEEP_DTYPE=bfloat16 STAGES="data batch keep" SWEEP=… SWEEP_RUNS='DSpark-RNN-B${drafter.block_size}' …
+#     # a batch run's drafter brought back (NAME: its folder under outputs/h200, SWEEP_RUNS resolved)
 set -uo pipefail
 S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
