@@ -433,8 +433,7 @@ class DraftingModule(L.LightningModule):
             # One kernel for all parameters (4 -> 2 ms at 45M on the H200); not with a loss scaler.
             fused=self.device.type == "cuda" and not (self._trainer and _grad_scaler(self._trainer)),
         )
-        warmup, floor = self.optim["warmup_ratio"], self.optim["min_lr_ratio"]
-        by = self.optim.get("schedule_by", "auto")  # a run saved before the key: auto
+        warmup, floor, by = self.optim["warmup_ratio"], self.optim["min_lr_ratio"], self.optim["schedule_by"]
         # The multiplier follows the run's progress (steps or clock), not the scheduler's own count.
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt,

@@ -78,7 +78,7 @@ def head_latency_rows(paths: Sequence[str | Path]) -> tuple[list[dict], dict]:
                     f"{seen[point]} and {path}: give each configuration once"
                 )
             seen[point] = path
-            rows.append(dict(row))
+            rows.append(row)
     _relate_to_dflash(rows)  # a part without DFlash (one family measured again) relates to another's
     data = {
         "sources": [
