@@ -318,6 +318,15 @@ def test_published_evaluations_join_the_run_folder_of_their_name(tmp_path):
     runs = find_runs([str(pub / "*")])
     assert sorted((r.path.name, len(r.evaluations)) for r in runs) == [("DFlash", 2), ("DSpark-Gated", 2)]
     assert all(r.curves["train/loss"] == [(0, 3.0), (1, 2.5)] for r in runs)
+    # A rerun of that name published in another session's folder, given with one of the first
+    # session's runs: it takes its own evaluations, not its namesake's that sit beside that run.
+    rerun = fake_run(tmp_path / "later" / "DFlash", rank=0)
+    shutil.rmtree(rerun / "drafter")
+    fake_eval(tmp_path / "later" / "eval_DFlash_t0", Path("outputs/h200/DFlash/drafter"), 4)
+    runs = find_runs([str(pub / "DSpark-Gated"), str(rerun)])
+    assert sorted((r.path.name, len(r.evaluations)) for r in runs) == [("DFlash", 1), ("DSpark-Gated", 2)]
+    (later,) = [r for r in runs if r.path.name == "DFlash"]
+    assert later.evaluations[0].path == (tmp_path / "later" / "eval_DFlash_t0").resolve()
     fake_run(tmp_path / "other" / "DFlash", rank=0)  # a second run of that name
     runs = find_runs([str(pub / "*"), str(tmp_path / "other" / "DFlash")])
     assert sum(len(r.evaluations) for r in runs if r.path.name == "DFlash") == 0

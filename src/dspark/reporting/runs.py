@@ -317,7 +317,9 @@ def find_runs(spec: str | Sequence[str] | Iterable[str]) -> list[Run]:
         if owner is not None and owner not in runs and not ddir.exists():
             # A copy published elsewhere (docs/results): the drafter folder it names is gone, and
             # the run whose folder bears that run's name, if just one does, is the one it evaluated.
-            same = [r for r in runs if r.name == owner.name]
+            # A neighbour looks only beside itself: a rerun of the same name in another session's
+            # folder must not collect the earlier run's evaluations.
+            same = [r for r in runs if r.name == owner.name and (d in eval_dirs or r.parent in d.parents)]
             owner = same[0] if len(same) == 1 else owner
         if owner in runs:
             runs[owner].evaluations.append(ev)
