@@ -603,6 +603,26 @@ def test_tensorboard_runs_give_loss_curves(tmp_path):
     assert [v for _, v in curves["train/loss"]] == [3.0, 2.0, 1.5]
 
 
+def test_loss_table_says_how_fast_each_run_still_rose(tmp_path):
+    """The loss table's convergence column: validation τ_prob's rise per 1 000 steps between the last
+    two validations (a run at a plateau reads near 0); none with a single validation."""
+    rising = fake_run(tmp_path / "runs" / "rising", rank=64)
+    (rising / "logs" / "metrics.csv").write_text(
+        "epoch,step,train/loss,val/tau_prob\n0,999,,2.70\n0,1999,,3.00\n0,2000,2.0,\n0,2999,,3.10\n"
+    )
+    fake_run(tmp_path / "runs" / "single", rank=8)  # one val/loss point, no τ_prob curve
+    runs = find_runs(str(tmp_path / "runs"))
+    by_name = {r.path.name: r for r in runs}
+    assert by_name["rising"].late_rise("val/tau_prob") == pytest.approx(0.10)
+    assert by_name["rising"].late_rise("val/tau_prob", per=500) == pytest.approx(0.05)
+    assert by_name["single"].late_rise("val/tau_prob") is None
+    build_dashboard(runs, tmp_path / "out", title="t")
+    table = (tmp_path / "out" / "tables" / "loss.md").read_text()
+    assert "val/tau_prob rise /1k steps" in table
+    (row,) = [line for line in table.splitlines() if "rank=64" in line]
+    assert "| 0.100 |" in row
+
+
 def test_report_publishes_to_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

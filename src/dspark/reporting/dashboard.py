@@ -514,11 +514,14 @@ def _section_loss(runs, axis, out: Path):
             r.final("train/loss"),
             r.final("val/loss"),
             r.final("val/tau_prob"),
+            r.late_rise("val/tau_prob"),
             (r.summary.get("throughput") or {}).get("tokens_per_s"),
         ]
         for r in runs
     ]
-    table = md_table(["run", "steps", "train/loss", "val/loss", "val/tau_prob", "tokens/s"], rows)
+    # The rise per 1 000 steps between the last two validations: how far from converged a run stopped.
+    rise = "val/tau_prob rise /1k steps"
+    table = md_table(["run", "steps", "train/loss", "val/loss", "val/tau_prob", rise, "tokens/s"], rows)
     # The plotted points beside the figure, so the numbers behind it can be read back.
     write_json(
         out / "figures" / "loss_curves.json", {r.label: {k: r.curves.get(k) for k, _ in panels} for r in runs}

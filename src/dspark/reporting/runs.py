@@ -116,6 +116,16 @@ class Run:
             v = _finite(self.curves[key][-1][1])
         return v
 
+    def late_rise(self, key: str, per: int = 1000) -> float | None:
+        """How fast the metric still moved at the end of training: its change between the last two
+        logged points, per ``per`` steps (None with fewer than two). Near zero for a run that has
+        converged; a run compared "at convergence" shows it here rather than by assertion."""
+        pts = [(s, v) for s, v in self.curves.get(key) or [] if _finite(v) is not None]
+        if len(pts) < 2 or pts[-1][0] == pts[-2][0]:
+            return None
+        (s0, v0), (s1, v1) = pts[-2], pts[-1]
+        return (v1 - v0) * per / (s1 - s0)
+
     def calibration_summary(self) -> dict | None:
         """Per-position ECE raw / after STS: from an evaluation when there is one (measured on real
         decoding rounds), else the validation report written at training time."""
