@@ -53,17 +53,36 @@ def test_features_of_right_padded_rows_need_no_mask(tiny_target):
         torch.testing.assert_close(taps[i, :n], alone.taps[0], rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_features_trace_whole_and_match_eager():
-    """`compile_features` traces the whole forward, tap hooks included, as one graph (fullgraph:
-    a graph break would bring back the per-layer Python it removes), for any length."""
+def test_compiled_features_compile_one_layer_for_all_and_match_eager():
+    """`compile_features` compiles a decoder layer once for every layer and every length (fullgraph:
+    no graph break inside a layer brings back its Python), runs it in each layer's place during
+    `features` only, and computes what the eager forward does."""
     target = load_target(load_group("target", "tiny"))
-    target.compile_features(backend="aot_eager", fullgraph=True)
+    layers = target.model.base_model.layers
+    assert len(layers) > 1
+    graphs, runs = [], []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    target.compile_features(backend=counting_backend, fullgraph=True)
     for n in (9, 14):
         ids = torch.randint(2, 1000, (2, n))
         taps, last = target.features(ids)
         ref_taps, ref_last = target._features(ids)
         torch.testing.assert_close(taps, ref_taps)
         torch.testing.assert_close(last, ref_last)
+    assert len(graphs) == 1 and len(runs) == 2 * len(layers)  # one graph, run by each layer per call
+    assert all("forward" not in vars(layer) for layer in layers)  # the cached forward stays eager
+    before = len(runs)
+    target(torch.randint(2, 1000, (1, 5)), with_logits=False)
+    assert len(runs) == before
 
 
 def test_target_is_frozen_and_stays_in_eval(tiny_target):
@@ -194,7 +213,7 @@ def test_a_failing_compiler_falls_back_to_the_eager_forward(caplog):
     ids = torch.randint(2, 1000, (2, 7))
     taps, _ = target.features(ids)
     torch.testing.assert_close(taps, target._features(ids)[0])
-    assert target._compiled_features is None and "training goes on eager" in caplog.text
+    assert target._compiled_layers is None and "training goes on eager" in caplog.text
 
 
 def test_gguf_path_script_names_the_file_an_offline_target_loads():
