@@ -322,8 +322,9 @@ class Target(nn.Module):
         not by the GPU. Each layer's ``forward`` (one code object, the weights its inputs), not the
         whole model: one graph serves every layer, so the compiler works on one layer instead of
         all of them unrolled (SmolLM2's 30 layers: 3 s against 75 s on a 2-core CPU, in the first
-        step of every run); the tap hooks run eager around it. Only `features` uses the compiled
-        layers (``_layers_compiled``): the target's cached forward stays as loaded."""
+        step of every run). What stays Python is the model's loop over the layers and the tap
+        hooks around them: one call a layer, no longer one a kernel. Only `features` uses the
+        compiled layers (``_layers_compiled``): the target's cached forward stays as loaded."""
         layers = self.model.base_model.layers
         self._compiled_layers = [torch.compile(layer.forward, dynamic=True, **options) for layer in layers]
 
