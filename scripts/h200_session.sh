@@ -27,8 +27,9 @@
 #   gputests_bg  the same in the background, beside the next stages (a training run's first minutes
 #           share the GPU with them: put its profile window later, PROFILE_START=4000); before a
 #           data stage that generates, the generation shares the GPU with them and skips its own
-#   keep    the trained drafter folder (NAME) as <= 15 MiB pieces that `wait` brings back as files of
-#           their own (drafter_NAME.tar.xz.aa, .ab ...; PACK_PER_CALL, default 3, new pieces a call: a
+#   keep    the trained drafter folder (NAME, or each of KEEP_RUNS="A B": a batch's runs, to evaluate
+#           them again later, paired, without training them again) as <= 15 MiB pieces that `wait` brings
+#           back as files of their own (drafter_NAME.tar.xz.aa, .ab ...; PACK_PER_CALL, default 3, new pieces a call: a
 #           5-layer SmolLM2 DSpark-Markov, 178 MB, takes four calls), to study it on the CPU or stage it again;
 #           KEEP_DTYPE=bfloat16 keeps a bf16 copy (cast_drafter: half the pieces, serves alike on a bf16
 #           target; keep float32, the default, for a drafter that training will go on from)
@@ -99,6 +100,8 @@
 #   STAGES=headlat bash scripts/h200_session.sh start   # Fig. 4's latency panel alone (no data, no drafter)
 #   NAME=DSpark-RNN-B16 KEEP_DTYPE=bfloat16 STAGES="data batch keep" SWEEP=… SWEEP_RUNS='DSpark-RNN-B${drafter.block_size}' …
 #     # a batch run's drafter brought back (NAME: its folder under outputs/h200, SWEEP_RUNS resolved)
+#   KEEP_RUNS="Eagle3 DFlash" KEEP_DTYPE=bfloat16 STAGES="data batch keep" RUNS="Eagle3:…;DFlash:…" …
+#     # every run of the batch brought back (a bf16 5-layer SmolLM2 DFlash: 3 pieces, one call)
 set -uo pipefail
 S=outputs/h200/session
 step=${1:?start | wait SECONDS | pipeline}
@@ -350,14 +353,16 @@ pipeline)
         run train_fallback train || break
       fi
       ;;
-    keep)
-      from=outputs/h200/$name
-      if [ "${KEEP_DTYPE:-float32}" != float32 ]; then  # a cast copy, packed instead
-        from=outputs/h200/keep.tmp && rm -rf "$from"
-        run keep_cast python3 -c "import sys; from dspark.checkpoints import cast_drafter; cast_drafter(*sys.argv[1:])" \
-          "outputs/h200/$name/drafter" "$from/drafter" "$KEEP_DTYPE" || break
-      fi
-      run keep pack "$from" drafter "drafter_$name"
+    keep)  # NAME's drafter, or each of KEEP_RUNS (a batch's runs): one missing does not stop the others
+      for kept in ${KEEP_RUNS:-$name}; do
+        from=outputs/h200/$kept
+        if [ "${KEEP_DTYPE:-float32}" != float32 ]; then  # a cast copy, packed instead
+          from=outputs/h200/keep.tmp && rm -rf "$from"
+          run "keep_cast:$kept" python3 -c "import sys; from dspark.checkpoints import cast_drafter; cast_drafter(*sys.argv[1:])" \
+            "outputs/h200/$kept/drafter" "$from/drafter" "$KEEP_DTYPE" || continue
+        fi
+        run "keep:$kept" pack "$from" drafter "drafter_$kept"
+      done
       ;;
     cachekeep) run cachekeep pack outputs/h200 compile_cache compile_cache ;;
     restore)

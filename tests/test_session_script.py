@@ -98,3 +98,28 @@ def test_headlat_measures_the_part_of_the_grid_it_is_given(tmp_path):
     assert len(bench) == 2
     assert "--families rnn --blocks 10,16 --rows 1,128" in bench[0]
     assert "--families dflash,markov,rnn --blocks 4,7,10,16 --rows 1,128" in bench[1]
+
+
+def test_keep_packs_each_of_a_batchs_runs_and_goes_on_past_a_missing_one(tmp_path):
+    """``KEEP_RUNS``: every named run's drafter comes back in pieces of its own name; a run that is not
+    there fails its own stage and the next is still kept; unpacked, a piece set is its drafter folder."""
+    for name in ("A", "B"):
+        drafter = tmp_path / "outputs/h200" / name / "drafter"
+        drafter.mkdir(parents=True)
+        (drafter / "config.json").write_text(f'{{"run": "{name}"}}')
+        (drafter / "model.safetensors").write_bytes(os.urandom(1 << 16))
+    (tmp_path / "outputs/h200/session").mkdir(parents=True)
+    _session(tmp_path, "pipeline", STAGES="keep", KEEP_RUNS="A gone B")
+    pieces = sorted(p.name for p in (tmp_path / "outputs/h200/pack").iterdir() if not p.name.startswith("."))
+    assert pieces == ["drafter_A.tar.xz.aa", "drafter_B.tar.xz.aa"]
+    stages = (tmp_path / "outputs/h200/session/stages.txt").read_text().splitlines()
+    assert [(line.split()[0], line.split()[1] == "0") for line in stages] == [
+        ("keep:A", True),
+        ("keep:gone", False),
+        ("keep:B", True),
+    ]
+    out = tmp_path / "unpacked"
+    out.mkdir()
+    piece = tmp_path / "outputs/h200/pack/drafter_B.tar.xz.aa"
+    subprocess.run(f"xz -d < {piece} | tar -x -C {out}", shell=True, check=True)
+    assert (out / "drafter/config.json").read_text() == '{"run": "B"}'
