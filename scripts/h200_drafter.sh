@@ -14,7 +14,7 @@
 #     e.g. sweep 'DSpark-L${drafter.num_layers}' 12 3 drafter=dspark head=markov drafter.num_layers=1,2,3
 #   bash scripts/h200_drafter.sh eval NAME [overrides…]            # τ at T = EVAL_T (0) on the six benchmarks
 #     into outputs/h200/eval_NAME_t<T>, its results.json copied as $OUT/NAME/eval_t<T>.json; later
-#     overrides win (e.g. engine=plain for Eagle3, which has no static-cache path)
+#     overrides win (e.g. engine=plain: the reference engine, for any drafter)
 #   bash scripts/h200_drafter.sh pack [DEST]                        # the data folder as ≤ 15 MiB pieces
 #   bash scripts/h200_drafter.sh probe [SECONDS]                    # where a real step's time goes (see below)
 # Needs /root/stage (the GGUF and the hydra/omegaconf/antlr/gguf wheels, ../shared/GPU.md).

@@ -51,7 +51,7 @@
 #     EVAL_PROMPTS=48 bash scripts/h200_table1.sh 3 Eagle3:drafter=eagle3 DFlash:drafter=dflash \
 #       'DSpark-Markov:drafter=dspark head=markov'
 #   Expected: per drafter 3 min of training + ~1 min of start-up (target, compilation, the final
-#   checkpoint) + 2 evaluations (~1-2 min each, not yet timed; Eagle3 runs on the plain engine),
+#   checkpoint) + 2 evaluations (~1-2 min each, not yet timed),
 #   ~21 min in all, so calls 3 and 4 do most of it and call 5 the rest. A call cut short still
 #   returns the table of what is evaluated. The steps' measured times are in log.txt and the
 #   standard errors in table1.md: size MINUTES and EVAL_PROMPTS of the next batch from them (48

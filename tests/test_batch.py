@@ -61,7 +61,7 @@ def test_eval_overrides_follow_the_drafter_folder(tiny_target, tmp_path):
     eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3")
     dflash = _save(tiny_target, tmp_path / "dflash", "dflash")
     dspark = _save(tiny_target, tmp_path / "dspark", "dspark", "markov")
-    assert eval_overrides(eagle, "cal.jsonl") == ["engine=plain"]  # no static-cache path
+    assert eval_overrides(eagle, "cal.jsonl") == ["engine=fast"]  # its context written after verification
     assert eval_overrides(dflash, "cal.jsonl") == ["engine=fast"]  # no confidence head: nothing to fit
     assert eval_overrides(dspark, "cal.jsonl") == [
         "engine=fast",

@@ -18,7 +18,7 @@ from dspark.drafters.registry import static_cache_drafters
 # Every registered drafter keeps the contract: the paper's three with their heads, and any added later
 # (built from its conf/drafter/<name>.yaml without a head).
 CASES = VARIANTS + [(name, "none") for name in drafter_names() if name not in {n for n, _ in VARIANTS}]
-KNOWN = {"dflash": (False, True), "dspark": (True, True), "eagle3": (False, False)}  # confidence, static
+KNOWN = {"dflash": (False, True), "dspark": (True, True), "eagle3": (False, True)}  # confidence, static
 
 
 def test_registry_finds_every_drafter_by_its_config_name():
@@ -28,7 +28,7 @@ def test_registry_finds_every_drafter_by_its_config_name():
         assert issubclass(cls, Drafter) and cls.kind == name
     static = {n for n in drafter_names() if drafter_class(n).supports_static_cache}
     assert set(static_cache_drafters()) == static
-    assert {"dflash", "dspark"} <= set(static_cache_drafters()) and "eagle3" not in static_cache_drafters()
+    assert {"dflash", "dspark", "eagle3"} <= set(static_cache_drafters())
     with pytest.raises(ConfigError, match=r"drafter.name 'medusa' is not one of \("):
         drafter_class("medusa")
     with pytest.raises(TypeError, match="Drafter subclass"):
@@ -89,7 +89,8 @@ def test_propose_takes_uniforms_in_place_of_the_generator(tiny_target, name, hea
 
 @pytest.mark.parametrize("name,head", CASES)
 def test_static_cache_hook_equals_the_growing_cache(tiny_target, name, head):
-    """``write_context`` into a preallocated cache gives the proposals ``extend_context`` gives."""
+    """``write_context`` (``commit_context`` for a drafter whose context needs the next tokens) into a
+    preallocated cache gives the proposals ``extend_context`` gives."""
     drafter = make(tiny_target, name, head).eval()
     if not drafter.supports_static_cache:
         with pytest.raises(NotImplementedError, match="engine=plain"):
@@ -103,9 +104,20 @@ def test_static_cache_hook_equals_the_growing_cache(tiny_target, name, head):
     grown = drafter.new_cache(r, "cpu")
     drafter.extend_context(grown, taps, pos, torch.ones(r, ctx, dtype=torch.bool), nxt, shared)
     static = drafter.new_cache(r + 1, "cpu", capacity=16)
-    drafter.write_context(static, taps, pos, torch.tensor([1, 2]))  # rows 1.., as the engine's row0
+    rows = slice(1, None)  # rows 1.., as the engine's row0
+    view = type(static)(
+        k=[k[rows] for k in static.k],
+        v=[v[rows] for v in static.v],
+        length=static.length[rows],
+        extra={key: t[rows] for key, t in static.extra.items()},
+    )
+    if drafter.context_needs_tokens:
+        drafter.commit_context(view, taps, pos, nxt, torch.full((r,), ctx), shared)
+        with pytest.raises(NotImplementedError, match="commit_context"):
+            drafter.write_context(static, taps, pos, torch.tensor([1, 2]))
+    else:
+        drafter.write_context(static, taps, pos, torch.tensor([1, 2]))
     static.length[1:] = ctx
-    view = type(static)(k=[k[1:] for k in static.k], v=[v[1:] for v in static.v], length=static.length[1:])
     u = torch.rand(r, drafter.gamma, generator=g)
     a = drafter.propose(grown, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)
     b = drafter.propose(view, nxt[:, -1], torch.full((r,), ctx), shared, 1.0, uniforms=u)

@@ -18,6 +18,7 @@ from dspark.checkpoints import save_drafter
 from dspark.core.errors import ConfigError
 from dspark.core.types import TargetDims
 from dspark.drafters import build_drafter
+from dspark.drafters.registry import drafter_class
 from dspark.evaluation import check_config, macro, split_prompts
 
 
@@ -161,7 +162,7 @@ def test_cli_user_error_is_one_line(tmp_path):
     assert proc.stderr.strip() == want
 
 
-def test_config_errors_before_loading(tiny_target, tmp_path):
+def test_config_errors_before_loading(tiny_target, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="drafter_dir is required"):
         check_config(_cfg())
     with pytest.raises(ConfigError, match="not a drafter checkpoint"):
@@ -184,6 +185,8 @@ def test_config_errors_before_loading(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match="engine=warp is not one of plain, fast"):
         check_config(_cfg(f"drafter_dir={dspark}", "engine=warp"))
     eagle = _save(tiny_target, tmp_path / "eagle3", "eagle3", gamma=4)
+    assert check_config(_cfg(f"drafter_dir={eagle}", "engine=fast", "policy.gamma=4")).kind == "eagle3"
+    monkeypatch.setattr(drafter_class("eagle3"), "supports_static_cache", False)  # a drafter without one
     with pytest.raises(ConfigError, match="eagle3 runs on engine=plain"):
         check_config(_cfg(f"drafter_dir={eagle}", "engine=fast", "policy.gamma=4"))
     assert check_config(_cfg(f"drafter_dir={dspark}", "engine=fast", "policy.gamma=4"))

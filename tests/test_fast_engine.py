@@ -312,7 +312,7 @@ def assert_same_rounds(fast, plain, confidences: bool = True) -> None:
             torch.testing.assert_close(torch.tensor(rf.confidence_logits), torch.tensor(rp.confidence_logits))
 
 
-@pytest.mark.parametrize("kind", ["target", "dspark-rnn", "dflash"])
+@pytest.mark.parametrize("kind", ["target", "dspark-rnn", "dflash", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_fast_engine_reproduces_plain_engine(small_target, kind, temperature):
     """Seven requests through three slots (continuous batching, row compaction): identical tokens,
@@ -496,6 +496,60 @@ def test_plain_rounds_without_a_ring_write_the_drafter_context_in_their_step(sma
     assert writes.count(1) == drafted.count(0)  # each plain round wrote its own context
 
 
+@contextlib.contextmanager
+def _proposals(drafter):
+    """Each proposal the drafter makes inside the block: (tokens, probabilities), copied."""
+    made = []
+    propose = drafter.propose
+
+    def spy(*args, **kw):
+        out = propose(*args, **kw)
+        made.append((out.tokens.clone(), out.probs.clone()))
+        return out
+
+    drafter.propose = spy
+    try:
+        yield made
+    finally:
+        del drafter.propose
+
+
+@pytest.mark.parametrize("policy", [Bursts, Cycling])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fast_engine_runs_eagle3_as_the_plain_engine(small_target, policy, temperature):
+    """Eagle3's context entry at p pairs the target's features at p with the token after it, so the
+    fast engine writes it once the round's tokens are chosen (a verified round's after
+    verification, a plain round's inside its step, no ring): the same rounds as the plain engine
+    through plain stretches and every draft length, with rows joining and leaving (each row's chain
+    seed moving with it). Rows leave at once (refill=1): a finished row waiting for others writes its
+    plain rounds' entries past its length and changes its chain seed, both never read for a live
+    request, where the plain engine keeps nothing; its void drafts would differ."""
+    t = small_target
+    drafter = make_drafter(t, "eagle3", gamma=4, seed=3)[0]
+    prompts = prompts_for(t, 7, seed=23)
+    reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [9, 40, 14, 31, 2, 25, 36])]
+    plain, fast = _engines(t, drafter, temperature, refill=1, seed=6)
+    assert fast.deferred_context == 0
+    plain.set_policy(policy())
+    fast.set_policy(policy())
+    with _proposals(drafter) as drafts_a:
+        a = plain.generate(reqs)
+    with _proposals(drafter) as drafts_b:
+        b = fast.generate(reqs)
+    assert_same_rounds(b, a)
+    # The drafts themselves, which read each row's whole context and its chain seed: a random drafter
+    # is seldom accepted, so equal tokens alone would miss a wrong context (at T = 1 the correction
+    # drawn from p - q hides most of q).
+    assert len(drafts_a) == len(drafts_b) > 0
+    for (tok_a, probs_a), (tok_b, probs_b) in zip(drafts_a, drafts_b):
+        assert torch.equal(tok_a, tok_b)
+        torch.testing.assert_close(probs_b, probs_a)
+    drafted = [s["drafted"] for s in b.steps]
+    assert 0 in drafted and max(drafted) == 4
+    if temperature == 1.0:  # a random drafter is accepted at T = 1 only: entries kept past the anchor
+        assert sum(r.accepted for r in a.rounds) > 0
+
+
 class PlainFirst(Cycling):
     """Plain rounds for the first ``plain`` launches of a generate, then the whole block."""
 
@@ -637,11 +691,13 @@ def test_fast_engine_filtered_sampling_with_refill_matches_plain(small_target):
             assert [r.accepted for r in b.rounds] == [r.accepted for r in a.rounds]
 
 
-def test_fast_engine_refusals(small_target):
+def test_fast_engine_refusals(small_target, monkeypatch):
     t = small_target
     eagle = make_drafter(t, "eagle3", gamma=3)[0]
-    with pytest.raises(ValueError, match="block drafters"):
+    monkeypatch.setattr(type(eagle), "supports_static_cache", False)  # a drafter without a static cache
+    with pytest.raises(ValueError, match="runs on engine=plain"):
         FastEngine(t, eagle)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="largest engine bucket"):
         FastEngine(t, None, concurrency=8, buckets=(1, 2, 4))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA target"):
@@ -862,6 +918,42 @@ def test_cuda_graphs_reproduce_eager(small_target, policy, temperature, pipeline
         # prepare left no first use to the rounds: no capture, no kernel compiled inside them
         first_uses = {"graph_captures", "triton_compiles"}
         assert not [s["events"] for s in graphed.steps if first_uses & set(s["events"])]
+        if temperature == 0:
+            plain = engine(Engine).generate(reqs)
+            assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]
+    finally:
+        small_target.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_cuda_graphs_run_eagle3_as_eager(small_target, temperature, pipeline):
+    """Eagle3's context written after verification in graphs of its own (per rows bucket and width,
+    captured by ``prepare``) and inside the plain step's: graph replay == the eager static path
+    (== the plain engine at T = 0) under varying draft lengths, no capture inside a round."""
+    t = small_target.to("cuda")
+    try:
+        drafter = make_drafter(t, "eagle3", gamma=4, seed=3)[0].to("cuda")
+        prompts = prompts_for(t, 9, seed=13)
+        reqs = [
+            Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [4, 31, 12, 22, 2, 17, 26, 9, 14])
+        ]
+
+        def engine(cls, **kw):
+            gen = torch.Generator("cuda").manual_seed(7)
+            common = dict(temperature=temperature, concurrency=5, eos_token_ids=())
+            return cls(t, drafter, Cycling(), generator=gen, pipeline=pipeline, **common, **kw)
+
+        eager = engine(FastEngine, graphs=False, compile=False).generate(reqs)
+        graphed_engine = engine(FastEngine, graphs=True, compile=False)
+        graphed_engine.prepare(reqs)
+        graphed = graphed_engine.generate(reqs)
+        assert any(key[0] == "commit" for key in graphed_engine.bank.graphs)
+        assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
+        assert [r.accepted for r in graphed.rounds] == [r.accepted for r in eager.rounds]
+        assert not [s["events"] for s in graphed.steps if {"graph_captures"} & set(s["events"])]
         if temperature == 0:
             plain = engine(Engine).generate(reqs)
             assert [g.tokens for g in graphed.generations] == [g.tokens for g in plain.generations]

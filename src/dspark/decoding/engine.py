@@ -587,7 +587,7 @@ class Engine:
         self._kv.commit(kept)
         if self.drafter is not None:
             valid = torch.arange(positions.shape[1], device=self.device)[None, :] < kept[:, None]
-            nxt = _following_tokens(drafts, res.accepted, res.next_token)
+            nxt = following_tokens(drafts, res.accepted, res.next_token)
             self.drafter.extend_context(self._dcache, taps, positions, valid, nxt, self.shared)
 
     def _plain_step(self, ids: Tensor, positions: Tensor) -> tuple[VerifyResult, Tensor | None]:
@@ -983,7 +983,7 @@ def retire_order(running: Sequence[bool]) -> list[int]:
     return order
 
 
-def _following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> Tensor:
+def following_tokens(drafts: Tensor, accepted: Tensor, next_token: Tensor) -> Tensor:
     """[R, G + 1]: the token after each verified position a..a+G of a round: d_1..d_n (the accepted
     drafts), then the new token at n (past it: padding, never kept)."""
     nxt = torch.cat([drafts, torch.zeros_like(next_token)[:, None]], dim=1)

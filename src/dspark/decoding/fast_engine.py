@@ -47,7 +47,7 @@ from torch import Tensor
 from ..core.types import DraftCache, Proposal
 from ..drafters.context_write import stacked_kv
 from ..kernels.rejection import rejection_verify
-from .engine import Engine, Request
+from .engine import Engine, Request, following_tokens
 from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, move_rows
 from .verify import VerifyResult, greedy_verify, one_hot_drafts
@@ -75,7 +75,10 @@ class FastEngine(Engine):
             drafter's layers; the first steps of each new shape pay the compilation. None (the
             default): on CUDA.
         deferred_context: plain rounds (nothing drafted) whose drafter context is written
-            together, later (0: each plain round writes its own, inside its target step).
+            together, later (0: each plain round writes its own, inside its target step). A
+            drafter whose context needs the token after each position (``context_needs_tokens``,
+            Eagle3) writes it once the round has chosen its tokens (``_commit_context``; a plain
+            round inside its step): no ring.
     """
 
     _static_sampling = True
@@ -99,12 +102,14 @@ class FastEngine(Engine):
         super().__init__(target, drafter, policy, **kw)
         if deferred_context < 0:
             raise ValueError(f"deferred_context must be >= 0, got {deferred_context}")
-        self.deferred_context = int(deferred_context) if drafter is not None else 0
+        self._commit_tokens = drafter is not None and drafter.context_needs_tokens
+        ring = drafter is not None and not self._commit_tokens
+        self.deferred_context = int(deferred_context) if ring else 0
         self._stashed = 0  # plain rounds whose context waits in the ring
         self._stash_rows = 0  # the batch's rows when they ran
         if drafter is not None and not drafter.supports_static_cache:
             raise ValueError(
-                f"the fast engine drafts with block drafters (their state fits a static cache); "
+                f"the fast engine drafts with drafters whose state fits a static cache; "
                 f"'{drafter.kind}' runs on engine=plain"
             )
         self.buckets = sorted({int(b) for b in buckets})
@@ -162,7 +167,10 @@ class FastEngine(Engine):
         with torch.inference_mode():
             for rows in (b for b in self.buckets if b <= top):
                 for w in range(1, self._gamma + 2) if self.drafter is not None else ():
-                    self._target_step(self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone())
+                    ids, pos = self.in_ids[:rows, :w].clone(), self.in_pos[:rows, :w].clone()
+                    _, taps = self._target_step(ids, pos)
+                    if self._commit_tokens:  # scratch entries: the lengths are reset below
+                        self._commit_graph(rows, w, taps)
                 self._plain_step(self.in_ids[:rows, :1].clone(), self.in_pos[:rows, :1].clone(), draw=False)
                 if self.deferred_context:
                     self._flush_context()
@@ -221,6 +229,9 @@ class FastEngine(Engine):
             self.in_anchor_pos = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.in_u = torch.zeros(rows, max(self._gamma, 1), device=self.device)
             self.in_u_plain = torch.zeros(rows, device=self.device)  # a plain step's u_sample
+            if self._commit_tokens:  # a verified round's tokens after each position, and its kept
+                self.in_next = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+                self.in_kept = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.no_lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
             if self.deferred_context:  # the ring of plain rounds' taps and positions
                 k, dtype = self.deferred_context, self.target.dtype
@@ -236,12 +247,14 @@ class FastEngine(Engine):
         if self.static is not None:
             self.static.lengths.zero_()  # the drafter's context lengths too (the same tensor)
 
-    def _draft_cache(self, rows: int) -> DraftCache:
-        c = self.dcache
+    def _draft_cache(self, stop: int, start: int = 0) -> DraftCache:
+        """The drafter's state of rows start..stop-1, as views of the static buffers."""
+        c, rows = self.dcache, slice(start, stop)
         return DraftCache(
-            k=[k[:rows] for k in c.k],
-            v=[v[:rows] for v in c.v],
-            length=c.length[:rows],
+            k=[k[rows] for k in c.k],
+            v=[v[rows] for v in c.v],
+            length=c.length[rows],
+            extra={key: t[rows] for key, t in c.extra.items()},
             block_slots=c.block_slots,
         )
 
@@ -280,7 +293,12 @@ class FastEngine(Engine):
         self._stash_rows = max(self._stash_rows, rows.stop)
 
     def _extend_new_rows(self, taps, positions, valid, next_tokens, row0: int) -> None:
-        self._write_context(taps, positions, row0)  # its lengths: the prompt's, set by the prefill
+        # Its lengths: the prompt's, set by the prefill.
+        if self._commit_tokens:
+            rows = self._draft_cache(row0 + taps.shape[0], row0)
+            self.drafter.commit_context(rows, taps, positions, next_tokens, valid.sum(1), self.shared)
+        else:
+            self._write_context(taps, positions, row0)
 
     def _stage(self, ids: Tensor, positions: Tensor) -> int:
         """Copy a step's inputs into the static buffers; returns the rows the step runs."""
@@ -295,17 +313,19 @@ class FastEngine(Engine):
     def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
         r, w = ids.shape
 
-        def step(rows: int) -> Tensor:
+        def step(rows: int):
             i, p = self.in_ids[:rows, :w], self.in_pos[:rows, :w]
             hidden, taps = self.static.forward(i, p, taps=self.drafter is not None)
+            choice = self._target_choice(self.target.lm_head(hidden, upcast=not self.greedy))
+            if self._commit_tokens:  # the context waits for the round's tokens (_commit_context)
+                return choice, taps
             if self.drafter is not None:
                 self._write_context(taps, p, 0)
-            return self._target_choice(self.target.lm_head(hidden, upcast=not self.greedy))
+            return choice, None
 
         rows = self._stage(ids, positions)
-        if self.bank is None:
-            return step(r), None
-        return self.bank.run(("target", rows, w), lambda: step(rows))[:r], None
+        out = step(r) if self.bank is None else self.bank.run(("target", rows, w), lambda: step(rows))
+        return out[0][:r], out[1]
 
     def _plain_step(self, ids: Tensor, positions: Tensor, draw: bool = True) -> tuple[VerifyResult, None]:
         """Target-only decoding's width-1 step, its token chosen inside it: the argmax, or at T > 0
@@ -332,9 +352,16 @@ class FastEngine(Engine):
                 entry = taps[:, 0][None].to(self.ring_taps.dtype)
                 self.ring_taps[:, :rows].index_copy_(0, self.ring_slot, entry)
                 self.ring_pos[:, :rows].index_copy_(0, self.ring_slot, p[:, 0][None])
-            elif self.drafter is not None:
+            elif self.drafter is not None and not self._commit_tokens:
                 self._write_context(taps, p, 0)
-            return self._plain_token(self.target.lm_head(hidden, upcast=not self.greedy), rows)
+            token = self._plain_token(self.target.lm_head(hidden, upcast=not self.greedy), rows)
+            # Its context entry pairs these taps with the token just chosen; a finished row waiting to
+            # leave (kept 0, known after the step) writes one past its length and a chain seed that
+            # only its own void drafts read.
+            if self._commit_tokens:
+                cache, one = self._draft_cache(rows), torch.ones_like(token)
+                self.drafter.commit_context(cache, taps, p, token[:, None], one, self.shared)
+            return token
 
         rows = self._stage(ids, positions)
         if ring:
@@ -464,11 +491,36 @@ class FastEngine(Engine):
         )
 
     def _commit(self, kept: Tensor, taps, positions: Tensor, drafts: Tensor, res) -> None:
-        # The drafter's context of this step was written inside it; the tokens after each position
-        # are its next step's inputs, not its context's: nothing of them to keep here.
+        # The drafter's context of this step was written inside it (taps None; a plain round's too);
+        # the tokens after each position are its next step's inputs, not its context's, unless the
+        # drafter's context needs them.
         r = kept.shape[0]
+        if taps is not None:
+            self._commit_context(kept, taps, drafts, res)
         # add_ on the views: `x[:r] += y` would also copy the sum onto itself, a launch more.
         self.static.lengths[:r].add_(kept)  # the drafter's context lengths too (the same tensor)
+
+    def _commit_context(self, kept: Tensor, taps: Tensor, drafts: Tensor, res) -> None:
+        """A verified round's entries for a ``context_needs_tokens`` drafter: the target step's taps
+        (its graph's output) with the token after each position, d_1..d_n then the new token (one
+        graph per rows bucket and width, fed through static buffers)."""
+        r, w = kept.shape[0], drafts.shape[1] + 1
+        self.in_next[:r, :w].copy_(following_tokens(drafts, res.accepted, res.next_token))
+        self.in_kept[:r].copy_(kept)
+        self._commit_graph(r, w, taps)
+
+    def _commit_graph(self, r: int, w: int, taps: Tensor) -> None:
+        def step(rows: int) -> None:
+            self.drafter.commit_context(
+                self._draft_cache(rows), taps[:rows], self.in_pos[:rows, :w], self.in_next[:rows, :w],
+                self.in_kept[:rows], self.shared,
+            )  # fmt: skip
+
+        if self.bank is None:
+            step(r)
+        else:
+            rows = bucket_for(r, self.buckets)
+            self.bank.run(("commit", rows, w), lambda: step(rows))
 
     def _keep_rows(self, index: Tensor, order: list[int]) -> None:
         # The ring's entries are by row: they move with their rows (a flush here would write the whole
@@ -487,6 +539,8 @@ class FastEngine(Engine):
                 move_rows([*self.dcache.k, *self.dcache.v], dst, src)
             else:
                 move_rows([kv], dst, src, dim=2)
+            if self.dcache.extra:  # per-row state besides the keys/values (Eagle3's chain seed)
+                move_rows(list(self.dcache.extra.values()), dst, src)
 
 
 ENGINES = ("plain", "fast")

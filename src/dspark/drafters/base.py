@@ -70,12 +70,17 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
       ``supports_static_cache``  all its state across rounds is per-layer context keys/values at
                                  slot == position, so the fast engine may hold them in a
                                  preallocated cache (``new_cache(capacity=…)``) and write them
-                                 itself through ``write_context``.
+                                 itself through ``write_context``;
+      ``context_needs_tokens``   (with a static cache) an entry of its context needs the token
+                                 after its position, known once the round is verified: the fast
+                                 engine writes it then, through ``commit_context`` (Eagle3's entry
+                                 at position p pairs the target's features at p with x_{p+1}).
     """
 
     kind: ClassVar[str] = "drafter"  # the registry name (conf/drafter/<kind>.yaml), set by @register
     config_schema: ClassVar[type[DrafterConfig]] = DrafterConfig  # the keys of conf/drafter/<kind>.yaml
     supports_static_cache: ClassVar[bool] = False
+    context_needs_tokens: ClassVar[bool] = False
     gamma: int  # draft tokens per proposal (``config_gamma``: drafter.block_size, less an
     #             anchor slot that drafts nothing)
     dims: TargetDims
@@ -155,7 +160,19 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         """Static-cache hook (``supports_static_cache``): the context keys/values of taps
         [R, W, m·d] written at slot == position into cache rows ``rows`` [R]; the lengths are the
         caller's to keep."""
+        if self.context_needs_tokens:
+            raise NotImplementedError(f"drafter '{self.kind}' needs the next tokens: commit_context")
         raise NotImplementedError(f"drafter '{self.kind}' has no static cache: it runs on engine=plain")
+
+    def commit_context(
+        self, cache: DraftCache, taps: Tensor, positions: Tensor, next_tokens: Tensor, kept: Tensor,
+        shared: Shared,
+    ) -> None:  # fmt: skip
+        """Static-cache hook (``context_needs_tokens``): the context of taps [R, W, m·d] at slot ==
+        position, each with the token after it (``next_tokens`` [R, W]), in cache rows 0..R-1; the
+        first ``kept`` [R] of each row are committed (later slots are scratch, past the length the
+        caller keeps). No host sync, fixed shapes: the fast engine captures it in a graph."""
+        raise NotImplementedError(f"drafter '{self.kind}' writes its context from taps alone (write_context)")
 
 
 def draft_uniforms(r: int, gamma: int, generator: torch.Generator | None, uniforms: Tensor | None, device):

@@ -55,6 +55,10 @@ class Eagle3Config(DrafterConfig):
 @register("eagle3")
 class Eagle3Drafter(Drafter):
     config_schema = Eagle3Config
+    # Its context is per-layer keys/values too, the entry at slot p being (x_{p+1}, feature_p):
+    # static-cache ready once the round is verified (``commit_context``).
+    supports_static_cache = True
+    context_needs_tokens = True
 
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
         super().__init__()
@@ -137,18 +141,39 @@ class Eagle3Drafter(Drafter):
     ):
         """Committed features at positions p..p+n-1 and the tokens at p+1..p+n: step-0 entries at
         p+1..p+n, whose last output (the anchor's) seeds the next chain."""
+        slots = torch.arange(cache.k[0].shape[2], device=positions.device)
+        g, own = self._new_entries(cache, taps, positions, next_tokens, slots < cache.length[:, None], shared)
+        append_kv(cache, own, valid)
+        cache.extra["last"] = self._last_output(g, valid.sum(1), cache.extra["last"])
+
+    @torch.no_grad()
+    def commit_context(self, cache, taps, positions, next_tokens, kept, shared: Shared) -> None:
+        """``extend_context`` over a static cache: the entries written at slot == position (scratch
+        past ``kept``), attending to the slots before the first new position."""
+        slots = torch.arange(cache.k[0].shape[2], device=positions.device)
+        g, own = self._new_entries(cache, taps, positions, next_tokens, slots < positions[:, :1], shared)
+        for i, (k, v) in enumerate(own):
+            index = positions[:, None, :, None].expand(k.shape)
+            cache.k[i].scatter_(2, index, k.to(cache.k[i].dtype))
+            cache.v[i].scatter_(2, index, v.to(cache.v[i].dtype))
+        cache.extra["last"].copy_(self._last_output(g, kept, cache.extra["last"]))
+
+    def _new_entries(self, cache, taps, positions, next_tokens, old, shared):
+        """The step-0 entries (x_{p+1}, feature_p) at positions [R, n], each attending to the cache's
+        slots where ``old`` [R, C] and causally to the new ones: their outputs and keys/values."""
         r, n = next_tokens.shape
         feature = self.fc(matmul_input(taps, self.fc.weight))
         x = self._inputs(next_tokens, feature, shared)
-        c = cache.k[0].shape[2]
-        old = torch.arange(c, device=x.device)[None, None, :] < cache.length[:, None, None]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        mask = torch.cat([old.expand(r, n, c), causal.expand(r, n, n)], dim=2)
-        g, own = self._layers(x, positions + 1, list(zip(cache.k, cache.v)), mask)
-        append_kv(cache, own, valid)
-        last = (valid.sum(1) - 1).clamp(min=0)
-        has = valid.any(1)
-        cache.extra["last"] = torch.where(has[:, None], g[torch.arange(r), last], cache.extra["last"])
+        mask = torch.cat([old[:, None, :].expand(r, n, old.shape[1]), causal.expand(r, n, n)], dim=2)
+        return self._layers(x, positions + 1, list(zip(cache.k, cache.v)), mask)
+
+    @staticmethod
+    def _last_output(g: Tensor, count: Tensor, last: Tensor) -> Tensor:
+        """Each row's output at its last committed entry (what the next chain starts from), or its
+        old one where nothing was committed."""
+        at = g[torch.arange(g.shape[0], device=g.device), (count - 1).clamp(min=0)]
+        return torch.where((count > 0)[:, None], at, last)
 
     @torch.no_grad()
     def propose(
