@@ -27,7 +27,10 @@ What changes against the plain engine (``engine.py``), and nothing else:
     full (rows that move when requests leave take their ring entries along; rows that join point
     theirs at what their prefill writes, so a join needs no write: ``_park_ring``). Until
     then no draft step reads the context (its ``length`` already counts them; the slots past what
-    was written are never read).
+    was written are never read);
+  * a drafter whose context entry needs the token after its position (``context_needs_tokens``:
+    Eagle3) gets its entries once the round's tokens are chosen: after verification, in a graph of
+    its own per rows bucket and width (``_commit_context``), and inside a plain round's step.
 Random numbers are drawn in the plain engine's order from the same generator (a drafting round's
 in one draw and one copy: ``_propose``), so on the CPU the fast engine reproduces the plain one
 token for token (tested; at T = 0 nothing random is read). What a round launches beside its
@@ -310,7 +313,7 @@ class FastEngine(Engine):
             self.in_pos[r:rows].zero_()
         return rows
 
-    def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, None]:
+    def _target_step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
         r, w = ids.shape
 
         def step(rows: int):
