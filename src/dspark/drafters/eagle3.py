@@ -79,10 +79,10 @@ class Eagle3Drafter(Drafter):
         e = matmul_input(shared.embed(tokens), self.fc.weight)
         return self.in_proj(torch.cat([self.embed_norm(e), self.feature_norm(feature)], dim=-1))
 
-    def _layers(self, x, pos, ctx_kv_per_layer, mask):
+    def _layers(self, x, pos, ctx_kv_per_layer, mask, tail: int | None = None):
         own = []
         for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
-            x, kv = layer(x, pos, ctx_kv, mask)
+            x, kv = layer(x, pos, ctx_kv, mask, tail)
             own.append(kv)
         return x, own
 
@@ -185,7 +185,12 @@ class Eagle3Drafter(Drafter):
         device = anchor_tokens.device
         u = draft_uniforms(r, self.gamma, generator, uniforms, device)
         g = cache.extra["last"]
-        c = cache.k[0].shape[2]
+        if 0 < cache.block_slots < self.gamma - 1:
+            room, chain = cache.block_slots, self.gamma - 1
+            raise ValueError(f"the cache's block room ({room} slots) is below the chain's {chain} keys")
+        # A static cache's block room takes the chain's keys in place (slot c + j for step j); else
+        # they are concatenated after the context, a copy of it per layer and step.
+        c = cache.k[0].shape[2] - cache.block_slots
         base_mask = torch.arange(c, device=device)[None, :] < cache.length[:, None]
         chain_k = [[] for _ in self.layers]
         chain_v = [[] for _ in self.layers]
@@ -198,14 +203,18 @@ class Eagle3Drafter(Drafter):
             if j == n - 1:
                 break
             x = self._inputs(tok[:, None], g[:, None], shared)
-            ctx = [
-                (torch.cat([cache.k[li], *chain_k[li]], 2), torch.cat([cache.v[li], *chain_v[li]], 2))
-                for li in range(len(self.layers))
-            ]
+            pos = (anchor_pos + j + 1)[:, None]
             mask = torch.cat([base_mask, torch.ones(r, j + 1, dtype=torch.bool, device=device)], 1)[:, None]
-            out, own = self._layers(x, (anchor_pos + j + 1)[:, None], ctx, mask)
-            for li, (k, v) in enumerate(own):
-                chain_k[li].append(k)
-                chain_v[li].append(v)
+            if cache.block_slots:
+                out, _ = self._layers(x, pos, list(zip(cache.k, cache.v)), mask, tail=c + j)
+            else:
+                ctx = [
+                    (torch.cat([cache.k[li], *chain_k[li]], 2), torch.cat([cache.v[li], *chain_v[li]], 2))
+                    for li in range(len(self.layers))
+                ]
+                out, own = self._layers(x, pos, ctx, mask)
+                for li, (k, v) in enumerate(own):
+                    chain_k[li].append(k)
+                    chain_v[li].append(v)
             g = out[:, 0]
         return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1), confidence_logits=None)
