@@ -50,7 +50,8 @@
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 as soon as its own training ends,
-#           beside the runs still training (BATCH_TEMPERATURES="0": at T = 0
+#           beside the runs still training (BATCH_EVAL_EXTRA: evaluate overrides after the batch's own, e.g.
+#           engine=plain; BATCH_TEMPERATURES="0": at T = 0
 #           only, for a batch whose evaluations would not fit the session; the evaluate overrides it needs,
 #           STS fitted on held-out prompts: the data's first CAL_PROMPTS (15) validation prompts and
 #           CAL_PROMPTS of each benchmark past the EVAL_PROMPTS it reports, or the turns-JSONL
@@ -247,7 +248,7 @@ pipeline)
       for t in ${BATCH_TEMPERATURES:-0 1}; do
         # shellcheck disable=SC2086
         { run "eval:$n:t$t" env EVAL_T=$t EVAL_PROMPTS="${EVAL_PROMPTS:-80}" bash scripts/h200_drafter.sh eval "$n" \
-            $args > "$S/eval_${n}_t$t.txt" 2>&1
+            $args ${BATCH_EVAL_EXTRA:-} > "$S/eval_${n}_t$t.txt" 2>&1
           [[ $args != *calibrate=true* ]] || held_out_calibration "$n" "$t"; } &
       done
       wait

@@ -544,6 +544,7 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
     grid = {
         "SWEEP": "drafter=dspark head=markov drafter.num_layers=1,2",
         "SWEEP_RUNS": "DSpark-${drafter.num_layers}",
+        "BATCH_EVAL_EXTRA": "engine=plain",
     }
     h200, times = _session_batch(evals, tmp_path, BATCH_TEMPERATURES="0", **grid)
     stages = (h200 / "session" / "stages.txt").read_text().split("\n")
@@ -560,6 +561,9 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
     table = json.loads((h200 / "out" / "table1" / "table1.json").read_text())  # one temperature: one table
     assert table["temperature"] == 0 and list(table["rows"]) == ["DSpark-A", "DSpark-B"]
     assert (h200 / "out" / "table1" / "axis" / "tau_by_num_layers.png").is_file()  # the sweep's τ figure
+    # BATCH_EVAL_EXTRA follows the batch's own overrides: it wins
+    calls = (h200 / "stub_evals.txt").read_text().splitlines()
+    assert len(calls) == 2 and all(c.startswith("DSpark-") and c.endswith(" engine=plain") for c in calls)
 
 
 def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
