@@ -479,3 +479,42 @@ def test_draft_step_reads_the_lm_head_once_at_one_request(small_target, name, he
                 if e.name in ("aten::mm", "aten::bmm") and any(s and s[-1] == vocab for s in e.input_shapes)
             ]
             assert head_gemms and all(op == "aten::mm" for op, _ in head_gemms), head_gemms
+
+
+def test_eagle3_compiled_static_paths_equal_its_eager_code(small_target):
+    """Eagle3's static-cache paths, a commit and the chain's steps writing the block room, compiled by
+    inductor on the CPU (fullgraph: no break) write the eager code's cache and chain seed and
+    propose its tokens and probabilities, at every drafted length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dspark.core.types import Shared
+
+    drafter, shared = build(small_target, "eagle3", "none", layers=1, gamma=4), Shared.of(small_target)
+    counter = CompileCounterWithBackend("inductor")
+    g = torch.Generator().manual_seed(3)
+    r, w = 3, 6
+    taps = torch.randn(r, w, drafter.fc.in_features, generator=g)
+    nxt = torch.randint(5, 200, (r, w), generator=g)
+    positions, kept = torch.arange(w).expand(r, -1), torch.tensor([6, 4, 5])
+    anchors, u = nxt[torch.arange(r), kept - 1], torch.rand(r, drafter.gamma, generator=g)
+    runs = []
+    for compiler in (None, lambda fn: torch.compile(fn, backend=counter, fullgraph=True)):
+        torch._dynamo.reset()
+        drafter.compile_inference(compiler=compiler)
+        cache = drafter.new_cache(r, "cpu", capacity=16 + drafter.gamma)
+        cache.block_slots = drafter.gamma
+        with torch.inference_mode():
+            drafter.commit_context(cache, taps, positions, nxt, kept, shared)
+            cache.length.copy_(kept)
+            props = [
+                drafter.propose(cache, anchors, kept, shared, 1.0, uniforms=u, draft_len=n)
+                for n in range(1, drafter.gamma + 1)
+            ]
+        runs.append((cache, props))
+    (eager, want), (compiled, got) = runs
+    assert_same_cache(compiled, eager)
+    torch.testing.assert_close(compiled.extra["last"], eager.extra["last"], rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, want):
+        assert_same_proposal(a, b, tol=1e-3)  # float32, fused by inductor: rounding only
+    assert counter.frame_count >= 2  # the commit and the chain's step ran compiled
+    drafter.compile_inference(compiler=None)

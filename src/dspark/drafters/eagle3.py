@@ -10,6 +10,7 @@ from anchor a would have. Step i predicts x_{t+1}.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from .base import (
     output_logits,
 )
 from .dflash import _init_linear, block_targets
+from .draft_step import inference_compiler
 from .layers import DraftLayer, RMSNorm, matmul_input
 from .registry import register
 
@@ -74,6 +76,8 @@ class Eagle3Drafter(Drafter):
         self.layers = nn.ModuleList(DraftLayer(s) for _ in range(int(cfg.num_layers)))
         self.norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.apply(_init_linear)
+        # compile_inference: the static-cache paths as compiled functions (plain attributes)
+        self._chain, self._commit, self._compiler = self._chain_step, self._commit_entries, None
 
     def _inputs(self, tokens: Tensor, feature: Tensor, shared: Shared) -> Tensor:
         e = matmul_input(shared.embed(tokens), self.fc.weight)
@@ -142,7 +146,8 @@ class Eagle3Drafter(Drafter):
         """Committed features at positions p..p+n-1 and the tokens at p+1..p+n: step-0 entries at
         p+1..p+n, whose last output (the anchor's) seeds the next chain."""
         slots = torch.arange(cache.k[0].shape[2], device=positions.device)
-        g, own = self._new_entries(cache, taps, positions, next_tokens, slots < cache.length[:, None], shared)
+        old = slots < cache.length[:, None]
+        g, own = self._new_entries(cache.k, cache.v, taps, positions, next_tokens, old, shared)
         append_kv(cache, own, valid)
         cache.extra["last"] = self._last_output(g, valid.sum(1), cache.extra["last"])
 
@@ -150,15 +155,18 @@ class Eagle3Drafter(Drafter):
     def commit_context(self, cache, taps, positions, next_tokens, kept, shared: Shared) -> None:
         """``extend_context`` over a static cache: the entries written at slot == position (scratch
         past ``kept``), attending to the slots before the first new position."""
-        slots = torch.arange(cache.k[0].shape[2], device=positions.device)
-        g, own = self._new_entries(cache, taps, positions, next_tokens, slots < positions[:, :1], shared)
-        for i, (k, v) in enumerate(own):
-            index = positions[:, None, :, None].expand(k.shape)
-            cache.k[i].scatter_(2, index, k.to(cache.k[i].dtype))
-            cache.v[i].scatter_(2, index, v.to(cache.v[i].dtype))
-        cache.extra["last"].copy_(self._last_output(g, kept, cache.extra["last"]))
+        self._commit(cache.k, cache.v, cache.extra["last"], taps, positions, next_tokens, kept, shared)
 
-    def _new_entries(self, cache, taps, positions, next_tokens, old, shared):
+    def _commit_entries(self, ks, vs, last, taps, positions, next_tokens, kept, shared) -> None:
+        slots = torch.arange(ks[0].shape[2], device=positions.device)
+        g, own = self._new_entries(ks, vs, taps, positions, next_tokens, slots < positions[:, :1], shared)
+        for cache_k, cache_v, (k, v) in zip(ks, vs, own):
+            index = positions[:, None, :, None].expand(k.shape)
+            cache_k.scatter_(2, index, k.to(cache_k.dtype))
+            cache_v.scatter_(2, index, v.to(cache_v.dtype))
+        last.copy_(self._last_output(g, kept, last))
+
+    def _new_entries(self, ks, vs, taps, positions, next_tokens, old, shared):
         """The step-0 entries (x_{p+1}, feature_p) at positions [R, n], each attending to the cache's
         slots where ``old`` [R, C] and causally to the new ones: their outputs and keys/values."""
         r, n = next_tokens.shape
@@ -166,7 +174,26 @@ class Eagle3Drafter(Drafter):
         x = self._inputs(next_tokens, feature, shared)
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         mask = torch.cat([old[:, None, :].expand(r, n, old.shape[1]), causal.expand(r, n, n)], dim=2)
-        return self._layers(x, positions + 1, list(zip(cache.k, cache.v)), mask)
+        return self._layers(x, positions + 1, list(zip(ks, vs)), mask)
+
+    def _chain_step(self, tok, g, pos, ks, vs, mask, tail: int, shared) -> Tensor:
+        """One step of the chain over a static cache: the drafted token with the output before it,
+        through the layers, its keys written into the block room at ``tail``; the new output."""
+        x = self._inputs(tok[:, None], g[:, None], shared)
+        out, _ = self._layers(x, pos, list(zip(ks, vs)), mask, tail=tail)
+        return out[:, 0]
+
+    def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
+        """The static-cache paths, a chain step and a commit, each wrapped by ``compiler`` (None: the
+        eager code; tests pass their own backend). Idempotent for one compiler. A chain step's
+        ``tail`` differs by step: a graph each, within the recompile limit raised here."""
+        if self._compiler is compiler and compiler is not None:
+            return
+        self._compiler = compiler
+        wrap = compiler or (lambda fn: fn)
+        self._chain, self._commit = wrap(self._chain_step), wrap(self._commit_entries)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 4 * self.gamma)
 
     @staticmethod
     def _last_output(g: Tensor, count: Tensor, last: Tensor) -> Tensor:
@@ -202,19 +229,19 @@ class Eagle3Drafter(Drafter):
             probs.append(p)
             if j == n - 1:
                 break
-            x = self._inputs(tok[:, None], g[:, None], shared)
             pos = (anchor_pos + j + 1)[:, None]
             mask = torch.cat([base_mask, torch.ones(r, j + 1, dtype=torch.bool, device=device)], 1)[:, None]
             if cache.block_slots:
-                out, _ = self._layers(x, pos, list(zip(cache.k, cache.v)), mask, tail=c + j)
-            else:
-                ctx = [
-                    (torch.cat([cache.k[li], *chain_k[li]], 2), torch.cat([cache.v[li], *chain_v[li]], 2))
-                    for li in range(len(self.layers))
-                ]
-                out, own = self._layers(x, pos, ctx, mask)
-                for li, (k, v) in enumerate(own):
-                    chain_k[li].append(k)
-                    chain_v[li].append(v)
+                g = self._chain(tok, g, pos, cache.k, cache.v, mask, c + j, shared)
+                continue
+            x = self._inputs(tok[:, None], g[:, None], shared)
+            ctx = [
+                (torch.cat([cache.k[li], *chain_k[li]], 2), torch.cat([cache.v[li], *chain_v[li]], 2))
+                for li in range(len(self.layers))
+            ]
+            out, own = self._layers(x, pos, ctx, mask)
+            for li, (k, v) in enumerate(own):
+                chain_k[li].append(k)
+                chain_v[li].append(v)
             g = out[:, 0]
         return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1), confidence_logits=None)
