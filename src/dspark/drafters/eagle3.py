@@ -185,8 +185,9 @@ class Eagle3Drafter(Drafter):
 
     def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
         """The static-cache paths, a chain step and a commit, each wrapped by ``compiler`` (None: the
-        eager code; tests pass their own backend). Idempotent for one compiler. A chain step's
-        ``tail`` differs by step: a graph each, within the recompile limit raised here."""
+        eager code; tests pass their own backend). Idempotent for one compiler. The chain step's
+        ``tail`` and row count vary (a few graphs: the first values specialised, later ones made
+        symbolic), within the recompile limit raised here."""
         if self._compiler is compiler and compiler is not None:
             return
         self._compiler = compiler
