@@ -321,10 +321,11 @@ class Target(nn.Module):
         target's eager forward is bound by the Python that launches its hundreds of small kernels,
         not by the GPU. Each layer's ``forward`` (one code object, the weights its inputs), not the
         whole model: one graph serves every layer, so the compiler works on one layer instead of
-        all of them unrolled (SmolLM2's 30 layers: 3 s against 75 s on a 2-core CPU, in the first
-        step of every run). What stays Python is the model's loop over the layers and the tap
-        hooks around them: one call a layer, no longer one a kernel. Only `features` uses the
-        compiled layers (``_layers_compiled``): the target's cached forward stays as loaded."""
+        all of them unrolled (a first training step at SmolLM2's shape on a 2-core CPU: 8 s against
+        87 s, ``docs/results/cpu-target-compile-2026-12-06``). What stays Python is the model's loop
+        over the layers and the tap hooks around them: one call a layer, no longer one a kernel.
+        Only `features` uses the compiled layers (``_layers_compiled``): the target's cached forward
+        stays as loaded."""
         layers = self.model.base_model.layers
         self._compiled_layers = [torch.compile(layer.forward, dynamic=True, **options) for layer in layers]
 

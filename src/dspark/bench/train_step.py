@@ -12,7 +12,8 @@ tokens with cached (offline) target features, 512 anchors, block 7, 5 draft laye
 Per variant: median ms of the target's features (its forward, online), the drafter's forward +
 loss, backward, optimizer, and the whole step over ``--steps`` steps after ``--warmup`` (CUDA
 events), peak memory (everything resident, the target's weights included, and above what was
-resident before the step), the loss of the first step (the variants must agree), and the step's
+resident before the step), the loss of the first step (the variants must agree), the first step's
+wall time (``first_step_s``: the compilations a run's first step pays, the target's included), and the step's
 floor: its matmul FLOPs (draft layers forward and backward, attention over the blocks each query
 may see, the loss's logit and gradient GEMMs, the target's forward online) over the bf16 peak.
 With ``--data DIR`` the batches are a prepared folder's, in training order, and the target is
@@ -219,6 +220,7 @@ def run_variant(name, overrides, args, target, batches, device) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device) if cuda else 0
+    start, first_step_s = time.perf_counter(), None
     for i in range(args.warmup + args.steps):
         batch = batches[i % len(batches)]
         gen = torch.Generator(device=device).manual_seed(1234)  # the same anchors for the same batch
@@ -235,7 +237,8 @@ def run_variant(name, overrides, args, target, batches, device) -> dict:
         opt.zero_grad(set_to_none=True)
         marks.append(_mark(cuda))
         if first_loss is None:
-            first_loss = float(loss.detach())
+            first_loss = float(loss.detach())  # reads the loss back: the step has ended
+            first_step_s = time.perf_counter() - start
         if i >= args.warmup:
             steps.append(marks)
     if cuda:
@@ -264,6 +267,7 @@ def run_variant(name, overrides, args, target, batches, device) -> dict:
         "peak_gib": peak / 2**30,
         "peak_above_resident_gib": (peak - resident) / 2**30,
         "first_loss": first_loss,
+        "first_step_s": first_step_s,
         "flops": flops,
         "tflops_per_s": total / (step * 1e-3) / 1e12 if step else None,
         "floor_ms": total / (args.peak_tflops * 1e12) * 1e3,
@@ -331,6 +335,7 @@ def main(argv=None) -> dict:
             "fwd+loss",
             "backward",
             "optimizer",
+            "first step s",
             "peak GiB",
             "floor ms",
             "% of peak",
@@ -344,6 +349,7 @@ def main(argv=None) -> dict:
                 f"{r['fwd_loss_ms']:.1f}",
                 f"{r['backward_ms']:.1f}",
                 f"{r['optimizer_ms']:.1f}",
+                f"{r['first_step_s']:.1f}",
                 f"{r['peak_gib']:.2f}",
                 f"{r['floor_ms']:.1f}",
                 f"{100 * (r['fraction_of_peak'] or 0):.1f}",

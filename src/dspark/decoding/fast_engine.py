@@ -498,7 +498,7 @@ class FastEngine(Engine):
         # the tokens after each position are its next step's inputs, not its context's, unless the
         # drafter's context needs them.
         r = kept.shape[0]
-        if taps is not None:
+        if self._commit_tokens and taps is not None:  # a verified round (a plain one committed in its step)
             self._commit_context(kept, taps, drafts, res)
         # add_ on the views: `x[:r] += y` would also copy the sum onto itself, a launch more.
         self.static.lengths[:r].add_(kept)  # the drafter's context lengths too (the same tensor)
