@@ -18,7 +18,7 @@ N=${N:-30000}
 DTYPE=${DTYPE:-bfloat16}
 R=outputs/h200/data
 TARGET=${TARGET:-smollm2_135m}
-DIR=$R/${TARGET%%_*}_${N}_${DTYPE}
+DIR=$R/${DATA_NAME:-${TARGET%%_*}_${N}_${DTYPE}}
 mkdir -p $R
 BENCH=()
 if [ -n "${BENCH_DIR:-}" ]; then BENCH=(data.benchmark_dir="$BENCH_DIR")

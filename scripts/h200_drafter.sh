@@ -29,7 +29,10 @@ export DSPARK_COMMIT=${DSPARK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 N=${N:-30000}
 TARGET=${TARGET:-smollm2_135m}  # a conf/target name whose GGUF is staged in /root/stage
 T="target=$TARGET target.path=/root/stage target.device=cuda target.dtype=bfloat16"
-DATA_NAME=${TARGET%%_*}_${N}_bfloat16  # what scripts/h200_data.sh writes (smollm2_30000_bfloat16)
+# what scripts/h200_data.sh writes (smollm2_30000_bfloat16); DATA_NAME names a second set of one size, made
+# with another data.seed (smollm2_200000_s1_bfloat16, say), that joins the first (data.extra_dirs)
+GIVEN_DATA_NAME=${DATA_NAME:-}
+DATA_NAME=${DATA_NAME:-${TARGET%%_*}_${N}_bfloat16}
 DIR=outputs/h200/data/$DATA_NAME
 # DATA_EXTRA: recipe overrides for both the data and the train step (they define the folder), e.g. another
 # target answering a staged prompt set: DATA_EXTRA="data.source=jsonl data.jsonl.path=/root/stage/prompts.jsonl"
@@ -95,10 +98,12 @@ EOF
 
 case $step in
 data)
-  N=${1:-$N} bash scripts/h200_data.sh
+  N=${1:-$N}
+  DATA_NAME=${GIVEN_DATA_NAME:-${TARGET%%_*}_${N}_bfloat16}
+  N=$N DATA_NAME=$DATA_NAME bash scripts/h200_data.sh
   mkdir -p "$OUTDIR/data" && cp outputs/h200/data/summary_*.txt "$OUTDIR/data/"
   [ ! -f outputs/h200/data/gpu_tests.log ] || cp outputs/h200/data/gpu_tests.log "$OUTDIR/data/"  # SKIP_GPU_TESTS: none
-  cp "outputs/h200/data/${TARGET%%_*}_${1:-$N}_bfloat16/DONE.json" "$OUTDIR/data/"
+  cp "outputs/h200/data/$DATA_NAME/DONE.json" "$OUTDIR/data/"
   ;;
 train)
   name=$1 minutes=$2

@@ -221,16 +221,17 @@ pipeline)
   pack_data() {  # PACK_DATA: what training and evaluation read of the data (h200_drafter.sh pack)
     rm -rf outputs/h200/pack.tmp && bash scripts/h200_drafter.sh pack outputs/h200/pack.tmp && arrive
   }
-  unpack_data() {  # unpack_data PREFIX: PREFIX.aa, PREFIX.ab ... -> outputs/h200/data/, checked
+  unpack_data() {  # unpack_data PREFIX [COPY]: PREFIX.aa, PREFIX.ab ... -> outputs/h200/data/, checked; its
+    # DONE.json copied to out/data/COPY (DONE.json)
     mkdir -p outputs/h200/data
     cat "$1".* | xz -d | tar -x -C outputs/h200/data || return 1
     local dir=outputs/h200/data/$(basename "$1" .tar.xz)
     [ -f "$dir/DONE.json" ] && ls "$dir"/tokens/*.safetensors > /dev/null || return 1
-    mkdir -p outputs/h200/out/data && cp "$dir/DONE.json" outputs/h200/out/data/
+    mkdir -p outputs/h200/out/data && cp "$dir/DONE.json" "outputs/h200/out/data/${2:-DONE.json}"
   }
   batch() {
     local tgt=${TARGET:-smollm2_135m}
-    local data=outputs/h200/data/${tgt%%_*}_${N:-30000}_bfloat16 cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
+    local data=outputs/h200/data/${DATA_NAME:-${tgt%%_*}_${N:-30000}_bfloat16} cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
     local dest=outputs/h200/out/table1 specs n o t sources=()
     if [ -z "${CAL_FILE:-}" ]; then
       python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
@@ -346,6 +347,13 @@ pipeline)
         gpu_tested=1
         [ -z "${PACK_DATA:-}" ] || run data_pack pack_data
       fi
+      joined=
+      for more in ${EXTRA_DATA_PACKS:-}; do  # more sets' pieces: their training splits join this one's
+        set_name=$(basename "$more" .tar.xz)
+        run "data_unpack:$set_name" unpack_data "$more" "DONE_$set_name.json" || break 2
+        joined=${joined:+$joined,}outputs/h200/data/$set_name
+      done
+      [ -z "$joined" ] || export DATA_EXTRA="${DATA_EXTRA:-} data.extra_dirs=[$joined]"
       ;;
     train)
       if ! run train train; then

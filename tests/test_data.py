@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -672,3 +673,97 @@ def test_thread_governor_follows_the_load(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------
+# data.extra_dirs: several prepared folders trained on at once
+
+
+def token_split(convs: list[tuple[list[int], list[int]]], tag: str):
+    """A TokenSplit of (prompt tokens, answer tokens) conversations, the answers trained."""
+    from dspark.data.tokenize import TokenSplit
+
+    ids = [t for p, a in convs for t in p + a]
+    mask = [m for p, a in convs for m in [0] * len(p) + [1] * len(a)]
+    offsets = torch.tensor([0] + [len(p) + len(a) for p, a in convs]).cumsum(0)
+    names = [f"{tag}{i}" for i in range(len(convs))]
+    return TokenSplit(
+        torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8), offsets, names, {}
+    )
+
+
+def test_join_splits_leaves_out_prompts_already_held_and_keeps_the_rest_intact():
+    from dspark.data.union import join_splits, prompt_keys
+
+    train = token_split([([1, 2], [3, 4]), ([5], [6])], "t")
+    val = token_split([([7, 8], [9])], "v")
+    # The same prompt with another answer is a duplicate (the key stops at the first trained token);
+    # so is a validation prompt, and a prompt twice within one extra; [1] alone is a prompt of its own.
+    extra = token_split(
+        [([1, 2], [30, 31, 32]), ([7, 8], [10]), ([1], [2, 3]), ([11], [12]), ([11], [13])], "e"
+    )
+    more = token_split([([1], [4]), ([14, 15], [16])], "m")
+    assert len(set(prompt_keys(extra))) == 4
+    joined = join_splits(train, {"a": extra, "b": more}, held_out=val)
+    expect = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6], [0, 1]), ([1, 2, 3], [0, 1, 1]), ([11, 12], [0, 1]),
+              ([14, 15, 16], [0, 0, 1])]  # fmt: skip
+    assert len(joined) == len(expect) and joined.ids == ["t0", "t1", "a:e2", "a:e3", "b:m1"]
+    for i, (ids, mask) in enumerate(expect):
+        got_ids, got_mask = joined.sample(i)
+        assert got_ids.tolist() == ids and got_mask.int().tolist() == mask
+    assert join_splits(train, {}) is train
+
+
+def test_extra_dirs_join_the_training_split_and_bad_ones_are_refused_before_training(tiny, tmp_path):
+    from dspark.core.errors import ConfigError
+    from dspark.core.schema import check
+    from dspark.data.config import DataConfig
+    from dspark.data.datamodule import DraftDataModule
+    from dspark.data.dataset import check_data_dir, prepare_dataset
+
+    def prepared(name: str, facts: range):
+        lines = [json.dumps({"turns": [f"Tell me fact number {i} about the ocean."]}) for i in facts]
+        src = write_lines(tmp_path / f"{name}.jsonl", lines)
+        cfg = data_cfg(tmp_path / name, source="jsonl", num_prompts=len(lines), max_new_tokens=4,
+                       val_fraction=0.25, **{"jsonl.path": str(src)})  # fmt: skip
+        prepare_dataset(cfg, target_cfg("tiny"), target=tiny)
+        return cfg
+
+    main, other = prepared("main", range(8)), prepared("other", range(4, 12))  # facts 4-7 in both
+
+    def loaded(cfg):
+        data = DraftDataModule(cfg)
+        data.setup()
+        return data.datasets
+
+    def facts(ds) -> list[int]:  # the fact each conversation asks about
+        said = [tiny.tokenizer.decode(ds.tokens.sample(i)[0]) for i in range(len(ds))]
+        return [int(re.search(r"fact number (\d+) ", text).group(1)) for text in said]
+
+    cfg = OmegaConf.merge(main, {"extra_dirs": [other.dir]})
+    check_data_dir(cfg, target_cfg("tiny"))
+    alone, theirs, joined = loaded(main), loaded(other), loaded(cfg)
+    # Main's conversations, then every one of the other folder's training split but those on facts 0-7
+    # (main holds them all, in one split or the other); validation stays main's.
+    new = [f for f in facts(theirs["train"]) if f >= 8]
+    own = len(alone["train"])
+    assert new and facts(joined["train"])[:own] == facts(alone["train"])
+    assert sorted(facts(joined["train"])[own:]) == sorted(new)
+    assert facts(joined["val"]) == facts(alone["val"])
+
+    def refused(error, match, **over):
+        with pytest.raises(error, match=match):
+            check_data_dir(
+                OmegaConf.merge(main, over), target_cfg("tiny"), features=over.pop("_features", "online")
+            )
+
+    refused(DataError, "no finished dataset", extra_dirs=[str(tmp_path / "none")])
+    refused(DataError, "twice", extra_dirs=[main.dir])
+    refused(DataError, "features=online only", extra_dirs=[other.dir], _features="offline")
+    build = tmp_path / "other" / "build.json"
+    built = json.loads(build.read_text())
+    built["target"]["name"] = "smollm2_135m"
+    build.write_text(json.dumps(built))
+    refused(DataError, "prepared for target 'smollm2_135m'", extra_dirs=[other.dir])
+    with pytest.raises(ConfigError, match="extra_dirs"):
+        check(OmegaConf.merge(cfg, {"offline_cache": True}), DataConfig, "data")

@@ -123,3 +123,43 @@ def test_keep_packs_each_of_a_batchs_runs_and_goes_on_past_a_missing_one(tmp_pat
     piece = tmp_path / "outputs/h200/pack/drafter_B.tar.xz.aa"
     subprocess.run(f"xz -d < {piece} | tar -x -C {out}", shell=True, check=True)
     assert (out / "drafter/config.json").read_text() == '{"run": "B"}'
+
+
+def test_extra_data_packs_are_unpacked_and_their_sets_join_training(tmp_path):
+    """``EXTRA_DATA_PACKS``: each staged set is unpacked beside ``DATA_PACK``'s (its DONE.json brought back
+    under its own name) and the stages after it train on all of them (``data.extra_dirs``); a pack that
+    does not unpack stops the pipeline before training. ``python3`` stubbed: it records its arguments."""
+    bin_dir, calls, staged = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "staged"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    (bin_dir / "python3").chmod(0o755)
+    staged.mkdir()
+    for name in ("smollm2_500_bfloat16", "smollm2_500_s1_bfloat16"):
+        folder = tmp_path / "sets" / name
+        (folder / "tokens").mkdir(parents=True)
+        (folder / "DONE.json").write_text(f'{{"set": "{name}"}}')
+        (folder / "tokens" / "train.safetensors").write_bytes(os.urandom(1 << 10))
+        pack = f"tar -C {tmp_path / 'sets'} -cf - {name} | xz | split -b 15M - {staged / name}.tar.xz."
+        subprocess.run(pack, shell=True, check=True)
+    (tmp_path / "outputs/h200/session").mkdir(parents=True)
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the stages call the checkout's scripts
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "N": 500, "NAME": "run", "STAGES": "data train",
+           "DATA_PACK": staged / "smollm2_500_bfloat16.tar.xz"}  # fmt: skip
+    _session(tmp_path, "pipeline", EXTRA_DATA_PACKS=staged / "smollm2_500_s1_bfloat16.tar.xz", **env)
+    stages = (tmp_path / "outputs/h200/session/stages.txt").read_text()
+    assert "data_unpack 0" in stages and "data_unpack:smollm2_500_s1_bfloat16 0" in stages
+    out = tmp_path / "outputs/h200/out/data"
+    assert (out / "DONE.json").read_text() == '{"set": "smollm2_500_bfloat16"}'
+    assert (out / "DONE_smollm2_500_s1_bfloat16.json").read_text() == '{"set": "smollm2_500_s1_bfloat16"}'
+    train = [c for c in calls.read_text().splitlines() if c.startswith("-m dspark.train")]
+    assert train and "data.dir=outputs/h200/data/smollm2_500_bfloat16 " in train[0]
+    assert "data.extra_dirs=[outputs/h200/data/smollm2_500_s1_bfloat16]" in train[0]
+
+    calls.unlink()
+    (tmp_path / "outputs/h200/session/stages.txt").unlink()
+    _session(tmp_path, "pipeline", EXTRA_DATA_PACKS=staged / "missing.tar.xz", **env)
+    stages = (tmp_path / "outputs/h200/session/stages.txt").read_text()
+    assert "data_unpack:missing" in stages and "data_unpack:missing 0" not in stages
+    assert "train" not in stages and not any(
+        c.startswith("-m dspark.train") for c in calls.read_text().splitlines()
+    )

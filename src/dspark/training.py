@@ -196,7 +196,9 @@ def run_training(cfg: DictConfig) -> dict:
     from .data.dataset import check_data_dir
 
     batch = resolve_batch(cfg.data, cfg.trainer)  # config errors before any model loads
-    check_data_dir(cfg.data, cfg.target, refuse_busy=_launching_rank_zero())  # rank 0 builds it
+    check_data_dir(
+        cfg.data, cfg.target, refuse_busy=_launching_rank_zero(), features=cfg.features
+    )  # rank 0 builds it
     run = RunFolder(cfg.out_dir)
     resume = resume_point(run) if cfg.resume else None  # a checkpoint that loads, or a clear error
     with contextlib.ExitStack() as held:

@@ -73,6 +73,7 @@ class DataConfig:
     anchors_per_sequence: Count | None = None
     num_workers: Natural = 0
     bucket_batches: Count = 16
+    extra_dirs: list[str] = field(default_factory=list)  # prepared folders whose training splits join dir's
     offline_cache: bool = False
     cache_max_gb: Positive = 20.0
     cache_batch_size: Count = 8
@@ -96,5 +97,10 @@ class DataConfig:
             raise ConfigError("source=jsonl needs jsonl.path=<file.jsonl>")
         if self.source == "hub" and not self.hub.name:
             raise ConfigError("source=hub needs hub.name=<dataset id>")
+        if self.offline_cache and self.extra_dirs:
+            raise ConfigError(
+                "data.extra_dirs joins training splits for online features only (a feature cache is "
+                "one folder's): drop data.offline_cache, or data.extra_dirs"
+            )
         if self.val_fraction > 0 and self.num_prompts < 2:
             raise ConfigError(f"num_prompts={self.num_prompts} cannot be split with val_fraction > 0")

@@ -28,6 +28,7 @@ from ..core.phases import phase
 from .cache import FeatureCache
 from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
+from .union import join_splits
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +285,10 @@ class DraftDataModule(L.LightningDataModule):
     def _load(self, split: str) -> ConversationDataset:
         if split not in self.datasets:
             tokens = load_tokens(tokens_path(self.dir, split))
+            extras = self.cfg.get("extra_dirs") or []
+            if split == "train" and extras:
+                joined = {str(d): load_tokens(tokens_path(resolve_path(d), "train")) for d in extras}
+                tokens = join_splits(tokens, joined, held_out=load_tokens(tokens_path(self.dir, "val")))
             if self.pad_token_id is None:
                 self.pad_token_id = int(tokens.meta["pad_token_id"])
             cache = None
