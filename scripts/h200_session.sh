@@ -17,7 +17,10 @@
 #   data    N conversations (N, default 30000) through the fast engine (h200_data.sh); with
 #           PACK_DATA=1 also packed as <= 15 MiB pieces that `wait` brings back as files of their own
 #           (h200_drafter.sh pack); with DATA_PACK=<path prefix of such pieces, e.g.
-#           data/packs/smollm2_30000_bfloat16.tar.xz> unpacked instead of regenerated (no GPU time)
+#           data/packs/smollm2_30000_bfloat16.tar.xz> unpacked instead of regenerated (no GPU time);
+#           EXTRA_DATA_PACKS="<prefix> …": more sets unpacked beside it, whose training splits the later stages
+#           join to it (data.extra_dirs): data made over several sessions adds up (a second set of one size
+#           is made with DATA_NAME=smollm2_200000_s1_bfloat16 DATA_EXTRA="data.seed=1", say)
 #   train   NAME (dspark) for TRAIN_MINUTES (10) with TRAIN_EXTRA overrides; a run that fails before
 #           its first checkpoint is retried once as NAME_fallback with FALLBACK_EXTRA (dense attention,
 #           eager layers and target): a compiler failure costs one retry, not the session
