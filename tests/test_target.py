@@ -174,6 +174,32 @@ def test_local_gguf_folder_is_accepted(tmp_path):
     assert (kind, name) == ("gguf", gguf.name)
 
 
+def test_a_cache_folder_another_process_published_first_is_kept_and_ours_dropped(tmp_path):
+    """Two loads of one GGUF at once (pytest's workers) each build its cache folder: the one that
+    finishes second finds the folder there, keeps it and drops its own, with no error (it failed the
+    whole CPU suite once: ``os.replace`` onto a folder that had appeared since the check); a build
+    that fails leaves nothing behind."""
+    from dspark.target import _cache_folder
+
+    out = tmp_path / "cache" / "model-abc"
+    with _cache_folder(out) as tmp:
+        (tmp / "config.json").write_text("ours")
+        out.mkdir()  # the other process publishes while this one still writes
+        (out / "config.json").write_text("theirs")
+    assert (out / "config.json").read_text() == "theirs" and [p.name for p in out.parent.iterdir()] == [
+        "model-abc"
+    ]
+
+    fresh = tmp_path / "cache" / "model-def"
+    with _cache_folder(fresh) as tmp:
+        (tmp / "config.json").write_text("ours")
+    assert (fresh / "config.json").read_text() == "ours"
+    with pytest.raises(RuntimeError), _cache_folder(tmp_path / "cache" / "model-ghi") as tmp:
+        (tmp / "half").write_text("x")
+        raise RuntimeError
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model-abc", "model-def"]
+
+
 def test_hub_target_offline_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_group("target", "qwen3_4b")

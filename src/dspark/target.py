@@ -9,6 +9,7 @@ is what the LM head reads, so the drafter would learn a shortcut.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
@@ -473,21 +474,33 @@ def _gguf_cache_dir(gguf: Path, dtype: str, cache_dir: Path) -> Path:
     return cache_dir / "dequantized" / f"{gguf.stem}-{key}"
 
 
-def _save_dequantized(model, tokenizer, out: Path) -> None:
-    """Write the de-quantised model as a plain HF folder (safetensors), atomically."""
+@contextlib.contextmanager
+def _cache_folder(out: Path):
+    """A temporary folder beside ``out`` to fill; moved into place when the block ends, removed when
+    it fails. Two processes loading one GGUF at once (pytest's workers, ranks) each build it: the
+    first to finish publishes, the other finds ``out`` there (the same files) and drops its own."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
+        yield tmp
+        try:
+            os.replace(tmp, out)
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_dequantized(model, tokenizer, out: Path) -> None:
+    """Write the de-quantised model as a plain HF folder (safetensors), atomically."""
+    with _cache_folder(out) as tmp:
         # The GGUF weights are already de-quantised in memory: save them as a plain model.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
@@ -563,10 +576,8 @@ def load_tokenizer_only(cfg, cache_dir: Path):
         if not (cached / "tokenizer_config.json").exists():
             tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
             _fix_special_tokens(tok, cfg)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}-"))
-            tok.save_pretrained(tmp)
-            os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+            with _cache_folder(cached) as tmp:
+                tok.save_pretrained(tmp)
         where = cached
     tok = AutoTokenizer.from_pretrained(where, local_files_only=kind != "hub")
     _fix_special_tokens(tok, cfg)
