@@ -54,6 +54,21 @@ def test_train_export_and_resume(tmp_path, data_dir):
     assert summary["throughput"]["sanity_seconds"] == 0  # the resumed run checked nothing first
 
 
+def test_a_run_trains_on_data_dir_and_its_extra_dirs(tmp_path, data_dir):
+    """``data.extra_dirs`` through the real training path: another set (``data.seed=1``, prepared by its
+    own run) joins the training split, and the summary says how many conversations the steps drew from."""
+    other = tmp_path / "seed1"
+    alone = run_training(cfg_for(tmp_path / "a", other, "trainer.max_steps=1", "data.seed=1"))
+    both = run_training(
+        cfg_for(tmp_path / "b", data_dir, "trainer.max_steps=1", f"data.extra_dirs=[{other}]")
+    )
+    own = run_training(cfg_for(tmp_path / "c", data_dir, "trainer.max_steps=1"))
+    assert both["extra_data_dirs"] == [str(other)] and own["extra_data_dirs"] == []
+    # The seed-1 prompts are the tiny target's own, drawn again: some may repeat the first set's.
+    assert own["train_conversations"] < both["train_conversations"]
+    assert both["train_conversations"] <= own["train_conversations"] + alone["train_conversations"]
+
+
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
 def test_other_drafters_train(tmp_path, data_dir, drafter):
     out = tmp_path / drafter

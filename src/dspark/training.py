@@ -358,6 +358,9 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         "throughput": throughput.summary(),
         "final": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "data_dir": str(data_dir),
+        "extra_data_dirs": [str(d) for d in cfg.data.get("extra_dirs") or []],
+        # what the steps drew from (data.extra_dirs joined): the data size a result states
+        "train_conversations": len(datamodule.datasets["train"]) if "train" in datamodule.datasets else None,
     }
     if trainer.is_global_zero:  # one writer; every rank returns the summary
         run.write_summary(summary)
