@@ -750,6 +750,12 @@ def test_extra_dirs_join_the_training_split_and_bad_ones_are_refused_before_trai
     assert new and facts(joined["train"])[:own] == facts(alone["train"])
     assert sorted(facts(joined["train"])[own:]) == sorted(new)
     assert facts(joined["val"]) == facts(alone["val"])
+    from dspark.data.union import main as describe_cli
+
+    describe_cli([main.dir, other.dir, "--json", str(tmp_path / "union.json")])
+    said = json.loads((tmp_path / "union.json").read_text())
+    assert said["folders"][other.dir] == {"conversations": len(theirs["train"]), "joined": len(new)}
+    assert said["train_conversations"] == len(joined["train"]) == own + len(new)
 
     def refused(error, match, **over):
         with pytest.raises(error, match=match):

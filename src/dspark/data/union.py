@@ -2,17 +2,25 @@
 data.dir's, so sets made in separate sessions (another ``data.seed``) add up instead of one set
 being rebuilt larger. A joined conversation whose prompt data.dir (either split) or an earlier
 folder already holds is left out: a prompt drawn twice must not weigh twice, and one of data.dir's
-validation prompts must not be trained on."""
+validation prompts must not be trained on.
+
+    python -m dspark.data.union DATA_DIR EXTRA_DIR … [--json OUT]   # what a run would train on
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import logging
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .tokenize import TokenSplit
+from ..core.io import atomic_write_json
+from .tokenize import TokenSplit, load_tokens
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +80,40 @@ def join_splits(
         [i for p in parts for i in p.ids],
         train.meta,
     )
+
+
+def describe(data_dir: str | Path, extra_dirs: list[str | Path]) -> dict:
+    """The training split a run on ``data_dir`` with ``data.extra_dirs=extra_dirs`` draws from: each
+    folder's conversations and how many of them join, the joined totals (tokens, trained tokens)."""
+
+    def tokens(folder, split):
+        return load_tokens(Path(folder) / "tokens" / f"{split}.safetensors")
+
+    train, extras = tokens(data_dir, "train"), {str(d): tokens(d, "train") for d in extra_dirs}
+    joined = join_splits(train, extras, held_out=tokens(data_dir, "val"))
+    added = joined.ids[len(train) :]
+    folders = {str(data_dir): {"conversations": len(train), "joined": len(train)}}
+    for name, split in extras.items():
+        folders[name] = {"conversations": len(split), "joined": sum(i.startswith(f"{name}:") for i in added)}
+    return {
+        "folders": folders,
+        "train_conversations": len(joined),
+        "tokens": int(joined.input_ids.numel()),
+        "trained_tokens": int(joined.loss_mask.sum()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dspark.data.union", description=describe.__doc__)
+    parser.add_argument("data_dir")
+    parser.add_argument("extra_dirs", nargs="+")
+    parser.add_argument("--json", help="also write the description here")
+    args = parser.parse_args(argv)
+    out = describe(args.data_dir, args.extra_dirs)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        atomic_write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
