@@ -482,9 +482,10 @@ def test_draft_step_reads_the_lm_head_once_at_one_request(small_target, name, he
 
 
 def test_eagle3_compiled_static_paths_equal_its_eager_code(small_target):
-    """Eagle3's static-cache paths, a commit and the chain's steps writing the block room, compiled by
-    inductor on the CPU (fullgraph: no break) write the eager code's cache and chain seed and
-    propose its tokens and probabilities, at every drafted length."""
+    """Eagle3's static-cache paths, a commit, the chain's steps writing the block room and each
+    position's draw, compiled by inductor on the CPU (fullgraph: no break) write the eager code's
+    cache and chain seed and propose its tokens and probabilities, at every drafted length and both
+    temperatures."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dspark.core.types import Shared
@@ -507,7 +508,8 @@ def test_eagle3_compiled_static_paths_equal_its_eager_code(small_target):
             drafter.commit_context(cache, taps, positions, nxt, kept, shared)
             cache.length.copy_(kept)
             props = [
-                drafter.propose(cache, anchors, kept, shared, 1.0, uniforms=u, draft_len=n)
+                drafter.propose(cache, anchors, kept, shared, t, uniforms=u, draft_len=n)
+                for t in (1.0, 0.0)
                 for n in range(1, drafter.gamma + 1)
             ]
         runs.append((cache, props))
@@ -516,5 +518,5 @@ def test_eagle3_compiled_static_paths_equal_its_eager_code(small_target):
     torch.testing.assert_close(compiled.extra["last"], eager.extra["last"], rtol=1e-4, atol=1e-5)
     for a, b in zip(got, want):
         assert_same_proposal(a, b, tol=1e-3)  # float32, fused by inductor: rounding only
-    assert counter.frame_count >= 2  # the commit and the chain's step ran compiled
+    assert counter.frame_count >= 4  # the commit, the chain's step, the draw at T = 1 and at T = 0
     drafter.compile_inference(compiler=None)

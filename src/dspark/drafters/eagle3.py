@@ -78,6 +78,7 @@ class Eagle3Drafter(Drafter):
         self.apply(_init_linear)
         # compile_inference: the static-cache paths as compiled functions (plain attributes)
         self._chain, self._commit, self._compiler = self._chain_step, self._commit_entries, None
+        self._draw = self._draw_step
 
     def _inputs(self, tokens: Tensor, feature: Tensor, shared: Shared) -> Tensor:
         e = matmul_input(shared.embed(tokens), self.fc.weight)
@@ -183,16 +184,24 @@ class Eagle3Drafter(Drafter):
         out, _ = self._layers(x, pos, list(zip(ks, vs)), mask, tail=tail)
         return out[:, 0]
 
+    def _draw_step(self, g: Tensor, u: Tensor, temperature: float, shared: Shared) -> tuple[Tensor, Tensor]:
+        """One position's distribution from the chain's output and its token drawn with ``u``: the
+        norm, the LM head, the softmax and the inverse-CDF draw, one graph when compiled (eager, a
+        dozen small kernels a position)."""
+        p = probs_from_logits(output_logits(self.norm(g), shared.lm_weight, shared.softcap), temperature)
+        return p, sample_from(p, u)
+
     def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
-        """The static-cache paths, a chain step and a commit, each wrapped by ``compiler`` (None: the
-        eager code; tests pass their own backend). Idempotent for one compiler. The chain step's
-        ``tail`` and row count vary (a few graphs: the first values specialised, later ones made
-        symbolic), within the recompile limit raised here."""
+        """The static-cache paths, a chain step, a commit and a position's draw, each wrapped by
+        ``compiler`` (None: the eager code; tests pass their own backend). Idempotent for one
+        compiler. The chain step's ``tail`` and row count vary (a few graphs: the first values
+        specialised, later ones made symbolic), within the recompile limit raised here."""
         if self._compiler is compiler and compiler is not None:
             return
         self._compiler = compiler
         wrap = compiler or (lambda fn: fn)
         self._chain, self._commit = wrap(self._chain_step), wrap(self._commit_entries)
+        self._draw = wrap(self._draw_step)
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 4 * self.gamma)
 
@@ -224,8 +233,7 @@ class Eagle3Drafter(Drafter):
         chain_v = [[] for _ in self.layers]
         tokens, probs = [], []
         for j in range(n):
-            p = probs_from_logits(output_logits(self.norm(g), shared.lm_weight, shared.softcap), temperature)
-            tok = sample_from(p, u[:, j])
+            p, tok = self._draw(g, u[:, j], temperature, shared)
             tokens.append(tok)
             probs.append(p)
             if j == n - 1:
