@@ -19,8 +19,9 @@
 #           (h200_drafter.sh pack); with DATA_PACK=<path prefix of such pieces, e.g.
 #           data/packs/smollm2_30000_bfloat16.tar.xz> unpacked instead of regenerated (no GPU time);
 #           EXTRA_DATA_PACKS="<prefix> …": more sets unpacked beside it, whose training splits the later stages
-#           join to it (data.extra_dirs): data made over several sessions adds up (a second set of one size
-#           is made with DATA_NAME=smollm2_200000_s1_bfloat16 DATA_EXTRA="data.seed=1", say)
+#           join to it (data.extra_dirs; out/data/union.json says what they add up to): data made over several
+#           sessions adds up (a second set of one size is made with DATA_NAME=smollm2_200000_s1_bfloat16
+#           DATA_EXTRA="data.seed=1", say)
 #   train   NAME (dspark) for TRAIN_MINUTES (10) with TRAIN_EXTRA overrides; a run that fails before
 #           its first checkpoint is retried once as NAME_fallback with FALLBACK_EXTRA (dense attention,
 #           eager layers and target): a compiler failure costs one retry, not the session
@@ -356,7 +357,13 @@ pipeline)
         run "data_unpack:$set_name" unpack_data "$more" "DONE_$set_name.json" || break 2
         joined=${joined:+$joined,}outputs/h200/data/$set_name
       done
-      [ -z "$joined" ] || export DATA_EXTRA="${DATA_EXTRA:-} data.extra_dirs=[$joined]"
+      if [ -n "$joined" ]; then
+        export DATA_EXTRA="${DATA_EXTRA:-} data.extra_dirs=[$joined]"
+        # what the later stages train on (each folder's conversations, joined, tokens), for the results
+        tgt=${TARGET:-smollm2_135m}
+        run data_union python3 -m dspark.data.union "outputs/h200/data/${DATA_NAME:-${tgt%%_*}_${N:-30000}_bfloat16}" \
+          ${joined//,/ } --json outputs/h200/out/data/union.json > /dev/null || true
+      fi
       ;;
     train)
       if ! run train train; then

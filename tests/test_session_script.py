@@ -154,6 +154,11 @@ def test_extra_data_packs_are_unpacked_and_their_sets_join_training(tmp_path):
     train = [c for c in calls.read_text().splitlines() if c.startswith("-m dspark.train")]
     assert train and "data.dir=outputs/h200/data/smollm2_500_bfloat16 " in train[0]
     assert "data.extra_dirs=[outputs/h200/data/smollm2_500_s1_bfloat16]" in train[0]
+    union = [c for c in calls.read_text().splitlines() if c.startswith("-m dspark.data.union")]
+    assert union == [
+        "-m dspark.data.union outputs/h200/data/smollm2_500_bfloat16 "
+        "outputs/h200/data/smollm2_500_s1_bfloat16 --json outputs/h200/out/data/union.json"
+    ]
 
     calls.unlink()
     (tmp_path / "outputs/h200/session/stages.txt").unlink()
