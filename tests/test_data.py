@@ -757,15 +757,13 @@ def test_extra_dirs_join_the_training_split_and_bad_ones_are_refused_before_trai
     assert said["folders"][other.dir] == {"conversations": len(theirs["train"]), "joined": len(new)}
     assert said["train_conversations"] == len(joined["train"]) == own + len(new)
 
-    def refused(error, match, **over):
+    def refused(error, match, features="online", **over):
         with pytest.raises(error, match=match):
-            check_data_dir(
-                OmegaConf.merge(main, over), target_cfg("tiny"), features=over.pop("_features", "online")
-            )
+            check_data_dir(OmegaConf.merge(main, over), target_cfg("tiny"), features=features)
 
     refused(DataError, "no finished dataset", extra_dirs=[str(tmp_path / "none")])
     refused(DataError, "twice", extra_dirs=[main.dir])
-    refused(DataError, "features=online only", extra_dirs=[other.dir], _features="offline")
+    refused(DataError, "features=online only", "offline", extra_dirs=[other.dir])
     build = tmp_path / "other" / "build.json"
     built = json.loads(build.read_text())
     built["target"]["name"] = "smollm2_135m"

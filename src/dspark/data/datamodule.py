@@ -288,7 +288,7 @@ class DraftDataModule(L.LightningDataModule):
             extras = self.cfg.get("extra_dirs") or []
             if split == "train" and extras:
                 joined = {str(d): load_tokens(tokens_path(resolve_path(d), "train")) for d in extras}
-                tokens = join_splits(tokens, joined, held_out=load_tokens(tokens_path(self.dir, "val")))
+                tokens = join_splits(tokens, joined, held_out=self._load("val").tokens)
             if self.pad_token_id is None:
                 self.pad_token_id = int(tokens.meta["pad_token_id"])
             cache = None

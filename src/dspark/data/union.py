@@ -85,9 +85,10 @@ def join_splits(
 def describe(data_dir: str | Path, extra_dirs: list[str | Path]) -> dict:
     """The training split a run on ``data_dir`` with ``data.extra_dirs=extra_dirs`` draws from: each
     folder's conversations and how many of them join, the joined totals (tokens, trained tokens)."""
+    from .datamodule import tokens_path  # the data module joins with this module's join_splits
 
     def tokens(folder, split):
-        return load_tokens(Path(folder) / "tokens" / f"{split}.safetensors")
+        return load_tokens(tokens_path(folder, split))
 
     train, extras = tokens(data_dir, "train"), {str(d): tokens(d, "train") for d in extra_dirs}
     joined = join_splits(train, extras, held_out=tokens(data_dir, "val"))
