@@ -233,9 +233,13 @@ pipeline)
     [ -f "$dir/DONE.json" ] && ls "$dir"/tokens/*.safetensors > /dev/null || return 1
     mkdir -p outputs/h200/out/data && cp "$dir/DONE.json" "outputs/h200/out/data/${2:-DONE.json}"
   }
-  batch() {
+  data_dir() {  # the folder the data stage made or unpacked (h200_drafter.sh names it alike)
     local tgt=${TARGET:-smollm2_135m}
-    local data=outputs/h200/data/${DATA_NAME:-${tgt%%_*}_${N:-30000}_bfloat16} cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
+    echo "outputs/h200/data/${DATA_NAME:-${tgt%%_*}_${N:-30000}_bfloat16}"
+  }
+  batch() {
+    local data cal=${CAL_FILE:-outputs/h200/batch_calibration.jsonl}
+    data=$(data_dir)
     local dest=outputs/h200/out/table1 specs n o t sources=()
     if [ -z "${CAL_FILE:-}" ]; then
       python3 -m dspark.bench.batch calibration-prompts "$data" "$cal" "${CAL_PROMPTS:-15}" "${EVAL_PROMPTS:-80}" \
@@ -360,8 +364,7 @@ pipeline)
       if [ -n "$joined" ]; then
         export DATA_EXTRA="${DATA_EXTRA:-} data.extra_dirs=[$joined]"
         # what the later stages train on (each folder's conversations, joined, tokens), for the results
-        tgt=${TARGET:-smollm2_135m}
-        run data_union python3 -m dspark.data.union "outputs/h200/data/${DATA_NAME:-${tgt%%_*}_${N:-30000}_bfloat16}" \
+        run data_union python3 -m dspark.data.union "$(data_dir)" \
           ${joined//,/ } --json outputs/h200/out/data/union.json > /dev/null || true
       fi
       ;;
