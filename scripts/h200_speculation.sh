@@ -51,6 +51,12 @@ mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T="target=${TARGET:-smollm2_135m} target.path=/root/stage target.device=cuda target.dtype=bfloat16"
 quiet() { grep -v -e "^Loading" -e "FutureWarning" -e "return forward_call"; }
+# SPEC_DRAFT_VOCAB=K: the drafter drafts among its K most frequent training-answer tokens in every
+# cost table and e2e run (engine_sps / e2e --draft-vocab; its counts from the drafter folder, or from
+# SPEC_DRAFT_VOCAB_COUNTS, the data folder it was trained on)
+vocab=()
+[ "${SPEC_DRAFT_VOCAB:-0}" = 0 ] || vocab=(--draft-vocab "$SPEC_DRAFT_VOCAB")
+[ -z "${SPEC_DRAFT_VOCAB_COUNTS:-}" ] || vocab+=(--draft-vocab-counts "$SPEC_DRAFT_VOCAB_COUNTS")
 started=$SECONDS
 stage() { echo "== $1 ($((SECONDS - started)) s)"; }
 # Spaces or commas: a comma list ("0,1", as the other lists are written) once ran no stage at all.
@@ -90,13 +96,14 @@ for t in $temperatures; do
   stage "cost table, T = $t"
   timeout $((${#diagnose[@]} ? 270 : 180)) python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" \
     --no-hf --warmup 3 --repeats 15 --widths 1,2,4,8 --temperature $t \
-    --drafter-dir "$DRAFTER" --overhead --rounds "${E2E_CONCURRENCY:-1,16,64,256}" --round-context "${ROUND_CONTEXT:-172}" \
+    --drafter-dir "$DRAFTER" ${vocab[@]+"${vocab[@]}"} --overhead --rounds "${E2E_CONCURRENCY:-1,16,64,256}" --round-context "${ROUND_CONTEXT:-172}" \
     ${diagnose[@]+"${diagnose[@]}"} --out "$OUT/engine_sps_T$t.json" --cost-table "$OUT/cost_table_T$t.json" 2>&1 |
     quiet | tail -60
 
   stage "end to end, T = $t"
   # E2E_LIMIT (s): four waves at T = 1 ran past 420 s before R = 256 on the H200 (2026-12-05), at T = 0 354 s on an H100.
   timeout "${E2E_LIMIT:-$([ $t = 0 ] && echo 420 || echo 600)}" python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" \
+    ${vocab[@]+"${vocab[@]}"} \
     --benchmark gsm8k --prompts 32 --concurrency "${E2E_CONCURRENCY:-1,16,64,256}" --max-new-tokens 128 --temperature $t \
     --repeats "${E2E_REPEATS:-3}" --waves "${E2E_WAVES:-1}" --pipeline "${E2E_PIPELINE:-1}" \
     --policies "${E2E_POLICIES:-fixed,fixed_5,fixed_3,mtp1,threshold,hardware_aware,draft_aware}" --cost-table "$OUT/cost_table_T$t.json" \
@@ -129,7 +136,7 @@ first_t=${temperatures%% *}
 e2e_point() {
   local name=$1 r=$2 policies=$3
   shift 3
-  timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --benchmark gsm8k --prompts 32 \
+  timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" ${vocab[@]+"${vocab[@]}"} --benchmark gsm8k --prompts 32 \
     --concurrency "$r" --max-new-tokens 128 --temperature "$first_t" --repeats "${E2E_REPEATS:-3}" \
     --waves "${E2E_WAVES:-1}" --policies "$policies" --cost-table "$OUT/cost_table_T$first_t.json" \
     --out "$OUT/${name}_T$first_t.json" "$@" 2>&1 | quiet | tail -14

@@ -91,11 +91,12 @@ def test_evaluate_cli_writes_everything(tiny_target, tmp_path):
         "temperature",
         "gamma",
         "policy",
+        "draft_vocab",
         "benchmarks",
         "macro",
         "macro_stderr",
     }
-    assert res["gamma"] == 4  # policy.gamma=null: the drafter's whole block
+    assert res["gamma"] == 4 and res["draft_vocab"] is None  # the drafter's whole block and vocabulary
     assert res["target"] == "tiny" and res["drafter"] == "dspark-markov" and res["temperature"] == 1.0
     assert set(res["macro"]) == {"math", "code", "chat", "all"} and res["macro"]["code"] is None
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]

@@ -51,8 +51,9 @@ class CalibrationCallback(L.Callback):
 
 
 class DrafterExport(L.Callback):
-    """Keep `<out>/drafter/` (safetensors + config.json [+ calibration.json]) in step with the
-    latest checkpoint, so a killed run still leaves a usable drafter."""
+    """Keep `<out>/drafter/` (safetensors + config.json [+ calibration.json], and the training
+    answers' token counts) in step with the latest checkpoint, so a killed run still leaves a
+    usable drafter."""
 
     def __init__(self, folder: DrafterFolder, drafter_cfg, head_cfg, every_n_steps: int):
         self.folder = folder
@@ -74,6 +75,9 @@ class DrafterExport(L.Callback):
         extra = {"global_step": int(trainer.global_step)}
         target = module.target.describe()
         save_drafter(drafter, self.folder.path, self.drafter_cfg, self.head_cfg, target, extra)
+        counts = getattr(getattr(trainer, "datamodule", None), "answer_token_counts", None)
+        if counts is not None and not self.folder.file(self.folder.TOKEN_COUNTS).is_file():
+            self.folder.write_token_counts(counts(module.drafter.dims.vocab_size))  # once: the data is fixed
         if getattr(module, "calibration", None) is not None:
             self.folder.write_calibration(module.calibration)
             report = getattr(module, "calibration_report", None)

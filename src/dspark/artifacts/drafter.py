@@ -1,7 +1,8 @@
 """A drafter folder: ``config.json`` (ours, stamped; or a DeepSpec/engine layout, which
 dspark.checkpoints translates), ``model.safetensors``, and what calibration adds:
 ``calibration.json`` (STS temperatures, applied by every engine that loads the folder) and, from
-training, ``calibration_report.json`` (validation metrics)."""
+training, ``calibration_report.json`` (validation metrics) and ``token_counts.safetensors`` (the
+training answers' tokens, from which ``decoding.draft_vocab`` picks a draft vocabulary)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class DrafterFolder(Folder):
     WEIGHTS = "model.safetensors"
     CALIBRATION = CALIBRATION
     CALIBRATION_REPORT = "calibration_report.json"
+    TOKEN_COUNTS = "token_counts.safetensors"  # [V] int64: the training answers' tokens (draft_vocab)
 
     @property
     def config_path(self) -> Path:
@@ -56,6 +58,25 @@ class DrafterFolder(Folder):
 
     def write_calibration_report(self, report: dict) -> Path:
         return self.write_json(self.CALIBRATION_REPORT, report)
+
+    def read_token_counts(self):
+        """How often each token id occurs in the answers the drafter was trained on, or None."""
+        path = self.file(self.TOKEN_COUNTS)
+        return self.load_token_counts(path) if path.is_file() else None
+
+    def write_token_counts(self, counts) -> Path:
+        path = self.file(self.TOKEN_COUNTS)
+        atomic_save_safetensors(path, {"counts": counts.detach().long().cpu().contiguous()})
+        return path
+
+    @staticmethod
+    def load_token_counts(path: str | os.PathLike):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))["counts"]
+        except Exception as err:  # a missing file, another safetensors file, a torn write
+            raise DrafterCheckpointError(f"{path} holds no token counts ({err})") from None
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:

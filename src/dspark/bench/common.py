@@ -67,3 +67,25 @@ def publish(path: str, report: dict, header: list[str], cells: list[list[str]]) 
     print("|---|" + "---:|" * (len(header) - 1))
     for row in cells:
         print("| " + " | ".join(row) + " |")
+
+
+def add_draft_vocab_args(ap) -> None:
+    """``--draft-vocab K`` (and where its counts come from) for a benchmark that serves a drafter."""
+    ap.add_argument(
+        "--draft-vocab", type=int, default=0,
+        help="draft among the drafter's K most frequent training-answer tokens (0: the whole vocabulary)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--draft-vocab-counts", default=None,
+        help="their counts: the data folder the drafter was trained on (default: the drafter folder's own)",
+    )  # fmt: skip
+
+
+def served_draft_vocab(args, target) -> tuple[object, dict | None]:
+    """(the draft vocabulary of ``--draft-vocab`` or None, what the report records of it)."""
+    from ..decoding.draft_vocab import load_draft_vocab
+
+    vocab, coverage = load_draft_vocab(
+        args.drafter_dir, args.draft_vocab, target.vocab_size, target.eos_token_ids, args.draft_vocab_counts
+    )
+    return vocab, None if vocab is None else {"size": int(vocab.numel()), "coverage": round(coverage, 6)}

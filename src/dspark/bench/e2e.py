@@ -4,7 +4,7 @@
         [--engine fast] [--benchmark gsm8k] [--benchmark-dir <folder>] [--prompts 32] \\
         [--concurrency 1,64,256] [--waves 1] [--max-new-tokens 128] [--temperature 0[,1]] \\
         [--policies fixed,mtp1,threshold,hardware_aware,draft_aware --cost-table cost_table.json] \\
-        [--repeats 3] [--no-compile] [--out e2e.json]
+        [--repeats 3] [--no-compile] [--draft-vocab K] [--out e2e.json]
 
 For each temperature and concurrency R the same prompts (repeated to fill R slots; ``--waves`` k queues
 k · R requests behind them, continuous batching: a request that ends hands its slot on) run target-only
@@ -26,7 +26,8 @@ beats every fixed length (``goals``). Each point also keeps its rounds by rows b
 length, measured against the cost table's price (``by_length``), and by what the round before was
 (``by_transition``: a switch between plain and drafting rounds, a row that ended), the acceptance per
 draft position the rounds realised and the scheduler's estimate of it: where a choice went wrong. The
-fast engine compiles the target and the drafter on CUDA unless ``--no-compile``. ``python -m
+fast engine compiles the target and the drafter on CUDA unless ``--no-compile``. ``--draft-vocab K``:
+the drafter drafts among its K most frequent training-answer tokens (``decoding.draft_vocab``). ``python -m
 dspark.schedule mode=e2e e2e=<this json>`` draws the measured frontier from it.
 """
 
@@ -36,6 +37,7 @@ import argparse
 import logging
 
 from ..data.benchmarks import PACKAGED_BENCHMARKS
+from .common import add_draft_vocab_args
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m dspark.bench.e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--drafter-dir", required=True)
+    add_draft_vocab_args(ap)
     ap.add_argument("--engine", default="fast", choices=["plain", "fast"])
     ap.add_argument("--benchmark", default="gsm8k")
     ap.add_argument("--benchmark-dir", default=PACKAGED_BENCHMARKS, help="default: the suites dspark ships")
@@ -103,7 +106,14 @@ def _main(argv, watch) -> dict:
     from ..decoding.engine import LAUNCH_PARTS
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, kernel_fallbacks, publish, report_header, say_compile_fallbacks
+    from .common import (
+        compose_target,
+        kernel_fallbacks,
+        publish,
+        report_header,
+        say_compile_fallbacks,
+        served_draft_vocab,
+    )
     from .measure import check_policies, compare, goal_checks
 
     argv = sys.argv[1:] if argv is None else argv
@@ -132,6 +142,7 @@ def _main(argv, watch) -> dict:
     if args.drafter_dtype == "target":  # serve the drafter in the target's precision
         drafter = drafter.to(target.dtype)
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
+    vocab, vocab_report = served_draft_vocab(args, target)
     prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
     conc = [int(r) for r in args.concurrency.split(",")]
@@ -140,6 +151,7 @@ def _main(argv, watch) -> dict:
         "compile_fallbacks": watch.hits,  # functions dynamo gave up compiling: their shapes ran eagerly
         "drafter": str(args.drafter_dir),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+        "draft_vocab": vocab_report,  # None: the whole vocabulary
         "engine": args.engine,
         "benchmark": args.benchmark,
         "prompts": len(prompts),
@@ -156,7 +168,7 @@ def _main(argv, watch) -> dict:
     }
     # One concurrency at a time, the report rewritten after each: a run cut off by a time limit keeps
     # every point it finished (policies start afresh at each R, so each point stands alone).
-    engine_kw = {"pipeline": args.pipeline}
+    engine_kw = {"pipeline": args.pipeline, "draft_vocab": vocab}
     if args.engine == "fast":
         engine_kw["compile"] = args.compile
     for temperature in temperatures:

@@ -4,7 +4,7 @@
         [--context 512] [--widths 1,8] [--tokens 1,2,4,...] [--out docs/results/engine_sps.json] \\
         [--cost-table cost_table.json] [--drafter-dir <checkpoint> [--overhead] \\
         [--rounds 1,16,64,256 [--round-context 256]] [--draft-parts 1,16,64,256] [--kernels 1,256]] \\
-        [--attention-splits 1,16,256] [--temperature 1] [--no-compile]
+        [--attention-splits 1,16,256] [--temperature 1] [--no-compile] [--draft-vocab K]
 
 The verification step timed three ways (HF eager, static caches, CUDA graph; dspark.bench.sps) per
 token batch B = R x W, and with ``--drafter-dir`` the drafter's step per row count R and drafted
@@ -17,7 +17,8 @@ target-only decoding's rounds beside them (``target_round_ms``: the floor of a p
 time, the costliest) from an eager, profiled run, with ``--attention-splits`` the cache-attention
 kernel alone per row count and width, unsplit against split (``dspark.bench.attention_splits``).
 Every step and round runs at ``--temperature`` (default 1; at 0 the engine's greedy rounds, which
-build no distributions: a cost table per temperature). The fast path is compiled on CUDA unless
+build no distributions: a cost table per temperature); with ``--draft-vocab K`` the drafter drafts
+among its K most frequent training-answer tokens. The fast path is compiled on CUDA unless
 ``--no-compile``. Prints tables; writes JSON (and, with
 --cost-table, the verify curve, plus the draft curves and the round overhead when timed, as a
 scheduler cost table for ``python -m dspark.schedule cost_table=...``,
@@ -27,6 +28,8 @@ scheduler cost table for ``python -m dspark.schedule cost_table=...``,
 from __future__ import annotations
 
 import argparse
+
+from .common import add_draft_vocab_args
 
 
 def _parse(argv):
@@ -43,6 +46,7 @@ def _parse(argv):
         help="torch.compile the fast path's layer functions (default: on CUDA)",
     )  # fmt: skip
     ap.add_argument("--drafter-dir", default=None, help="also time this drafter's draft step per row count")
+    add_draft_vocab_args(ap)
     ap.add_argument(
         "--overhead", action="store_true", help="time a whole round's cost beyond its steps (R = 1)"
     )
@@ -82,7 +86,14 @@ def _main(argv, watch) -> dict:
     from ..core.io import atomic_write_json
     from ..scheduling.cost import CostModel
     from ..target import load_target
-    from .common import compose_target, kernel_fallbacks, publish, report_header, say_compile_fallbacks
+    from .common import (
+        compose_target,
+        kernel_fallbacks,
+        publish,
+        report_header,
+        say_compile_fallbacks,
+        served_draft_vocab,
+    )
     from .sps import (
         capacity,
         cost_curve,
@@ -131,9 +142,11 @@ def _main(argv, watch) -> dict:
     save()
     if args.drafter_dir:
         drafter = load_served_drafter(target, args.drafter_dir)
+        vocab, report["draft_vocab"] = served_draft_vocab(args, target)
+        serving = {"draft_vocab": vocab}  # how every drafter engine below serves it
         rows_all, cap = row_counts(widths, sizes, args.max_rows), capacity(ctx, widths + [drafter.gamma + 1])
         lengths = draft_step_times(
-            target, drafter, rows_all, ctx, cap, compile=args.compile, **timing, **temp
+            target, drafter, rows_all, ctx, cap, compile=args.compile, **timing, **temp, **serving
         )
         report.update(draft_ms=lengths[drafter.gamma], draft_len_ms=lengths)
         full = lengths[drafter.gamma]  # the whole block
@@ -144,7 +157,7 @@ def _main(argv, watch) -> dict:
         save()
         if args.overhead:
             report["round_overhead"] = round_overhead_ms(
-                target, drafter, cost, ctx, compile=args.compile, **temp
+                target, drafter, cost, ctx, compile=args.compile, **temp, **serving
             )
             cost.overhead_ms = report["round_overhead"]["overhead_ms"]
             cost.readback_ms = report["round_overhead"]["readback_ms"]
@@ -154,8 +167,9 @@ def _main(argv, watch) -> dict:
             report["round_context"] = args.round_context or ctx
             report["round_passes"] = args.round_passes
             report["round_len_ms"] = round_times(
-                target, drafter, rows, report["round_context"], args.compile, passes=args.round_passes, **temp
-            )
+                target, drafter, rows, report["round_context"], args.compile, passes=args.round_passes,
+                **temp, **serving,
+            )  # fmt: skip
             cost = CostModel.from_dict({**cost.to_dict(), "round_len_ms": report["round_len_ms"]})
             save()
             # The floor a plain round is held to: what the drafter context's upkeep costs above it.
@@ -171,7 +185,7 @@ def _main(argv, watch) -> dict:
             save()
         if args.draft_parts:
             parts = [int(r) for r in args.draft_parts.split(",")]
-            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing, **temp)
+            report["draft_parts"] = draft_parts(target, drafter, parts, ctx, **timing, **temp, **serving)
             save()
     if args.attention_splits:
         from .attention_splits import attention_splits
@@ -184,7 +198,10 @@ def _main(argv, watch) -> dict:
     if args.kernels:  # last: the profiler's own cost stays out of every timing above
         kernel_rows = [int(r) for r in args.kernels.split(",")]
         served = drafter if args.drafter_dir else None
-        report["kernels"] = step_kernels(target, served, kernel_rows, ctx, compile=args.compile, **temp)
+        vocab_kw = serving if args.drafter_dir else {}
+        report["kernels"] = step_kernels(
+            target, served, kernel_rows, ctx, compile=args.compile, **temp, **vocab_kw
+        )  # fmt: skip
         save()
     kernel_fallbacks(report)
     nan = float("nan")

@@ -17,6 +17,7 @@ import math
 import statistics
 
 import torch
+from torch import Tensor
 
 from ..checkpoints import load_drafter
 from ..decoding.engine import Engine
@@ -114,12 +115,13 @@ def _running_max(times: dict[int, float]) -> dict[int, float]:
 
 
 def _draft_engine(
-    target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None, temperature: float
-) -> FastEngine:
+    target, drafter, rows_all: list[int], ctx: int, cap: int, compile: bool | None, temperature: float,
+    draft_vocab: Tensor | None = None,
+) -> FastEngine:  # fmt: skip
     """A fast engine whose static drafter cache holds ``ctx`` random context positions per row."""
     eng = FastEngine(
         target, drafter, concurrency=max(rows_all), buckets=rows_all, capacity=cap, compile=compile,
-        temperature=temperature,
+        temperature=temperature, draft_vocab=draft_vocab,
     )  # fmt: skip
     eng._allocate(cap)
     with torch.inference_mode():
@@ -142,12 +144,13 @@ def load_served_drafter(target, drafter_dir: str):
 def draft_step_times(
     target, drafter, rows_all: list[int], ctx: int, cap: int, warmup: int, repeats: int,
     compile: bool | None = None, lengths: list[int] | None = None, temperature: float = 1.0,
+    draft_vocab: Tensor | None = None,
 ) -> dict[int, dict[int, float]]:  # fmt: skip
     """Draft-step time (ms) per drafted length and row count R, ``{γ_d: {R: ms}}``: the fast
     engine's captured step where CUDA is used (its layers compiled when ``compile``), ascending R
-    lifted to the running maximum like ``cost_curve``."""
+    lifted to the running maximum like ``cost_curve``; over ``draft_vocab``'s tokens where given."""
     device = target.device
-    eng = _draft_engine(target, drafter, rows_all, ctx, cap, compile, temperature)
+    eng = _draft_engine(target, drafter, rows_all, ctx, cap, compile, temperature, draft_vocab)
     out: dict[int, dict[int, float]] = {}
     with torch.inference_mode():
         for m in lengths or range(1, drafter.gamma + 1):
@@ -165,8 +168,9 @@ def draft_step_times(
 
 
 def step_kernels(
-    target, drafter, rows: list[int], ctx: int, compile: bool | None = None, temperature: float = 1.0
-) -> list[dict]:
+    target, drafter, rows: list[int], ctx: int, compile: bool | None = None, temperature: float = 1.0,
+    draft_vocab: Tensor | None = None,
+) -> list[dict]:  # fmt: skip
     """Per row count R, the kernels of a round's steps, run eagerly and profiled
     (``kernel_profile.kernel_table``): the verify step at width 1 and γ + 1 (with a drafter it also
     writes the drafter's context, as in a round), the draft step of the whole block, a plain
@@ -189,7 +193,11 @@ def step_kernels(
         return e
 
     floor = target_only()
-    eng = floor if drafter is None else _draft_engine(target, drafter, rows, ctx, cap, compile, temperature)
+    eng = (
+        floor
+        if drafter is None
+        else _draft_engine(target, drafter, rows, ctx, cap, compile, temperature, draft_vocab)
+    )
     out = []
     with torch.inference_mode():
         for e in dict.fromkeys((eng, floor)):  # one engine without a drafter
@@ -229,8 +237,9 @@ def step_kernels(
 
 
 def draft_parts(
-    target, drafter, rows_all: list[int], ctx: int, warmup: int, repeats: int, temperature: float = 1.0
-) -> list[dict]:
+    target, drafter, rows_all: list[int], ctx: int, warmup: int, repeats: int, temperature: float = 1.0,
+    draft_vocab: Tensor | None = None,
+) -> list[dict]:  # fmt: skip
     """The draft step's parts, each timed alone and eagerly (launch overheads included, which the
     captured step does not pay) per row count R: the backbone over the γ-block, the LM head over
     R × γ positions, the heads and sampling for all γ positions and for one, and the sampling
@@ -248,7 +257,10 @@ def draft_parts(
         print(f"draft parts: drafter '{drafter.kind}' is no block drafter; skipped", flush=True)
         return []
     cap = 128 * math.ceil((ctx + drafter.gamma + 16) / 128)
-    eng = _draft_engine(target, drafter, [max(rows_all)], ctx, cap, compile=False, temperature=temperature)
+    eng = _draft_engine(
+        target, drafter, [max(rows_all)], ctx, cap, compile=False, temperature=temperature,
+        draft_vocab=draft_vocab,
+    )  # fmt: skip
     out = []
     with torch.inference_mode():
         for r in rows_all:
@@ -311,8 +323,9 @@ def _parts_at(eng: FastEngine, r: int, ctx: int, temperature: float, warmup: int
 
 
 def round_overhead_ms(
-    target, drafter, cost, ctx: int, compile: bool | None = None, tokens: int = 48, temperature: float = 1.0
-) -> dict[str, float]:
+    target, drafter, cost, ctx: int, compile: bool | None = None, tokens: int = 48, temperature: float = 1.0,
+    draft_vocab: Tensor | None = None,
+) -> dict[str, float]:  # fmt: skip
     """What a whole round costs beyond its profiled steps, at R = 1: the fast engine decodes a
     random prompt of ``ctx`` tokens with the whole block drafted, then with plain rounds (no draft
     step), then with the whole block drafted but its width read back from the device, and each
@@ -320,7 +333,7 @@ def round_overhead_ms(
     ``cost.round_time``. ``overhead_ms`` is what a drafting round adds on top of what a plain round
     adds (host work the device waited for, the eager kernels between the graphs); ``readback_ms``
     what the read-back adds to the same round (the device idle while the host launches the rest)."""
-    eng, reqs = _round_engine(target, drafter, [1], ctx, compile, tokens, temperature)
+    eng, reqs = _round_engine(target, drafter, [1], ctx, compile, tokens, temperature, draft_vocab)
     measured = {
         name: _median_round_ms(eng, reqs, policy)
         for name, policy in (("drafting", Fixed(None)), ("plain", Fixed(0)), ("read_back", _ReadBack()))
@@ -343,6 +356,7 @@ def round_overhead_ms(
 def round_times(
     target, drafter, rows_all: list[int], ctx: int, compile: bool | None = None, tokens: int = 32,
     lengths: list[int] | None = None, temperature: float = 1.0, passes: int = 3,
+    draft_vocab: Tensor | None = None,
 ) -> dict[int, dict[int, float]]:  # fmt: skip
     """Whole rounds as the engine runs them, ``{γ_d: {R: ms}}`` for ``γ_d = 0..γ`` (0: a plain
     round; ``lengths``: only those) and each row count R: R requests of a random ``ctx``-token
@@ -359,7 +373,7 @@ def round_times(
     plain round (target-only's step plus the drafter context's upkeep) is held to."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens, temperature)
+    eng, _ = _round_engine(target, drafter, rows_all, ctx, compile, tokens, temperature, draft_vocab)
     wanted = list(range(drafter.gamma + 1) if lengths is None else lengths)
     who = "round" if drafter is not None else "target-only round"
     out: dict[int, dict[int, float]] = {m: {} for m in wanted}
@@ -389,13 +403,15 @@ def fewer_drafts_cost_no_more(ms: dict[int, float]) -> dict[int, float]:
 
 
 def _round_engine(
-    target, drafter, rows_all: list[int], ctx: int, compile: bool | None, tokens: int, temperature: float
-):
+    target, drafter, rows_all: list[int], ctx: int, compile: bool | None, tokens: int, temperature: float,
+    draft_vocab: Tensor | None = None,
+):  # fmt: skip
     """A fast engine for ``max(rows_all)`` requests of ``ctx`` prompt tokens and ``tokens`` new
     ones (no EOS: every request runs its whole budget), and the requests of the largest R."""
     eng = FastEngine(
         target, drafter, Fixed(None), temperature=temperature, concurrency=max(rows_all),
         max_new_tokens=tokens, buckets=tuple(rows_all), compile=compile, eos_token_ids=(),
+        draft_vocab=draft_vocab,
     )  # fmt: skip
     reqs = _round_requests(target, max(rows_all), ctx)
     eng.prepare(reqs)

@@ -50,6 +50,8 @@ class EvaluateConfig:
     progress: bool
     out_dir: str
     engine_compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
+    draft_vocab: Natural = 0  # the drafter's K most frequent answer tokens (decoding.draft_vocab); 0: all
+    draft_vocab_counts: str | None = None  # their counts: null = the drafter folder's; else a data folder
 
 
 @dataclass

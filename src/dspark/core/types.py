@@ -46,15 +46,37 @@ class TargetDims:
 @dataclass
 class Shared:
     """Frozen target parts lent to the drafter; never registered as its parameters, so they stay out
-    of its optimizer and its checkpoint."""
+    of its optimizer and its checkpoint.
+
+    With a draft vocabulary (``vocab``: K target token ids, FR-Spec / EAGLE-3 style) the drafter
+    drafts among those K tokens only: ``lm_weight`` holds just their rows, so the draft step's LM
+    head and softmax cover K columns, and the drafter maps what it draws back to target ids
+    (``target_ids``) and its distributions back to the target's V (``target_probs``). Verification
+    stays exact: a token outside the vocabulary has draft probability 0."""
 
     embed: Callable[[Tensor], Tensor]
-    lm_weight: Tensor  # [V, d]
+    lm_weight: Tensor  # [V, d], or [K, d]: the rows of ``vocab``
     softcap: float | None = None
+    vocab: Tensor | None = None  # [K] long, sorted target ids; None: the whole vocabulary
 
     @classmethod
-    def of(cls, target) -> Shared:
-        return cls(embed=target.embed, lm_weight=target.lm_head_weight, softcap=target.softcap)
+    def of(cls, target, vocab: Tensor | None = None) -> Shared:
+        weight = target.lm_head_weight
+        if vocab is not None:
+            vocab = vocab.to(device=weight.device, dtype=torch.long)
+            weight = weight[vocab]  # a copy, made once: the draft step never reads the other rows
+        return cls(embed=target.embed, lm_weight=weight, softcap=target.softcap, vocab=vocab)
+
+    def target_ids(self, index: Tensor) -> Tensor:
+        """Target token ids of draft-vocabulary indices (the indices themselves without one)."""
+        return index if self.vocab is None else self.vocab[index]
+
+    def target_probs(self, probs: Tensor | None, vocab_size: int) -> Tensor | None:
+        """Distributions [..., K] over the draft vocabulary as [..., V] over the target's (0 off it)."""
+        if self.vocab is None or probs is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], vocab_size)
+        return full.index_copy_(-1, self.vocab, probs)
 
 
 @dataclass

@@ -301,6 +301,13 @@ class DraftDataModule(L.LightningDataModule):
         self._load("train")
         self._load("val")
 
+    def answer_token_counts(self, vocab_size: int):
+        """How often each token id occurs in the training split's answers (its joined sets
+        included): what a draft vocabulary is chosen from (``decoding.draft_vocab``)."""
+        from ..decoding.draft_vocab import answer_token_counts
+
+        return answer_token_counts([self._load("train").tokens], vocab_size)
+
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         trainer = self.trainer
         if trainer is not None and trainer.training and "lengths" in batch:

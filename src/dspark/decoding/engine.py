@@ -83,6 +83,7 @@ from ..core.sampling import sample_from
 from ..core.tensors import kept_tensor
 from ..core.types import Shared
 from ..scheduling.policies import Fixed, Policy
+from .draft_vocab import check_draft_vocab
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
 from .stall_watch import StallWatch
@@ -341,6 +342,9 @@ class Engine:
             host reads one, for a host whose cycle is about as long as a round). Each one more lets a
             finished request ride along one more round (its tokens dropped) and plans rounds from
             outcomes one round older: still non-anticipating.
+        draft_vocab: [K] sorted target token ids the drafter drafts among (``decoding.draft_vocab``:
+            the K most frequent of its training answers); its draft step's LM head and softmax then
+            cover K columns. None: the whole vocabulary. Lossless either way.
     """
 
     _static_sampling = False  # top-p by candidates with host syncs; FastEngine sorts statically
@@ -367,6 +371,7 @@ class Engine:
         record_rounds: bool = True,
         record_confidence: bool = True,
         pipeline: int = 1,
+        draft_vocab: Tensor | None = None,
     ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -391,7 +396,9 @@ class Engine:
         self.progress = progress
         self.desc = desc
         self.device = target.device
-        self.shared = Shared.of(target)
+        if draft_vocab is not None:
+            draft_vocab = check_draft_vocab(draft_vocab, target.vocab_size)
+        self.shared = Shared.of(target, draft_vocab)
         self.cost = cost
         self.has_confidence = drafter is not None and drafter.has_confidence
         self.set_policy(policy)

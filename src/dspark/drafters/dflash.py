@@ -345,10 +345,12 @@ class BlockDrafter(Drafter):
         return None
 
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
-        """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences."""
+        """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences (the
+        draws over a draft vocabulary where ``shared`` has one, mapped back to the target's ids)."""
         r, n, _ = hidden.shape
         step = sample_step(self.block_logits(hidden, shared).flatten(0, 1), None, temperature, u.flatten())
-        return step.tokens.view(r, n), step.probs.view(r, n, -1), None
+        probs = shared.target_probs(step.probs.view(r, n, -1), self.dims.vocab_size)
+        return shared.target_ids(step.tokens.view(r, n)), probs, None
 
     @staticmethod
     def block_logits(hidden: Tensor, shared: Shared) -> Tensor:
@@ -367,7 +369,7 @@ class BlockDrafter(Drafter):
         T = 0 the argmax tokens alone (probabilities None: greedy verification reads tokens only)."""
         first = hidden[:, : u.shape[1]].contiguous()  # one GEMM for the LM head (see propose)
         if temperature == 0:
-            return self.block_logits(first, shared).argmax(-1), None, None
+            return shared.target_ids(self.block_logits(first, shared).argmax(-1)), None, None
         return self.sample_block(first, anchor, shared, temperature, u)
 
     # ---- training ----------------------------------------------------------------------------

@@ -117,30 +117,39 @@ class FusedDraft:
         if self.compiled:
             mark_dynamic(t, *dims)
 
-    def step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap, greedy=False):
+    def step(
+        self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap, greedy=False,
+        bias_weight: Tensor | None = None,
+    ):  # fmt: skip
         """``position`` (``argmax`` when ``greedy``) for one drafted position; the rows of the very
-        tensors passed are marked dynamic (marks live on tensors). Its slices of the block sit at
+        tensors passed are marked dynamic (marks live on tensors; not ``bias_weight``'s, a draft
+        vocabulary's rows of W2, whose size is the vocabulary's). Its slices of the block sit at
         another storage offset for each position: duck sizing (one symbol for equal sizes) would tie
         an offset to an equal size or stride and recompile at the position where they part, so it
         is off here."""
         fn = self.argmax if greedy else self.position
-        return self._marked(fn, base, h, prev, state, softcap)
+        return self._marked(fn, base, h, prev, state, softcap, bias_weight=bias_weight)
 
-    def greedy_step(self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap):
+    def greedy_step(
+        self, base: Tensor, h: Tensor, prev: Tensor, state: Tensor | None, softcap,
+        bias_weight: Tensor | None = None,
+    ):  # fmt: skip
         """A position's greedy token and the head's new state. Where ``greedy_kernel`` allows (on
         CUDA, compiled, no soft-cap, up to 64 rows) ``kernels.bias_argmax`` takes the head's
         features to the token (the bias GEMM, the sum and the argmax in two kernels, no [R, V] bias
         logits): a Markov head's features (W1 at the previous tokens) it gathers itself, other
         heads' come from their step compiled alone. Else ``step(greedy=True)``, the compiled
         ``position_argmax``. The same token either way, to the bias GEMM's rounding (the kernel
-        checks itself once per device)."""
+        checks itself once per device). With a draft vocabulary (``bias_weight``: its rows of W2)
+        the token is an index into it."""
         if not self._greedy_kernel_runs(base, h, softcap):
-            return self.step(base, h, prev, state, softcap, greedy=True)
+            return self.step(base, h, prev, state, softcap, greedy=True, bias_weight=bias_weight)
         head = self.drafter.head
+        w2 = head.W2.weight if bias_weight is None else bias_weight
         if isinstance(head, MarkovHead):  # b = W1[prev]: the kernel gathers it, no step of its own
-            return bias_argmax(base, head.W2.weight, head.W1.weight, rows=prev, impl="triton"), state
+            return bias_argmax(base, w2, head.W1.weight, rows=prev, impl="triton"), state
         b, state = self._marked(self.head_step, h, prev, state)
-        return bias_argmax(base, head.W2.weight, b, impl="triton"), state
+        return bias_argmax(base, w2, b, impl="triton"), state
 
     def _greedy_kernel_runs(self, base: Tensor, h: Tensor, softcap) -> bool:
         head = self.drafter.head
@@ -152,16 +161,16 @@ class FusedDraft:
             return False
         return bias_argmax_self_check(base.device, h.dtype, head.rank)
 
-    def _marked(self, fn, *args):
-        """``fn(*args)``, compiled with the rows of its tensor arguments dynamic and duck sizing off
-        (see ``step``)."""
+    def _marked(self, fn, *args, **unmarked):
+        """``fn(*args, **unmarked)``, compiled with the rows of its positional tensor arguments
+        dynamic and duck sizing off (see ``step``)."""
         if not self.compiled:
-            return fn(*args)
+            return fn(*args, **unmarked)
         for t in args:
             if isinstance(t, Tensor):
                 mark_dynamic(t, 0)
         with no_duck_shapes():
-            return fn(*args)
+            return fn(*args, **unmarked)
 
     def attention_impl(self, cache: DraftCache) -> str:
         """``draft_hidden``'s ``attention``: "triton" (``kernels.cache_attention``) over a static

@@ -3,7 +3,10 @@ low-rank bias to each position's logits, and a confidence head predicting prefix
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.errors import ConfigError
@@ -11,6 +14,7 @@ from ..core.sampling import greedy_tokens
 from ..core.types import TargetDims
 from ..kernels.sample_step import sample_step
 from .base import head_product
+from .derived import DerivedWeights
 from .dflash import BlockDrafter, check_slots
 from .heads import HEADS, ConfidenceHead
 from .registry import register
@@ -29,6 +33,7 @@ class DSparkDrafter(BlockDrafter):
         if self.config_has_confidence(cfg):
             prev_dim = self.head.rank if self.head is not None and conf.get("use_prev_embedding", True) else 0
             self.confidence = ConfidenceHead(dims.hidden_size, prev_dim)
+        self._vocab_rows: dict[int, tuple] = {}  # id(draft vocabulary) -> (its weakref, W2's rows)
 
     @classmethod
     def check_config(cls, drafter_cfg, head_cfg) -> None:
@@ -62,6 +67,21 @@ class DSparkDrafter(BlockDrafter):
     def bias_weight(self) -> Tensor | None:
         return None if self.head is None else self.head.W2.weight
 
+    def vocab_bias_weight(self, shared) -> Tensor | None:
+        """W2's rows [K, r] for ``shared``'s draft vocabulary, kept in step with W2 (one copy per
+        vocabulary, so an engine's captured graphs keep reading their own); None where W2 itself
+        serves (no draft vocabulary, or no head)."""
+        vocab = shared.vocab
+        if vocab is None or self.head is None:
+            return None
+        entry = self._vocab_rows.get(id(vocab))
+        if entry is None or entry[0]() is not vocab:
+            self._vocab_rows = {k: e for k, e in self._vocab_rows.items() if e[0]() is not None}
+            ref = weakref.ref(vocab)
+            entry = (ref, DerivedWeights(lambda: [self.head.W2.weight, ref()], lambda w, ids: w[ids]))
+            self._vocab_rows[id(vocab)] = entry
+        return entry[1].get()
+
     def sample_block(self, hidden, anchor, shared, temperature, u):
         """Left to right over the positions of ``hidden`` [R, n, d]: each position's exact
         distribution is conditioned on the token actually sampled before it, so verification
@@ -70,26 +90,34 @@ class DSparkDrafter(BlockDrafter):
         (``kernels.sample_step``; its PyTorch reference off CUDA). The confidences need only each
         position's hidden state and the token before it: one batched pass after the loop."""
         base = head_product(hidden, shared.lm_weight)  # [R, n, V]; upcast in the sampler
+        w2 = self.vocab_bias_weight(shared)
         prev = anchor
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
         tokens, probs = [], []
         for k in range(hidden.shape[1]):
-            logits, bias, state = self.position_logits(base[:, k], hidden[:, k], prev, state, shared.softcap)
+            logits, bias, state = self.position_logits(
+                base[:, k], hidden[:, k], prev, state, shared.softcap, w2
+            )  # fmt: skip
             step = sample_step(logits, bias, temperature, u[:, k])
-            prev = step.tokens
+            prev = shared.target_ids(step.tokens)
             tokens.append(prev)
             probs.append(step.probs)
         tokens = torch.stack(tokens, 1)
-        return tokens, torch.stack(probs, 1), self.confidence_pass(hidden, anchor, tokens)
+        probs = shared.target_probs(torch.stack(probs, 1), self.dims.vocab_size)
+        return tokens, probs, self.confidence_pass(hidden, anchor, tokens)
 
-    def position_logits(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
+    def position_logits(
+        self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None,
+        bias_weight: Tensor | None = None,
+    ):  # fmt: skip
         """One position: the LM head's logits ``base`` [R, V], the backbone's hidden state ``h``
         [R, d] and the token before ``prev`` [R] -> (logits, bias or None, the head's new state):
-        what ``sample_step`` draws from."""
+        what ``sample_step`` draws from. ``bias_weight``: W2's rows of a draft vocabulary
+        (``vocab_bias_weight``; None: W2), whose K columns ``base`` then has."""
         bias = None
         if self.head is not None:
             b, state = self.head.step(h, prev, state)
-            bias = self.head.bias_logits(b)
+            bias = self.head.bias_logits(b) if bias_weight is None else F.linear(b, bias_weight)
         if softcap:  # the cap applies to the sum: add first
             logits = base.float() + (0.0 if bias is None else bias.float())
             return torch.tanh(logits / softcap) * softcap, None, state
@@ -100,11 +128,15 @@ class DSparkDrafter(BlockDrafter):
         are W2 b (``kernels.bias_argmax`` takes b to the greedy token)."""
         return self.head.step(h, prev, state)
 
-    def position_argmax(self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None):
+    def position_argmax(
+        self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None,
+        bias_weight: Tensor | None = None,
+    ):  # fmt: skip
         """``position_logits`` and then the greedy token [R]: the argmax of the float32 logits plus
         bias, what ``sample_step`` takes at T = 0 (ties to the lowest index; ``greedy_tokens``: the
-        compiled step's reduction in vocabulary slices, many programs a row at one row)."""
-        logits, bias, state = self.position_logits(base, h, prev, state, softcap)
+        compiled step's reduction in vocabulary slices, many programs a row at one row); an index
+        into the draft vocabulary where there is one."""
+        logits, bias, state = self.position_logits(base, h, prev, state, softcap, bias_weight)
         z = logits.float() if bias is None else logits.float() + bias.float()
         return greedy_tokens(z), state
 
@@ -136,17 +168,20 @@ class DSparkDrafter(BlockDrafter):
         base = head_product(first, shared.lm_weight)  # [n, R, V]: one GEMM, also at R = 1
         greedy = temperature == 0
         probs = None if greedy else base.new_empty((r, n, base.shape[-1]), dtype=torch.float32)
+        w2 = self.vocab_bias_weight(shared)
         state = self.head.init_state(r, first) if self.head is not None else None
         prev, tokens = anchor, []
         for k in range(n):
             logits, bias, h = base[k], None, first[k]
             if greedy:
-                prev, state = fused.greedy_step(logits, h, prev, state, shared.softcap)
+                index, state = fused.greedy_step(logits, h, prev, state, shared.softcap, w2)
             else:
                 if self.head is not None or shared.softcap:
-                    logits, bias, state = fused.step(logits, h, prev, state, shared.softcap)
-                prev = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
+                    logits, bias, state = fused.step(logits, h, prev, state, shared.softcap, bias_weight=w2)
+                index = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
+            prev = shared.target_ids(index)
             tokens.append(prev)
+        probs = shared.target_probs(probs, self.dims.vocab_size)
         if self.confidence is None:
             return torch.stack(tokens, 1), probs, None
         block = torch.stack(tokens + [anchor] * (gamma - n), 1)  # [R, γ]: the drafted tokens, padded

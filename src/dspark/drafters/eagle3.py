@@ -187,9 +187,10 @@ class Eagle3Drafter(Drafter):
     def _draw_step(self, g: Tensor, u: Tensor, temperature: float, shared: Shared) -> tuple[Tensor, Tensor]:
         """One position's distribution from the chain's output and its token drawn with ``u``: the
         norm, the LM head, the softmax and the inverse-CDF draw, one graph when compiled (eager, a
-        dozen small kernels a position)."""
+        dozen small kernels a position). With a draft vocabulary ``p`` covers its K tokens and the
+        token is mapped back to the target's ids."""
         p = probs_from_logits(output_logits(self.norm(g), shared.lm_weight, shared.softcap), temperature)
-        return p, sample_from(p, u)
+        return p, shared.target_ids(sample_from(p, u))
 
     def compile_inference(self, compiler: Callable | None = inference_compiler) -> None:
         """The static-cache paths, a chain step, a commit and a position's draw, each wrapped by
@@ -253,4 +254,5 @@ class Eagle3Drafter(Drafter):
                 chain_k[li].append(k)
                 chain_v[li].append(v)
             g = out[:, 0]
-        return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1), confidence_logits=None)
+        probs = shared.target_probs(torch.stack(probs, 1), self.dims.vocab_size)
+        return Proposal(tokens=torch.stack(tokens, 1), probs=probs, confidence_logits=None)

@@ -41,6 +41,20 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
             f"engine=fast drafts with block drafters ({', '.join(static_cache_drafters())}); "
             f"{spec.kind} runs on engine=plain"
         )
+    size = cfg.get("draft_vocab") or 0
+    if int(size) < 0:
+        raise ConfigError(f"draft_vocab={size} is negative: a token count, or 0 for the whole vocabulary")
+    counts = cfg.get("draft_vocab_counts")
+    if int(size) and counts is None and DrafterFolder(folder).read_token_counts() is None:
+        raise ConfigError(
+            f"draft_vocab={size} picks the drafter's most frequent answer tokens, but {folder} has no "
+            f"{DrafterFolder.TOKEN_COUNTS} (trained before training wrote them): pass "
+            f"draft_vocab_counts=<the data folder it was trained on>"
+        )
+    if counts is not None and not Path(str(counts)).expanduser().exists():
+        raise ConfigError(
+            f"draft_vocab_counts={counts} does not exist (a data folder, or a token counts file)"
+        )
     policy = build_policy(cfg.policy)
     if isinstance(policy, Fixed) and policy.gamma is not None and policy.gamma > spec.gamma:
         raise ConfigError(

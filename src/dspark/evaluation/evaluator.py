@@ -18,6 +18,7 @@ from ..artifacts import DrafterFolder, EvaluationFolder
 from ..calibration.sts import Calibration
 from ..checkpoints import load_drafter
 from ..core.errors import ConfigError
+from ..decoding.draft_vocab import load_draft_vocab
 from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
@@ -51,9 +52,15 @@ def requests(target, prompts: Iterable[tuple[str, str]]) -> list[Request]:
 
 
 class Evaluator:
-    def __init__(self, cfg: DictConfig, target, drafter, calibration, policy: Policy, cost):
+    def __init__(
+        self, cfg: DictConfig, target, drafter, calibration, policy: Policy, cost,
+        draft_vocab: Tensor | None = None, vocab_coverage: float = 1.0,
+    ):  # fmt: skip
         self.cfg, self.target, self.drafter = cfg, target, drafter
         self.calibration, self.policy, self.cost = calibration, policy, cost
+        # The drafter's draft vocabulary (None: the whole) and the share of its training answers'
+        # tokens that it holds.
+        self.draft_vocab, self.vocab_coverage = draft_vocab, vocab_coverage
 
     @classmethod
     def load(cls, cfg: DictConfig, target) -> Evaluator:
@@ -61,7 +68,11 @@ class Evaluator:
         drafter, _ = load_drafter(cfg.drafter_dir, target, device=target.device)
         calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
         cost = CostModel.load(cfg.policy.cost_table) if cfg.policy.get("cost_table") else None
-        return cls(cfg, target, drafter, calibration, build_policy(cfg.policy), cost)
+        vocab, coverage = load_draft_vocab(
+            cfg.drafter_dir, int(cfg.get("draft_vocab") or 0), target.vocab_size, target.eos_token_ids,
+            cfg.get("draft_vocab_counts"),
+        )  # fmt: skip
+        return cls(cfg, target, drafter, calibration, build_policy(cfg.policy), cost, vocab, coverage)
 
     def check_context(self, report: dict[str, list[str]], held_out: list[tuple[str, str]]) -> None:
         """Before any decoding: every prompt with its answer budget fits the target's context
@@ -99,6 +110,7 @@ class Evaluator:
             generator=gen,
             progress=bool(cfg.progress),
             desc=name,
+            draft_vocab=self.draft_vocab,
             **fast,
         )
 

@@ -37,6 +37,10 @@ def write_outputs(
         "temperature": float(cfg.temperature),
         "gamma": int(fixed_gamma) if fixed_gamma is not None else gamma,
         "policy": OmegaConf.to_container(cfg.policy, resolve=True),
+        # None: the whole vocabulary; else its size and the share of the training answers' tokens it holds
+        "draft_vocab": None
+        if ev.draft_vocab is None
+        else {"size": int(ev.draft_vocab.numel()), "coverage": round(ev.vocab_coverage, 6)},
         "benchmarks": {
             name: _benchmark(recs, out.generations[name], gamma) for name, recs in out.rounds.items()
         },

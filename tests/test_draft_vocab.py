@@ -1,0 +1,272 @@
+"""Draft vocabularies (``decoding.draft_vocab``): which tokens are chosen, how a drafter drafts among
+them (its distribution is the whole vocabulary's conditioned on them, on every path), that decoding
+with one stays lossless (greedy parity, the exact T = 1 distribution), and that training and the
+evaluation carry the counts they are chosen from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_drafter_contract import CASES, _with_context
+from test_engine import N_SAMPLES, _first_three, assert_matches, exact_triples, make_drafter, prompts_for
+from test_evaluate import _bench, _cfg, _save
+
+from dspark.artifacts import DrafterFolder
+from dspark.core.errors import ConfigError, DataError
+from dspark.core.types import Shared
+from dspark.data.tokenize import TokenSplit
+from dspark.decoding.draft_vocab import (
+    answer_token_counts,
+    check_draft_vocab,
+    coverage,
+    draft_vocab_from_counts,
+    load_draft_vocab,
+    most_frequent,
+)
+from dspark.decoding.engine import Engine
+from dspark.decoding.fast_engine import FastEngine
+from dspark.evaluation import check_config
+
+
+def test_most_frequent_takes_counts_then_lower_ids_and_keeps_the_forced_tokens():
+    counts = torch.tensor([5, 0, 9, 5, 1, 7, 0, 2])
+    assert most_frequent(counts, 3).tolist() == [0, 2, 5]  # 9, 7, then 5 twice: id 0 before 3
+    assert most_frequent(counts, 3, always=[6]).tolist() == [2, 5, 6]  # the EOS displaces the last
+    assert draft_vocab_from_counts(counts, 0) is None and draft_vocab_from_counts(counts, 8) is None
+    with pytest.raises(ConfigError, match="cannot hold the tokens"):
+        most_frequent(counts, 1, always=[1, 6])
+    with pytest.raises(ConfigError, match="negative"):
+        draft_vocab_from_counts(counts, -2)
+    assert coverage(counts, torch.tensor([2, 5])) == pytest.approx(16 / 29)
+
+
+def test_check_draft_vocab_names_what_is_wrong():
+    assert check_draft_vocab(torch.tensor([1, 4, 9], dtype=torch.int32), 10).dtype == torch.long
+    for bad, why in [
+        (torch.tensor([3, 1]), "sorted ascending"),
+        (torch.tensor([1, 1]), "unique"),
+        (torch.tensor([0, 10]), r"outside \[0, 10\)"),
+        (torch.tensor([]), "non-empty 1-D"),
+        (torch.tensor([0.0, 1.0]), "token ids"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            check_draft_vocab(bad, 10)
+
+
+def test_answer_token_counts_count_the_trained_positions_only():
+    ids = torch.tensor([1, 7, 7, 2, 3, 7, 9])
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 0], dtype=torch.bool)
+    split = TokenSplit(ids, mask, torch.tensor([0, 4, 7]), ["a", "b"], {})
+    counts = answer_token_counts([split, split], 10)
+    assert counts.tolist() == [0, 0, 2, 0, 0, 0, 0, 6, 0, 0]
+    with pytest.raises(DataError, match="tokenised for another target"):
+        answer_token_counts(
+            [split], 7
+        )  # a trained 7 is outside a vocabulary of 7 (the untrained 9 is not counted)
+
+
+def _vocab(target, seed=3):
+    """Half the ids, at random (a vocabulary that leaves out likely tokens too)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(target.vocab_size, generator=g)[: target.vocab_size // 2].sort().values
+
+
+def _restricted(probs, vocab):
+    kept = torch.zeros_like(probs)
+    kept[..., vocab] = probs[..., vocab]
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize("name,head", CASES)
+def test_a_drafter_drafts_the_whole_vocabularys_distribution_conditioned_on_its_draft_vocabulary(
+    tiny_target, name, head, fused
+):
+    """The first drafted position (and every position of a parallel drafter, whose positions do
+    not see each other's draws) has exactly the whole vocabulary's distribution restricted to the
+    draft vocabulary and renormalised; every token is in it; the proposal's probabilities are the
+    target's V columns, 0 off the vocabulary. The identity vocabulary changes nothing."""
+    drafter, whole, cache, anchors, apos = _with_context(tiny_target, name, head, seed=4)
+    if getattr(drafter, "head", None) is not None:
+        torch.nn.init.normal_(drafter.head.W2.weight, std=0.5)  # a bias that matters
+    if fused:
+        if not drafter.supports_static_cache or name == "eagle3":
+            pytest.skip("the fused draft step is the block drafters'")
+        drafter.compile_inference(compiler=None)
+    vocab = _vocab(tiny_target)
+    part = Shared.of(tiny_target, vocab)
+    same = Shared.of(tiny_target, torch.arange(tiny_target.vocab_size))
+    u = torch.rand(anchors.shape[0], drafter.gamma, generator=torch.Generator().manual_seed(5))
+    a = drafter.propose(cache, anchors, apos, whole, 1.0, uniforms=u)
+    b = drafter.propose(cache, anchors, apos, part, 1.0, uniforms=u)
+    c = drafter.propose(cache, anchors, apos, same, 1.0, uniforms=u)
+    assert torch.equal(a.tokens, c.tokens)
+    torch.testing.assert_close(a.probs, c.probs)
+    assert torch.isin(b.tokens, vocab).all()
+    assert b.probs.shape == a.probs.shape
+    off = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+    off[vocab] = False
+    assert (b.probs[..., off] == 0).all()
+    torch.testing.assert_close(b.probs.sum(-1), torch.ones(b.probs.shape[:-1]), atol=1e-4, rtol=0)
+    parallel = name == "dflash"
+    n = drafter.gamma if parallel else 1
+    torch.testing.assert_close(b.probs[:, :n], _restricted(a.probs[:, :n], vocab), atol=1e-6, rtol=1e-4)
+    greedy_whole = drafter.propose(cache, anchors, apos, whole, 0.0, uniforms=u)
+    greedy_part = drafter.propose(cache, anchors, apos, part, 0.0, uniforms=u)
+    assert torch.isin(greedy_part.tokens, vocab).all()
+    want = torch.where(off, float("-inf"), a.probs[:, :n].log()).argmax(-1)  # argmax over the vocabulary
+    assert torch.equal(greedy_part.tokens[:, :n], want)
+    if b.confidence_logits is not None:  # the confidences read the drafted tokens: target ids
+        assert greedy_whole.confidence_logits is not None
+
+
+@pytest.mark.parametrize("engine", [Engine, FastEngine], ids=["plain", "fast"])
+@pytest.mark.parametrize("kind", ["dspark-markov", "dflash", "eagle3"])
+def test_greedy_output_with_a_draft_vocabulary_is_the_targets(small_target, kind, engine):
+    t = small_target
+    prompts = prompts_for(t, 4, seed=6)
+    n = 24
+    base = Engine(t, None, temperature=0, max_new_tokens=n, concurrency=4, eos_token_ids=()).generate(prompts)
+    name, _, head = kind.partition("-")
+    drafter = make_drafter(t, name, head or "none", gamma=4)[0]
+    kw = {"compile": False} if engine is FastEngine else {}
+    res = engine(
+        t,
+        drafter,
+        temperature=0,
+        max_new_tokens=n,
+        concurrency=4,
+        eos_token_ids=(),
+        draft_vocab=_vocab(t),
+        **kw,
+    ).generate(prompts)
+    for g, ref in zip(res.generations, base.generations):
+        assert g.tokens == ref.tokens, f"{kind}: greedy output with a draft vocabulary differs"
+
+
+@pytest.fixture(scope="module")
+def stat_prompt():
+    return [1, 57, 3, 201, 90]
+
+
+@pytest.fixture(scope="module")
+def exact(small_target, stat_prompt):
+    return exact_triples(small_target, stat_prompt, N_SAMPLES)
+
+
+@pytest.mark.parametrize("kind", ["dspark-markov", "eagle3"])
+def test_sampling_with_a_draft_vocabulary_is_lossless(small_target, stat_prompt, exact, kind):
+    """T = 1: the first three tokens' joint distribution is the target's, with half of the
+    vocabulary undraftable (their mass comes from the residual alone)."""
+    name, _, head = kind.partition("-")
+    drafter = make_drafter(small_target, name, head or "none", gamma=4)[0]
+    if head:
+        torch.nn.init.normal_(drafter.head.W2.weight, std=0.5)
+    samples, _ = _first_three(small_target, drafter, stat_prompt, seed=7, draft_vocab=_vocab(small_target))
+    assert_matches(samples, exact, N_SAMPLES, f"{kind} with a draft vocabulary")
+
+
+def test_engines_refuse_a_malformed_vocabulary(small_target):
+    with pytest.raises(ValueError, match="sorted ascending"):
+        Engine(small_target, None, draft_vocab=torch.tensor([5, 2]))
+
+
+def test_evaluation_drafts_among_the_folders_most_frequent_tokens(tiny_target, tmp_path):
+    """draft_vocab=K: refused before loading where no counts exist (the fix named), else the K most
+    frequent of the folder's counts, recorded in results.json with their coverage."""
+    from dspark import evaluate
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    with pytest.raises(ConfigError, match="draft_vocab_counts=<the data folder"):
+        check_config(_cfg(f"drafter_dir={drafter}", "draft_vocab=64"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_config(_cfg(f"drafter_dir={drafter}", "draft_vocab=64", f"draft_vocab_counts={tmp_path}/none"))
+    counts = torch.zeros(tiny_target.vocab_size, dtype=torch.long)
+    counts[100:164] = torch.arange(64, 0, -1)
+    DrafterFolder(drafter).write_token_counts(counts)
+    vocab, cov = load_draft_vocab(drafter, 64, tiny_target.vocab_size, always=tiny_target.eos_token_ids)
+    assert set(tiny_target.eos_token_ids) <= set(vocab.tolist()) and len(vocab) == 64
+    assert cov == pytest.approx(coverage(counts, vocab)) and 0.9 < cov < 1
+    out = tmp_path / "out"
+    cfg = _cfg(
+        "target=tiny",
+        f"drafter_dir={drafter}",
+        "benchmarks=[gsm8k]",
+        f"benchmark_dir={_bench(tmp_path / 'bench')}",
+        "max_prompts=2",
+        "max_new_tokens=8",
+        "draft_vocab=64",
+        "progress=false",
+        f"out_dir={out}",
+    )
+    evaluate.run(cfg)
+    res = json.loads((out / "results.json").read_text())
+    assert res["draft_vocab"] == {"size": 64, "coverage": pytest.approx(cov, abs=1e-6)}
+    assert res["benchmarks"]["gsm8k"]["tau"] >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["dspark-markov", "dspark-rnn", "dflash", "eagle3"])
+def test_cuda_graphs_and_compiled_steps_keep_the_draft_vocabulary(small_target, kind, temperature):
+    """On CUDA: captured rounds over a draft vocabulary replay the eager ones token for token; the
+    compiled draft step (at T = 0 the greedy kernel over W2's rows of the vocabulary) keeps greedy
+    output the target's own."""
+    from dspark.decoding.engine import Request
+    from dspark.scheduling.policies import Fixed
+
+    t = small_target.to("cuda")
+    try:
+        name, _, head = kind.partition("-")
+        drafter = make_drafter(t, name, head or "none", gamma=4, seed=3)[0].to("cuda")
+        if head:
+            torch.nn.init.normal_(drafter.head.W2.weight, std=0.5)
+        prompts = prompts_for(t, 6, seed=14)
+        reqs = [Request(prompt=p, max_new_tokens=b) for p, b in zip(prompts, [5, 30, 12, 21, 3, 17])]
+        vocab = _vocab(t).to("cuda")
+
+        def run(drafter_, **kw):
+            gen = torch.Generator("cuda").manual_seed(7)
+            common = dict(temperature=temperature, concurrency=4, eos_token_ids=(), draft_vocab=vocab)
+            engine = FastEngine(t, drafter_, Fixed(None), generator=gen, **common, **kw)
+            engine.prepare(reqs)
+            return engine.generate(reqs)
+
+        eager = run(drafter, graphs=False, compile=False)
+        graphed = run(drafter, graphs=True, compile=False)
+        assert [g.tokens for g in graphed.generations] == [g.tokens for g in eager.generations]
+        if temperature == 0:
+            compiled = run(drafter, graphs=True, compile=True)
+            base = Engine(t, None, temperature=0, concurrency=4, eos_token_ids=()).generate(reqs)
+            assert [g.tokens for g in compiled.generations] == [g.tokens for g in base.generations]
+    finally:
+        small_target.to("cpu")
+
+
+def test_benchmarks_serve_the_drafter_with_its_draft_vocabulary(tiny_target, tmp_path):
+    """e2e and engine_sps take --draft-vocab K (the drafter folder's counts, else the data folder's)
+    and record it; a folder without counts is refused with the fix."""
+    from dspark.bench import e2e, engine_sps
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    bench = _bench(tmp_path / "bench")
+    common = ["--drafter-dir", str(drafter), "--draft-vocab", "64", "target=tiny"]
+    with pytest.raises(ConfigError, match="draft_vocab_counts"):
+        e2e.main(["--benchmark-dir", str(bench), "--out", str(tmp_path / "e.json"), *common])
+    counts = torch.zeros(tiny_target.vocab_size, dtype=torch.long)
+    counts[200:300] = 1
+    DrafterFolder(drafter).write_token_counts(counts)
+    report = e2e.main(
+        ["--benchmark-dir", str(bench), "--prompts", "2", "--concurrency", "2", "--max-new-tokens", "4",
+         "--repeats", "1", "--temperature", "1", "--out", str(tmp_path / "e2e.json"), *common]
+    )  # fmt: skip
+    assert report["draft_vocab"]["size"] == 64 and report["draft_vocab"]["coverage"] == pytest.approx(0.62)
+    assert {r["run"] for r in report["rows"]} == {"target_only", "dspark/fixed"}
+    sps = engine_sps.main(
+        ["--tokens", "1,2", "--widths", "1", "--context", "8", "--repeats", "1", "--warmup", "0", "--no-hf",
+         "--rounds", "1", "--out", str(tmp_path / "sps.json"), *common]
+    )  # fmt: skip
+    assert sps["draft_vocab"]["size"] == 64 and sorted(int(r) for r in sps["draft_ms"]) == [1, 2]
