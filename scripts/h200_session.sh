@@ -51,6 +51,8 @@
 #           stage's engines
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
+#   vocab   issue 18: the draft step and e2e runs with NAME's drafter over draft vocabularies of several
+#           sizes against the whole vocabulary (h200_draft_vocab.sh; VOCAB_SIZES and the rest pass through)
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 as soon as its own training ends,
@@ -408,6 +410,7 @@ pipeline)
       ;;
     batch) run batch batch ;;
     headlat) run headlat headlat ;;  # needs no drafter: any session can run it
+    vocab) run vocab env OUT=outputs/h200/out/draft_vocab bash scripts/h200_draft_vocab.sh "outputs/h200/$name/drafter" ;;
     *) echo "unknown stage '$stage'"; break ;;
     esac
   done

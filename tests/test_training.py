@@ -7,7 +7,10 @@ import torch
 from conftest import smoke_run
 from hydra import compose, initialize_config_module
 
+from dspark.artifacts import DrafterFolder
 from dspark.checkpoints import load_drafter
+from dspark.data.datamodule import tokens_path
+from dspark.data.tokenize import load_tokens
 from dspark.training import run_training
 
 
@@ -28,9 +31,13 @@ def test_train_export_and_resume(tmp_path, data_dir):
     # of the time before step 1, the sanity check's validation batches (a resumed run has none)
     assert 0 < first["throughput"]["sanity_seconds"] < first["throughput"]["setup_seconds"]
     assert (out / "checkpoints" / "last.ckpt").exists()
-    assert {"model.safetensors", "config.json", "calibration.json"} <= {
+    assert {"model.safetensors", "config.json", "calibration.json", "token_counts.safetensors"} <= {
         p.name for p in (out / "drafter").iterdir()
     }
+    # the training answers' tokens, from which a draft vocabulary is chosen (decoding.draft_vocab)
+    split = load_tokens(tokens_path(data_dir, "train"))
+    counts = DrafterFolder(out / "drafter").read_token_counts()
+    assert int(counts.sum()) == int(split.loss_mask.bool().sum()) > 0
     # A later run in the same folder resumes from the saved step instead of starting over.
     second = run_training(cfg_for(out, data_dir, "trainer.max_steps=4"))
     assert second["global_step"] == 4
