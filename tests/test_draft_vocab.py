@@ -17,12 +17,12 @@ from dspark.artifacts import DrafterFolder
 from dspark.core.errors import ConfigError, DataError
 from dspark.core.types import Shared
 from dspark.data.tokenize import TokenSplit
+from dspark.data.vocab_counts import load_draft_vocab
 from dspark.decoding.draft_vocab import (
     answer_token_counts,
     check_draft_vocab,
     coverage,
     draft_vocab_from_counts,
-    load_draft_vocab,
     most_frequent,
 )
 from dspark.decoding.engine import Engine

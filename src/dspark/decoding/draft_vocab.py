@@ -8,13 +8,12 @@ probability 0, so the target's residual keeps all of its mass; the cost is only 
 the tokens the drafter can no longer propose, which ``coverage`` estimates.
 
 Training writes the counts into the drafter folder (``token_counts.safetensors``, the answers'
-tokens of its training split); an older folder takes them from the data it was trained on
-(``draft_vocab_counts=<data dir>``)."""
+tokens of its training split); ``data.vocab_counts`` reads them back, or counts an older folder's
+training data, and picks the vocabulary an engine serves."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -26,7 +25,6 @@ __all__ = [
     "check_draft_vocab",
     "coverage",
     "draft_vocab_from_counts",
-    "load_draft_vocab",
     "most_frequent",
 ]
 
@@ -98,37 +96,3 @@ def draft_vocab_from_counts(counts: Tensor, size: int, always: Iterable[int] = (
     if size == 0 or size >= counts.numel():
         return None
     return most_frequent(counts, size, always)
-
-
-def load_draft_vocab(drafter_dir, size: int, vocab_size: int, always: Iterable[int] = (), counts_from=None):
-    """(vocabulary or None, its coverage of the counted tokens) for an engine serving the drafter
-    of ``drafter_dir``: the ``size`` most frequent tokens of its training answers, counted in
-    ``counts_from`` (a data folder holding tokens/train.safetensors, or a counts file) or else in
-    the drafter folder's own token_counts.safetensors. Errors name the fix, before any decoding."""
-    from ..artifacts import DrafterFolder
-    from ..data.datamodule import tokens_path
-    from ..data.tokenize import load_tokens
-
-    if int(size) == 0:
-        return None, 1.0
-    if counts_from is not None:
-        source = Path(counts_from).expanduser()
-        if source.is_dir():
-            counts = answer_token_counts([load_tokens(tokens_path(source, "train"))], vocab_size)
-        else:
-            counts = DrafterFolder.load_token_counts(source)
-    else:
-        counts = DrafterFolder(drafter_dir).read_token_counts()
-        if counts is None:
-            raise ConfigError(
-                f"draft_vocab={size} needs token counts, and {drafter_dir} has no "
-                f"{DrafterFolder.TOKEN_COUNTS} (trained before training wrote them): pass "
-                f"draft_vocab_counts=<the data folder it was trained on>"
-            )
-    if counts.numel() != vocab_size:
-        raise ConfigError(
-            f"the token counts cover {counts.numel()} ids, the target's vocabulary {vocab_size}: "
-            f"counts of another target's data"
-        )
-    vocab = draft_vocab_from_counts(counts, size, always)
-    return vocab, (1.0 if vocab is None else coverage(counts, vocab))

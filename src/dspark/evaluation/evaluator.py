@@ -18,7 +18,7 @@ from ..artifacts import DrafterFolder, EvaluationFolder
 from ..calibration.sts import Calibration
 from ..checkpoints import load_drafter
 from ..core.errors import ConfigError
-from ..decoding.draft_vocab import load_draft_vocab
+from ..data.vocab_counts import load_draft_vocab
 from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
 from ..decoding.fast_engine import build_engine
 from ..scheduling.cost import CostModel
