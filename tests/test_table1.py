@@ -428,10 +428,16 @@ def test_script_resumes_a_batch_and_gathers_it(evals, tmp_path):
 
 STUB = """#!/usr/bin/env bash
 # h200_drafter.sh's train / sweep / eval as the session's batch stage calls them: copies of real
-# folders, each step's start and end times logged. A run named DFlash trains for 1 s, any other for 8:
-# the short one's evaluations (their arguments read by Python first) can start while the long one trains.
+# folders, each step's start and end times logged. A run named DFlash trains for 1 s, any other until
+# DFlash's evaluation has started (60 s at most: a session that evaluates nothing before the batch
+# ends shows it in the times), then 1 s more: the short run's evaluations (their arguments read by
+# Python first, seconds on a loaded machine) start while the long one trains.
 set -e
 stamp() { echo "$1 $2 $(date +%s.%N)" >> outputs/h200/stub_times.txt; }
+until_evaluated() {  # until_evaluated NAME: wait for its first evaluation to start (60 s at most)
+  for _ in $(seq 300); do grep -q "^eval $1 " outputs/h200/stub_times.txt && break; sleep 0.2; done
+  sleep 1
+}
 trained() {  # trained NAME DRAFTER [LAYERS]: a finished run's folder, summary last (as training writes it)
   mkdir -p outputs/h200/$1
   cp -r "$SRC/drafters/$2" outputs/h200/$1/drafter
@@ -441,14 +447,14 @@ trained() {  # trained NAME DRAFTER [LAYERS]: a finished run's folder, summary l
 case $1 in
 train)
   stamp start $2
-  sleep $([ "$2" = DFlash ] && echo 1 || echo 8)
+  if [ "$2" = DFlash ]; then sleep 1; else until_evaluated DFlash; fi
   trained $2 ${2,,}
   stamp end $2 ;;
-sweep)  # a two-point grid 'DSpark-${…}': its runs end 8 s apart, in one process
+sweep)  # a two-point grid 'DSpark-${…}' in one process: its second run ends once the first is evaluated
   stamp start sweep
   trained DSpark-A dspark 1
   stamp end DSpark-A
-  sleep 8
+  until_evaluated DSpark-A
   trained DSpark-B dspark 2
   stamp end DSpark-B ;;
 eval)
