@@ -9,9 +9,13 @@
 #      python -m dspark.bench.e2e: target-only against fixed γ (VOCAB_POLICIES, default fixed) at
 #      R = VOCAB_CONCURRENCY (default 1,64,256), gsm8k, 32 prompts, 128 new tokens: τ (what the tokens
 #      the vocabulary leaves out cost the acceptance) and the speeds.
+# An empty list skips its part (VOCAB_E2E_SIZES="": the step times alone).
 # Needs /root/stage (SmolLM2 and the wheels) and a drafter folder trained by this version (its
 # token_counts.safetensors), or VOCAB_COUNTS=<the data folder it was trained on>:
 #   bash scripts/h200_draft_vocab.sh [drafter folder]       # default outputs/h200/dspark/drafter
+# VOCAB_FRESH="drafter=dspark head=markov" (train overrides) builds an untrained drafter there first
+# where none is: the steps' times do not depend on the weights (give VOCAB_COUNTS; its e2e τ means
+# nothing, so leave VOCAB_E2E_SIZES empty).
 # Writes into $OUT (default outputs/h200/out/draft_vocab): engine_sps_K<K>_T0.json, e2e_K<K>_T<t>.json,
 # log.txt. Each run has its own time limit and writes as it goes.
 set -uo pipefail
@@ -27,16 +31,38 @@ counts=()
 quiet() { grep -v -e "^Loading" -e "FutureWarning" -e "return forward_call"; }
 started=$SECONDS
 stage() { echo "== $1 ($((SECONDS - started)) s)"; }
+if [ ! -f "$DRAFTER/config.json" ] && [ -n "${VOCAB_FRESH:-}" ]; then
+  stage "an untrained drafter: $VOCAB_FRESH"
+  # shellcheck disable=SC2086
+  python3 - "$DRAFTER" $T $VOCAB_FRESH <<'PY' || exit 2
+import sys
+
+from hydra import compose, initialize_config_module
+
+from dspark.checkpoints import save_drafter
+from dspark.core.types import TargetDims
+from dspark.drafters import build_drafter
+from dspark.target import load_target
+
+folder, overrides = sys.argv[1], sys.argv[2:]
+with initialize_config_module(config_module="dspark.conf", version_base="1.3"):
+    cfg = compose(config_name="train", overrides=overrides)
+target = load_target(cfg.target)
+drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.head)
+save_drafter(drafter, folder, cfg.drafter, cfg.head, target.describe())
+print(f"saved an untrained {cfg.drafter.name} drafter ({sum(p.numel() for p in drafter.parameters())} parameters)")
+PY
+fi
 [ -f "$DRAFTER/config.json" ] || { echo "no drafter checkpoint at $DRAFTER (config.json)"; exit 2; }
 
-for k in ${VOCAB_SIZES:-0 16384 32768}; do
+for k in ${VOCAB_SIZES-0 16384 32768}; do
   stage "draft and verify steps, draft vocabulary $k, T = 0"
   timeout 240 python3 -m dspark.bench.engine_sps $T --context "${ROUND_CONTEXT:-172}" --no-hf --warmup 3 \
     --repeats 15 --widths 1,8 --tokens 1,8,16,64,128,256,512,2048 --temperature 0 --drafter-dir "$DRAFTER" \
     --draft-vocab "$k" ${counts[@]+"${counts[@]}"} --out "$OUT/engine_sps_K${k}_T0.json" 2>&1 | quiet | tail -30
 done
-for t in ${VOCAB_TEMPERATURES:-0 1}; do
-  for k in ${VOCAB_E2E_SIZES:-0 16384}; do
+for t in ${VOCAB_TEMPERATURES-0 1}; do
+  for k in ${VOCAB_E2E_SIZES-0 16384}; do
     stage "end to end, draft vocabulary $k, T = $t"
     timeout 300 python3 -m dspark.bench.e2e $T --drafter-dir "$DRAFTER" --draft-vocab "$k" ${counts[@]+"${counts[@]}"} \
       --benchmark gsm8k --prompts 32 --concurrency "${VOCAB_CONCURRENCY:-1,64,256}" --max-new-tokens 128 \
