@@ -86,8 +86,8 @@ def test_a_drafter_drafts_the_whole_vocabularys_distribution_conditioned_on_its_
 ):
     """The first drafted position (and every position of a parallel drafter, whose positions do
     not see each other's draws) has exactly the whole vocabulary's distribution restricted to the
-    draft vocabulary and renormalised; every token is in it; the proposal's probabilities are the
-    target's V columns, 0 off the vocabulary. The identity vocabulary changes nothing."""
+    draft vocabulary and renormalised; every token is in it; the proposal's probabilities are over
+    the vocabulary's K columns. The identity vocabulary changes nothing."""
     drafter, whole, cache, anchors, apos = _with_context(tiny_target, name, head, seed=4)
     if getattr(drafter, "head", None) is not None:
         torch.nn.init.normal_(drafter.head.W2.weight, std=0.5)  # a bias that matters
@@ -105,14 +105,16 @@ def test_a_drafter_drafts_the_whole_vocabularys_distribution_conditioned_on_its_
     assert torch.equal(a.tokens, c.tokens)
     torch.testing.assert_close(a.probs, c.probs)
     assert torch.isin(b.tokens, vocab).all()
-    assert b.probs.shape == a.probs.shape
+    assert b.probs.shape == (*a.probs.shape[:-1], len(vocab))
+    wide = part.target_probs(b.probs)  # over V, 0 off the vocabulary
+    assert torch.equal(wide[..., vocab], b.probs)
     off = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
     off[vocab] = False
-    assert (b.probs[..., off] == 0).all()
+    assert (wide[..., off] == 0).all()
     torch.testing.assert_close(b.probs.sum(-1), torch.ones(b.probs.shape[:-1]), atol=1e-4, rtol=0)
     parallel = name == "dflash"
     n = drafter.gamma if parallel else 1
-    torch.testing.assert_close(b.probs[:, :n], _restricted(a.probs[:, :n], vocab), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(wide[:, :n], _restricted(a.probs[:, :n], vocab), atol=1e-6, rtol=1e-4)
     greedy_whole = drafter.propose(cache, anchors, apos, whole, 0.0, uniforms=u)
     greedy_part = drafter.propose(cache, anchors, apos, part, 0.0, uniforms=u)
     assert torch.isin(greedy_part.tokens, vocab).all()

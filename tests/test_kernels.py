@@ -494,6 +494,43 @@ def test_rejection_reference_matches_verify():
     assert case[0].shape[1] == 1  # the g=0 case ran
 
 
+def vocab_case(case, seed=0):
+    """A verify case whose drafts come from a draft vocabulary (half the ids, some drafted tokens
+    off it): (the case with V-wide drafts, its drafts' K columns, the index [V])."""
+    pt, pd, tokens, lengths, ua, us = case
+    v = pt.shape[-1]
+    vocab = torch.randperm(v, generator=torch.Generator().manual_seed(seed))[: v // 2].sort().values
+    narrow = pd[..., vocab] / pd[..., vocab].sum(-1, keepdim=True).clamp_min(1e-30)
+    wide = torch.zeros_like(pd)
+    wide[..., vocab] = narrow
+    index = torch.full((v,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return (pt, wide, tokens, lengths, ua, us), narrow, index
+
+
+def test_rejection_over_a_draft_vocabulary_reads_its_columns_in_place():
+    """Drafts [R, G, K] read through the index verify exactly as the same drafts written out over
+    V (zeros off the vocabulary), in the reference and in decoding.verify; a token off the
+    vocabulary is rejected."""
+    drafted_off = False
+    for seed, g in [(0, 5), (1, 1), (2, 0)]:
+        wide_case, narrow, index = vocab_case(verify_cases(seed=seed, g=g), seed)
+        pt, wide, tokens, lengths, ua, us = wide_case
+        want = rejection_verify(*wide_case[:4], uniforms=(ua, us), impl="torch")
+        got = rejection_verify(
+            pt, narrow, tokens, lengths, uniforms=(ua, us), impl="torch", draft_index=index
+        )
+        assert torch.equal(got.accepted, want.accepted) and torch.equal(got.next_token, want.next_token)
+        if verify is not None:
+            ref = verify(pt, narrow, tokens, lengths, uniforms=(ua, us), draft_index=index)
+            assert torch.equal(ref.accepted, want.accepted) and torch.equal(ref.next_token, want.next_token)
+        verified = torch.arange(g) < lengths[:, None]
+        drafted_off |= bool((verified & (index[tokens.clamp(min=0)] < 0)).any())
+    assert drafted_off  # the cases drafted tokens off the vocabulary
+    with pytest.raises(ValueError, match="shape mismatch"):
+        rejection_verify(pt, narrow, tokens, lengths, uniforms=(ua, us), impl="torch")
+
+
 def test_rejection_draws_uniforms_like_verify():
     if verify is None:
         pytest.skip("dspark.decoding.verify not available")
@@ -768,6 +805,18 @@ def test_interp_sample_step_split_frequencies():
     counts = torch.bincount(got.tokens, minlength=v).double()
     assert (counts - n * got.probs[0].double()).abs().max() < 1 + 1e-6
     assert torch.all(got.probs[0, got.tokens] > 0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("g", [5, 1])
+def test_interp_rejection_over_a_draft_vocabulary(g):
+    wide_case, narrow, index = vocab_case(verify_cases(seed=13, r=10, g=g, v=200), seed=4)
+    pt, wide, tokens, lengths, ua, us = wide_case
+    got = rejection_verify(pt, narrow, tokens, lengths, uniforms=(ua, us), impl="triton", draft_index=index)
+    ref = expected_verify(*wide_case)
+    assert torch.equal(got.accepted, ref.accepted)
+    assert torch.equal(got.accept_flags, ref.accept_flags)
+    assert torch.equal(got.next_token, ref.next_token)
 
 
 @needs_interpreter

@@ -50,32 +50,36 @@ class Shared:
 
     With a draft vocabulary (``vocab``: K target token ids, FR-Spec / EAGLE-3 style) the drafter
     drafts among those K tokens only: ``lm_weight`` holds just their rows, so the draft step's LM
-    head and softmax cover K columns, and the drafter maps what it draws back to target ids
-    (``target_ids``) and its distributions back to the target's V (``target_probs``). Verification
-    stays exact: a token outside the vocabulary has draft probability 0."""
+    head and softmax cover K columns; the drafter maps what it draws back to target ids
+    (``target_ids``) and its proposal's distributions stay over the K columns, which verification
+    reads through ``index`` (a token off the vocabulary has draft probability 0: still exact)."""
 
     embed: Callable[[Tensor], Tensor]
     lm_weight: Tensor  # [V, d], or [K, d]: the rows of ``vocab``
     softcap: float | None = None
     vocab: Tensor | None = None  # [K] long, sorted target ids; None: the whole vocabulary
+    index: Tensor | None = None  # [V] long: each target id's column in ``vocab``, -1 off it
 
     @classmethod
     def of(cls, target, vocab: Tensor | None = None) -> Shared:
-        weight = target.lm_head_weight
+        weight, index = target.lm_head_weight, None
         if vocab is not None:
             vocab = vocab.to(device=weight.device, dtype=torch.long)
             weight = weight[vocab]  # a copy, made once: the draft step never reads the other rows
-        return cls(embed=target.embed, lm_weight=weight, softcap=target.softcap, vocab=vocab)
+            index = torch.full((target.vocab_size,), -1, dtype=torch.long, device=weight.device)
+            index[vocab] = torch.arange(vocab.numel(), device=weight.device)
+        return cls(embed=target.embed, lm_weight=weight, softcap=target.softcap, vocab=vocab, index=index)
 
     def target_ids(self, index: Tensor) -> Tensor:
         """Target token ids of draft-vocabulary indices (the indices themselves without one)."""
         return index if self.vocab is None else self.vocab[index]
 
-    def target_probs(self, probs: Tensor | None, vocab_size: int) -> Tensor | None:
-        """Distributions [..., K] over the draft vocabulary as [..., V] over the target's (0 off it)."""
+    def target_probs(self, probs: Tensor | None) -> Tensor | None:
+        """Distributions [..., K] over the draft vocabulary as [..., V] over the target's (0 off it):
+        for tools and tests; verification reads the K columns through ``index``."""
         if self.vocab is None or probs is None:
             return probs
-        full = probs.new_zeros(*probs.shape[:-1], vocab_size)
+        full = probs.new_zeros(*probs.shape[:-1], self.index.numel())
         return full.index_copy_(-1, self.vocab, probs)
 
 
@@ -98,9 +102,10 @@ class DraftOutput:
 
 @dataclass
 class Proposal:
-    tokens: Tensor  # [R, γ]
-    # [R, γ, V] float32: the exact distributions the tokens were sampled from; None from a fused
-    # draft step at T = 0, whose greedy verification reads the tokens alone
+    tokens: Tensor  # [R, γ] target ids
+    # [R, γ, V] float32 ([R, γ, K] over a draft vocabulary's columns, ``Shared.vocab``): the exact
+    # distributions the tokens were sampled from; None from a fused draft step at T = 0, whose
+    # greedy verification reads the tokens alone
     probs: Tensor | None
     confidence_logits: Tensor | None = None  # [R, γ]
 

@@ -623,8 +623,14 @@ class Engine:
         if draft_probs is None:  # nothing drafted, or a greedy proposal: one-hot at each draft
             draft_probs = self._one_hot_drafts(drafts, target_probs.shape[-1])
         return verify(
-            target_probs, draft_probs, drafts, lengths, uniforms=self._verify_uniforms(drafts, drafted)
-        )
+            target_probs, draft_probs, drafts, lengths, uniforms=self._verify_uniforms(drafts, drafted),
+            draft_index=self._draft_index(draft_probs, target_probs),
+        )  # fmt: skip
+
+    def _draft_index(self, draft_probs: Tensor, target_probs: Tensor) -> Tensor | None:
+        """How verification reads ``draft_probs``: through the draft vocabulary's columns
+        (``Shared.index``) where they are narrower than the target's vocabulary."""
+        return self.shared.index if draft_probs.shape[-1] != target_probs.shape[-1] else None
 
     def _one_hot_drafts(self, drafts: Tensor, vocab: int) -> Tensor:
         """The draft distributions of a proposal that came without any: the empty [R, 0, V] of a

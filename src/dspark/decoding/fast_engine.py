@@ -205,7 +205,10 @@ class FastEngine(Engine):
             draft_probs = prop.probs[:, :g] if g else one_hot_drafts(drafts, probs.shape[-1])
             lengths = torch.full((rows,), g, dtype=torch.long, device=self.device)
             u = (torch.rand(rows, g, device=self.device), torch.rand(rows, device=self.device))
-            rejection_verify(probs, draft_probs, drafts, lengths, uniforms=u, impl=self.verify_impl)
+            rejection_verify(
+                probs, draft_probs, drafts, lengths, uniforms=u, impl=self.verify_impl,
+                draft_index=self._draft_index(draft_probs, probs),
+            )  # fmt: skip
 
     def _allocate(self, capacity: int) -> None:
         rows = self.buckets[-1]
@@ -491,6 +494,7 @@ class FastEngine(Engine):
             lengths,
             uniforms=self._verify_uniforms(drafts, drafted),
             impl=self.verify_impl,
+            draft_index=self._draft_index(draft_probs, target_probs),
         )
 
     def _commit(self, kept: Tensor, taps, positions: Tensor, drafts: Tensor, res) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..core.sampling import sample_from
+from ..kernels.rejection import draft_prob_of, draft_row
 
 __all__ = ["VerifyResult", "greedy_verify", "one_hot_drafts", "verify"]
 
@@ -59,16 +60,24 @@ class VerifyResult:
         return self._flags
 
 
-def _check_inputs(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, lengths: Tensor) -> None:
+def _check_inputs(
+    target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, lengths: Tensor, draft_index: Tensor | None
+) -> None:  # fmt: skip
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [R, G+1, V], got shape {tuple(target_probs.shape)}")
     if draft_probs.dim() != 3:
         raise ValueError(f"draft_probs must be [R, G, V], got shape {tuple(draft_probs.shape)}")
-    r, g, v = draft_probs.shape
+    r, g, k = draft_probs.shape
+    v = target_probs.shape[-1] if draft_index is not None else k
     if target_probs.shape != (r, g + 1, v):
         raise ValueError(
             f"target_probs must be [R, G+1, V] = {(r, g + 1, v)} to match draft_probs "
             f"{tuple(draft_probs.shape)}, got {tuple(target_probs.shape)}"
+        )
+    if draft_index is not None and (draft_index.shape != (v,) or draft_index.dtype != torch.long):
+        raise ValueError(
+            f"draft_index must be [V] = {(v,)} int64 (each token's column in the draft vocabulary, -1 "
+            f"off it), got {draft_index.dtype} {tuple(draft_index.shape)}"
         )
     if v < 1:
         raise ValueError("vocabulary size V must be >= 1")
@@ -94,21 +103,25 @@ def verify(
     *,
     generator: torch.Generator | None = None,
     uniforms: tuple[Tensor, Tensor] | None = None,
+    draft_index: Tensor | None = None,
 ) -> VerifyResult:
     """Rejection-sample R ragged draft blocks against the target.
 
     target_probs: [R, G+1, V]; row k is the target distribution at draft position k, row
                   lengths[r] supplies the bonus token.
-    draft_probs:  [R, G, V]; the distributions the drafts were sampled from.
+    draft_probs:  [R, G, V]; the distributions the drafts were sampled from ([R, G, K] over a
+                  draft vocabulary with ``draft_index``).
     tokens:       [R, G] drafted token ids (entries at k >= lengths[r] are ignored: any padding).
     lengths:      [R], 0 <= lengths[r] <= G: how many drafts of request r to verify.
     generator:    source of the uniforms when ``uniforms`` is None.
     uniforms:     explicit ``(u_accept [R, G], u_sample [R])`` in [0, 1).
+    draft_index:  [V] int64, each token's column in ``draft_probs``, -1 off the draft vocabulary
+                  (draft probability 0); None: ``draft_probs`` has the target's V columns.
 
     All math is float32 whatever the input dtype; works on any device.
     """
-    _check_inputs(target_probs, draft_probs, tokens, lengths)
-    r, g, v = draft_probs.shape
+    _check_inputs(target_probs, draft_probs, tokens, lengths, draft_index)
+    r, g, v = target_probs.shape[0], draft_probs.shape[1], target_probs.shape[2]
     device = draft_probs.device
     p_t = target_probs.to(device=device, dtype=torch.float32)
     p_d = draft_probs.float()
@@ -142,9 +155,9 @@ def verify(
         u_sample = u_sample.to(device=device, dtype=torch.float32)
 
     # Probabilities of the drafted tokens; padding positions gather index 0 and are masked out.
-    tok = torch.where(valid, tokens, 0).unsqueeze(-1)
-    pt_x = p_t[:, :g].gather(-1, tok).squeeze(-1)
-    pd_x = p_d.gather(-1, tok).squeeze(-1)
+    tok = torch.where(valid, tokens, 0)
+    pt_x = p_t[:, :g].gather(-1, tok[..., None]).squeeze(-1)
+    pd_x = draft_prob_of(p_d, tok, draft_index)
     # u * p_d < p_t  <=>  u < p_t / p_d; p_d == 0 rejects, and NaN compares False, i.e. rejects.
     ok = valid & (pd_x > 0) & (u_accept * pd_x < pt_x)
     accepted = ok.long().cumprod(dim=1).sum(dim=1)  # length of the all-accepted prefix
@@ -154,7 +167,7 @@ def verify(
     pt_row = p_t[rows, accepted]  # target at the first rejection, or the bonus row
     rejected = accepted < lengths
     if g > 0:
-        pd_row = p_d[rows, accepted.clamp(max=g - 1)]
+        pd_row = draft_row(p_d[rows, accepted.clamp(max=g - 1)], draft_index)
         resid = pt_row - pd_row
         resid = torch.where(resid > 0, resid, 0.0)  # max(0, .) that also maps NaN to 0
         use_resid = rejected & (resid.sum(dim=-1) > 0)  # all-zero residual: fall back to p_t

@@ -345,12 +345,11 @@ class BlockDrafter(Drafter):
         return None
 
     def sample_block(self, hidden: Tensor, anchor: Tensor, shared: Shared, temperature: float, u: Tensor):
-        """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences (the
-        draws over a draft vocabulary where ``shared`` has one, mapped back to the target's ids)."""
+        """hidden [R, n, d] and uniforms [R, n] -> tokens [R, n], probs [R, n, V], confidences (over a
+        draft vocabulary where ``shared`` has one: probs [R, n, K], the tokens mapped to target ids)."""
         r, n, _ = hidden.shape
         step = sample_step(self.block_logits(hidden, shared).flatten(0, 1), None, temperature, u.flatten())
-        probs = shared.target_probs(step.probs.view(r, n, -1), self.dims.vocab_size)
-        return shared.target_ids(step.tokens.view(r, n)), probs, None
+        return shared.target_ids(step.tokens.view(r, n)), step.probs.view(r, n, -1), None
 
     @staticmethod
     def block_logits(hidden: Tensor, shared: Shared) -> Tensor:

@@ -103,8 +103,7 @@ class DSparkDrafter(BlockDrafter):
             tokens.append(prev)
             probs.append(step.probs)
         tokens = torch.stack(tokens, 1)
-        probs = shared.target_probs(torch.stack(probs, 1), self.dims.vocab_size)
-        return tokens, probs, self.confidence_pass(hidden, anchor, tokens)
+        return tokens, torch.stack(probs, 1), self.confidence_pass(hidden, anchor, tokens)
 
     def position_logits(
         self, base: Tensor, h: Tensor, prev: Tensor, state, softcap: float | None,
@@ -181,7 +180,6 @@ class DSparkDrafter(BlockDrafter):
                 index = sample_step(logits, bias, temperature, u[:, k], out=probs[:, k]).tokens
             prev = shared.target_ids(index)
             tokens.append(prev)
-        probs = shared.target_probs(probs, self.dims.vocab_size)
         if self.confidence is None:
             return torch.stack(tokens, 1), probs, None
         block = torch.stack(tokens + [anchor] * (gamma - n), 1)  # [R, γ]: the drafted tokens, padded

@@ -254,5 +254,4 @@ class Eagle3Drafter(Drafter):
                 chain_k[li].append(k)
                 chain_v[li].append(v)
             g = out[:, 0]
-        probs = shared.target_probs(torch.stack(probs, 1), self.dims.vocab_size)
-        return Proposal(tokens=torch.stack(tokens, 1), probs=probs, confidence_logits=None)
+        return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1), confidence_logits=None)
