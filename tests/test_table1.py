@@ -687,7 +687,7 @@ def test_session_keeps_the_trained_drafter_and_a_later_session_restores_it(tmp_p
 
 def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
     """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
-    (the three test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
+    (the four test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
     study is told they ran. A failing GPU test is recorded and the pipeline goes on."""
     (tmp_path / "scripts").mkdir()
     for script in ("h200_session.sh", "h200_gpu_tests.sh"):
@@ -702,6 +702,9 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
     )
     (tmp_path / "tests" / "test_drafters.py").write_text(
         "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_training_mask():\n    assert True\n"
+    )
+    (tmp_path / "tests" / "test_draft_vocab.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_draft_vocabulary():\n    assert True\n"
     )
     outcome = {"pass": "assert True", "fail": "assert False"}
     env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "STAGES": "gputests spec"}
@@ -722,6 +725,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         told = (tmp_path / "spec.txt").read_text()
         assert "PASSED tests/test_kernels.py::test_gpu_kernel" in log and "test_cpu_only" not in log
         assert "PASSED tests/test_drafters.py::test_gpu_training_mask" in log
+        assert "PASSED tests/test_draft_vocab.py::test_gpu_draft_vocabulary" in log
         if case == "pass":
             assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
         else:
