@@ -227,11 +227,13 @@ def rejection_verify(
     """
     r, g, k = draft_probs.shape
     v = target_probs.shape[-1]
-    columns = v if draft_index is None else draft_index.shape
+    columns_fit = k == v if draft_index is None else draft_index.shape == (v,)
     if (
-        target_probs.shape != (r, g + 1, v) or tokens.shape != (r, g) or lengths.shape != (r,)
-        or (k != v if draft_index is None else tuple(columns) != (v,))
-    ):  # fmt: skip
+        target_probs.shape != (r, g + 1, v)
+        or tokens.shape != (r, g)
+        or lengths.shape != (r,)
+        or not columns_fit
+    ):
         raise ValueError(
             f"shape mismatch: target_probs {tuple(target_probs.shape)}, "
             f"draft_probs {tuple(draft_probs.shape)}, tokens {tuple(tokens.shape)}, "

@@ -83,9 +83,9 @@ def add_draft_vocab_args(ap) -> None:
 
 def served_draft_vocab(args, target) -> tuple[object, dict | None]:
     """(the draft vocabulary of ``--draft-vocab`` or None, what the report records of it)."""
-    from ..data.vocab_counts import load_draft_vocab
+    from ..data.vocab_counts import load_draft_vocab, vocab_record
 
     vocab, coverage = load_draft_vocab(
         args.drafter_dir, args.draft_vocab, target.vocab_size, target.eos_token_ids, args.draft_vocab_counts
     )
-    return vocab, None if vocab is None else {"size": int(vocab.numel()), "coverage": round(coverage, 6)}
+    return vocab, vocab_record(vocab, coverage)

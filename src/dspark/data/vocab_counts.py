@@ -12,7 +12,7 @@ from ..decoding.draft_vocab import answer_token_counts, coverage, draft_vocab_fr
 from .datamodule import tokens_path
 from .tokenize import load_tokens
 
-__all__ = ["load_draft_vocab"]
+__all__ = ["load_draft_vocab", "vocab_record"]
 
 
 def load_draft_vocab(drafter_dir, size: int, vocab_size: int, always: Iterable[int] = (), counts_from=None):
@@ -43,3 +43,8 @@ def load_draft_vocab(drafter_dir, size: int, vocab_size: int, always: Iterable[i
         )
     vocab = draft_vocab_from_counts(counts, size, always)
     return vocab, (1.0 if vocab is None else coverage(counts, vocab))
+
+
+def vocab_record(vocab, coverage: float) -> dict | None:
+    """What a report records of a served draft vocabulary: its size and coverage (None: the whole)."""
+    return None if vocab is None else {"size": int(vocab.numel()), "coverage": round(coverage, 6)}

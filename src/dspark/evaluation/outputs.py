@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..artifacts import EvaluationFolder
 from ..calibration.metrics import position_metrics, reliability_data, summary
 from ..calibration.plots import reliability_diagram
+from ..data.vocab_counts import vocab_record
 from ..decoding.engine import calibration_arrays, conditional_acceptance, tau, threshold_sweep
 from ..decoding.uncertainty import mean_stderr, per_request_totals, tau_stderr
 from ..drafters import DrafterSpec
@@ -37,10 +38,7 @@ def write_outputs(
         "temperature": float(cfg.temperature),
         "gamma": int(fixed_gamma) if fixed_gamma is not None else gamma,
         "policy": OmegaConf.to_container(cfg.policy, resolve=True),
-        # None: the whole vocabulary; else its size and the share of the training answers' tokens it holds
-        "draft_vocab": None
-        if ev.draft_vocab is None
-        else {"size": int(ev.draft_vocab.numel()), "coverage": round(ev.vocab_coverage, 6)},
+        "draft_vocab": vocab_record(ev.draft_vocab, ev.vocab_coverage),  # None: the whole vocabulary
         "benchmarks": {
             name: _benchmark(recs, out.generations[name], gamma) for name, recs in out.rounds.items()
         },
