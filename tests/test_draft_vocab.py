@@ -248,7 +248,7 @@ def test_cuda_graphs_and_compiled_steps_keep_the_draft_vocabulary(small_target, 
         small_target.to("cpu")
 
 
-def test_benchmarks_serve_the_drafter_with_its_draft_vocabulary(tiny_target, tmp_path):
+def test_benchmarks_serve_the_drafter_with_its_draft_vocabulary(tiny_target, tmp_path, caplog):
     """e2e and engine_sps take --draft-vocab K (the drafter folder's counts, else the data folder's)
     and record it; a folder without counts is refused with the fix."""
     from dspark.bench import e2e, engine_sps
@@ -267,8 +267,18 @@ def test_benchmarks_serve_the_drafter_with_its_draft_vocabulary(tiny_target, tmp
     )  # fmt: skip
     assert report["draft_vocab"]["size"] == 64 and report["draft_vocab"]["coverage"] == pytest.approx(0.62)
     assert {r["run"] for r in report["rows"]} == {"target_only", "dspark/fixed"}
+    table = tmp_path / "cost.json"
     sps = engine_sps.main(
         ["--tokens", "1,2", "--widths", "1", "--context", "8", "--repeats", "1", "--warmup", "0", "--no-hf",
-         "--rounds", "1", "--out", str(tmp_path / "sps.json"), *common]
+         "--rounds", "1", "--out", str(tmp_path / "sps.json"), "--cost-table", str(table), *common]
     )  # fmt: skip
     assert sps["draft_vocab"]["size"] == 64 and sorted(int(r) for r in sps["draft_ms"]) == [1, 2]
+    # a run priced by draft steps timed with another vocabulary is told so
+    e2e_args = ["--benchmark-dir", str(bench), "--prompts", "1", "--concurrency", "1", "--max-new-tokens",
+                "2", "--repeats", "1", "--out", str(tmp_path / "e.json"),
+                "--cost-table", str(table)]  # fmt: skip
+    with caplog.at_level("WARNING", logger="dspark.bench.e2e"):
+        e2e.main([*e2e_args, *common])
+        assert "draft vocabulary" not in caplog.text
+        e2e.main([*e2e_args, "--drafter-dir", str(drafter), "target=tiny"])
+        assert "timed with draft vocabulary {'size': 64" in caplog.text

@@ -143,6 +143,15 @@ def _main(argv, watch) -> dict:
         drafter = drafter.to(target.dtype)
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
     vocab, vocab_report = served_draft_vocab(args, target)
+    timed_with = None if cost is None or not cost.meta.get("drafter") else cost.meta.get("draft_vocab")
+    if (
+        cost is not None and cost.meta.get("drafter") and timed_with != vocab_report
+    ):  # engine_sps --drafter-dir
+        log.warning(
+            "the cost table's draft steps were timed with draft vocabulary %s and price runs with %s: "
+            "time them with the run's (engine_sps --draft-vocab)",
+            timed_with, vocab_report,
+        )  # fmt: skip
     prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
     conc = [int(r) for r in args.concurrency.split(",")]
