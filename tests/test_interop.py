@@ -388,6 +388,9 @@ def test_deepspec_mismatches_are_refused(tiny_target, tmp_path):
     swa, _ = _deepspec_folder(tiny_target, tmp_path / "d", layer_types=["sliding_attention"] * 2)
     with pytest.raises(InteropError, match="layer_types"):
         read_drafter_config(swa)
+    reduced, _ = _deepspec_folder(tiny_target, tmp_path / "e", draft_vocab_size=tiny_target.vocab_size // 2)
+    with pytest.raises(InteropError, match=r"its own trained LM head: .*\(draft_vocab=K\)"):
+        read_drafter_config(reduced)
 
 
 def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):

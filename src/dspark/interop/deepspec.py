@@ -121,7 +121,9 @@ def translate(ext: dict, folder: str | Path = "<config>") -> dict:
     vocab = int(ext["vocab_size"])
     if int(ext.get("draft_vocab_size") or vocab) != vocab:
         raise _refuse(
-            folder, "a reduced draft vocabulary (d2t mapping); our drafters use the full vocabulary"
+            folder,
+            "a reduced draft vocabulary (d2t mapping) with its own trained LM head: ours draft through "
+            "the target's LM head, whose rows a draft vocabulary picks when serving (draft_vocab=K)",
         )
 
     taps = formats.target_layer_ids(ext)
