@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..artifacts import DrafterFolder
 from ..checkpoints import check_drafter_files
 from ..core.errors import ConfigError
+from ..data.datamodule import tokens_path
 from ..decoding.fast_engine import ENGINES
 from ..drafters import DrafterSpec, static_cache_drafters
 from ..scheduling.cost import CostModel, CostTableError
@@ -51,9 +52,11 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
             f"{DrafterFolder.TOKEN_COUNTS} (trained before training wrote them): pass "
             f"draft_vocab_counts=<the data folder it was trained on>"
         )
-    if counts is not None and not Path(str(counts)).expanduser().exists():
+    source = None if counts is None else Path(str(counts)).expanduser()
+    if source is not None and not (source.is_file() or tokens_path(source, "train").is_file()):
         raise ConfigError(
-            f"draft_vocab_counts={counts} does not exist (a data folder, or a token counts file)"
+            f"draft_vocab_counts={counts} is neither a token counts file nor a data folder with its "
+            f"tokenised training split ({tokens_path(source, 'train')})"
         )
     policy = build_policy(cfg.policy)
     if isinstance(policy, Fixed) and policy.gamma is not None and policy.gamma > spec.gamma:
