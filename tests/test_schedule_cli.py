@@ -387,6 +387,24 @@ def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
     part = Engine.from_checkpoint(tiny_target, drafter, Fixed(2), max_new_tokens=4).generate(prompt)
     with pytest.raises(ReplayError, match="verified fewer"):
         rounds_from_records(part.rounds)
+    # measured.draft_vocab: the profiled draft steps and the engines serve the drafter over its most
+    # frequent answer tokens (its folder's counts), which the cost table and the figures' data record
+    from dspark.artifacts import DrafterFolder
+
+    counts = torch.zeros(tiny_target.vocab_size, dtype=torch.long)
+    counts[300:400] = 1
+    DrafterFolder(drafter).write_token_counts(counts)
+    narrow = tmp_path / "narrow"
+    res = run(
+        _cfg(
+            ["mode=measured", "target=tiny", f"drafter_dir={drafter}", "concurrency=[2]", "policies=[fixed]",
+             "measured.benchmarks=[gsm8k]", f"measured.benchmark_dir={bench}", "measured.max_new_tokens=4",
+             "measured.draft_vocab=64", "context_len=16", "profile.batch_sizes=[1,4,10]", "profile.repeats=1",
+             "profile.warmup=1", "measured.warmup=false", "progress=false", f"out_dir={narrow}"]
+        )
+    )  # fmt: skip
+    assert res["cost_table"]["meta"]["draft_vocab"]["size"] == 64
+    assert json.loads((narrow / "fig7_frontier.json").read_text())["draft_vocab"]["size"] == 64
 
 
 def test_settle_profile_retimes_spikes_then_smooths():

@@ -63,9 +63,11 @@ def profile_drafter(
     temperature: float = 1.0,
     warmup: int = 2,
     repeats: int = 5,
+    draft_vocab=None,
 ) -> dict[int, float]:
-    """Step time (ms) of ``drafter.propose`` for R requests over ``context_len`` context positions."""
-    shared = Shared.of(target)
+    """Step time (ms) of ``drafter.propose`` for R requests over ``context_len`` context positions
+    (over ``draft_vocab``'s tokens where given)."""
+    shared = Shared.of(target, draft_vocab)
     device = target.device
     built: dict[int, tuple] = {}
     gen = torch.Generator().manual_seed(0)

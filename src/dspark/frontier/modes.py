@@ -19,6 +19,7 @@ from ..bench.profile import profile_drafter, profile_target, settle_profile
 from ..checkpoints import load_drafter
 from ..core.errors import ConfigError, DataError
 from ..data.benchmarks import first_turns
+from ..data.vocab_counts import load_draft_vocab, vocab_record
 from ..scheduling.cost import CostModel
 from ..scheduling.policies import Fixed, build_policy
 from ..scheduling.replay import ReplayError, load_rounds, replay
@@ -80,9 +81,21 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
     policies = sweep_policies(cfg, gamma, block)
     prompts = benchmark_prompts(cfg, target)  # before profiling: a missing benchmark fails fast
     calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
+    m = cfg.measured
+    vocab, coverage = load_draft_vocab(
+        cfg.drafter_dir, int(m.get("draft_vocab") or 0), target.vocab_size, target.eos_token_ids,
+        m.get("draft_vocab_counts"),
+    )  # fmt: skip
     conc = [int(r) for r in cfg.concurrency]
-    cost = load_cost(cfg) if cfg.cost_table is not None else profiled_cost(cfg, target, drafter, gamma)
+    if cfg.cost_table is not None:
+        cost = load_cost(cfg)
+    else:
+        cost = profiled_cost(cfg, target, drafter, gamma, vocab)
+        cost.meta["draft_vocab"] = vocab_record(vocab, coverage)
     cost.save(folder.cost_table_path)
+    engine_kw = {"draft_vocab": vocab}
+    if m.get("engine") == "fast":
+        engine_kw["compile"] = m.get("compile")
     frontier = measure(
         target,
         drafter,
@@ -98,15 +111,17 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
         repeats=int(cfg.measured.repeats),
         progress=bool(cfg.progress),
         engine_kind=str(cfg.measured.get("engine", "plain")),
-        engine_kw={"compile": cfg.measured.get("compile")} if cfg.measured.get("engine") == "fast" else None,
+        engine_kw=engine_kw,
     )
-    info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device)}
+    info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device),
+            "draft_vocab": vocab_record(vocab, coverage)}  # fmt: skip
     return frontier, policies, cost, info
 
 
-def profiled_cost(cfg: DictConfig, target, drafter, gamma: int) -> CostModel:
+def profiled_cost(cfg: DictConfig, target, drafter, gamma: int, draft_vocab=None) -> CostModel:
     """The cost table timed here: the target's verification step over token batch sizes at
-    ``context_len`` (and the drafter's step per concurrency with profile.draft)."""
+    ``context_len`` (and the drafter's step per concurrency with profile.draft, over
+    ``draft_vocab``'s tokens where given)."""
     conc = [int(r) for r in cfg.concurrency]
     p = cfg.profile
     sizes = list(p.batch_sizes) if p.batch_sizes else _powers_of_two(max(conc) * (gamma + 1))
@@ -129,6 +144,7 @@ def profiled_cost(cfg: DictConfig, target, drafter, gamma: int) -> CostModel:
                 float(cfg.measured.temperature),
                 warmup=int(p.warmup),
                 repeats=int(p.repeats),
+                draft_vocab=draft_vocab,
             ),
             sorted(set(conc)),
         )
