@@ -28,6 +28,7 @@ from dspark.decoding.draft_vocab import (
 from dspark.decoding.engine import Engine
 from dspark.decoding.fast_engine import FastEngine
 from dspark.evaluation import check_config
+from dspark.kernels.rejection import draft_row
 
 
 def test_most_frequent_takes_counts_then_lower_ids_and_keeps_the_forced_tokens():
@@ -106,7 +107,7 @@ def test_a_drafter_drafts_the_whole_vocabularys_distribution_conditioned_on_its_
     torch.testing.assert_close(a.probs, c.probs)
     assert torch.isin(b.tokens, vocab).all()
     assert b.probs.shape == (*a.probs.shape[:-1], len(vocab))
-    wide = part.target_probs(b.probs)  # over V, 0 off the vocabulary
+    wide = draft_row(b.probs.flatten(0, 1), part.index).view(*b.probs.shape[:2], -1)  # over V, 0 off it
     assert torch.equal(wide[..., vocab], b.probs)
     off = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
     off[vocab] = False

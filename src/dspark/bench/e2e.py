@@ -143,10 +143,8 @@ def _main(argv, watch) -> dict:
         drafter = drafter.to(target.dtype)
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
     vocab, vocab_report = served_draft_vocab(args, target)
-    timed_with = None if cost is None or not cost.meta.get("drafter") else cost.meta.get("draft_vocab")
-    if (
-        cost is not None and cost.meta.get("drafter") and timed_with != vocab_report
-    ):  # engine_sps --drafter-dir
+    timed_with = cost.meta.get("draft_vocab") if cost is not None else None
+    if cost is not None and cost.meta.get("drafter") and timed_with != vocab_report:  # drafter steps timed
         log.warning(
             "the cost table's draft steps were timed with draft vocabulary %s and price runs with %s: "
             "time them with the run's (engine_sps --draft-vocab)",

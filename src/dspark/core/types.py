@@ -74,14 +74,6 @@ class Shared:
         """Target token ids of draft-vocabulary indices (the indices themselves without one)."""
         return index if self.vocab is None else self.vocab[index]
 
-    def target_probs(self, probs: Tensor | None) -> Tensor | None:
-        """Distributions [..., K] over the draft vocabulary as [..., V] over the target's (0 off it):
-        for tools and tests; verification reads the K columns through ``index``."""
-        if self.vocab is None or probs is None:
-            return probs
-        full = probs.new_zeros(*probs.shape[:-1], self.index.numel())
-        return full.index_copy_(-1, self.vocab, probs)
-
 
 @dataclass
 class DraftOutput:

@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 
 from ..core.errors import DataError
 from ..core.phases import phase
+from ..decoding.draft_vocab import answer_token_counts
 from .cache import FeatureCache
 from .io import resolve_path
 from .tokenize import TokenSplit, load_tokens
@@ -304,8 +305,6 @@ class DraftDataModule(L.LightningDataModule):
     def answer_token_counts(self, vocab_size: int):
         """How often each token id occurs in the training split's answers (its joined sets
         included): what a draft vocabulary is chosen from (``decoding.draft_vocab``)."""
-        from ..decoding.draft_vocab import answer_token_counts
-
         return answer_token_counts([self._load("train").tokens], vocab_size)
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):

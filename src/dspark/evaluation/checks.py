@@ -42,9 +42,7 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
             f"engine=fast drafts with block drafters ({', '.join(static_cache_drafters())}); "
             f"{spec.kind} runs on engine=plain"
         )
-    size = cfg.get("draft_vocab") or 0
-    if int(size) < 0:
-        raise ConfigError(f"draft_vocab={size} is negative: a token count, or 0 for the whole vocabulary")
+    size = cfg.get("draft_vocab") or 0  # its sign: the schema's (config.apps)
     counts = cfg.get("draft_vocab_counts")
     if int(size) and counts is None and DrafterFolder(folder).read_token_counts() is None:
         raise ConfigError(
