@@ -87,7 +87,9 @@
 #           compiled and captured anew: 3-4 minutes with context 512 alone (2026-12-02-e), ≈ 55 s a drafter
 #           with the four (2026-12-06-f, an H100), HEADLAT_LIMIT (960 s) at most; a run cut off keeps every
 #           context it measured. HEADLAT_BLOCKS / HEADLAT_FAMILIES (default 4,7,10,16 / dflash,markov,rnn):
-#           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b])
+#           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b]); HEADLAT_EXTRA:
+#           drafter.… / head.… overrides for every drafter, e.g. "head.rank=32" (the Markov head's cost at
+#           another rank; its JSON records them: report it apart from the default rank's)
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
@@ -333,10 +335,11 @@ pipeline)
   headlat() {  # Fig. 4's latency panel; the JSON is rewritten after each drafter, so a cut-off run keeps its rows
     local dest=outputs/h200/out/head_latency status=0
     mkdir -p "$dest"
+    # shellcheck disable=SC2086  # HEADLAT_EXTRA: overrides, one word each
     timeout "${HEADLAT_LIMIT:-960}" python3 -m dspark.bench.head_latency target="${TARGET:-smollm2_135m}" \
       target.path=/root/stage target.device=cuda target.dtype=bfloat16 --families "${HEADLAT_FAMILIES:-dflash,markov,rnn}" \
       --blocks "${HEADLAT_BLOCKS:-4,7,10,16}" --rows 1,128 --context "${HEADLAT_CONTEXTS:-512,1024,2048,4096}" \
-      --out "$dest/head_latency.json" > "$dest/log.txt" 2>&1 || status=$?
+      --out "$dest/head_latency.json" ${HEADLAT_EXTRA:-} > "$dest/log.txt" 2>&1 || status=$?
     [ -f "$dest/head_latency.json" ] && python3 -m dspark.report mode=head_latency runs="$dest/head_latency.json" \
       hydra.run.dir="$dest" >> "$dest/log.txt" 2>&1  # fig4_latency.png, also of a cut-off run's rows
     grep -a -e "^|" -e "^== " "$dest/log.txt" | tail -45  # the table (and where a cut-off run stopped)

@@ -83,21 +83,27 @@ def test_batch_temperatures_are_checked_before_the_pipeline_starts(tmp_path):
 
 def test_headlat_measures_the_part_of_the_grid_it_is_given(tmp_path):
     """``HEADLAT_BLOCKS`` / ``HEADLAT_FAMILIES``: a session measures the blocks another did not (its JSON
-    joins the other's on the CPU); unset, the whole grid. ``python3`` stubbed: it records its
-    arguments, the stage's orchestration is the script's own."""
+    joins the other's on the CPU); unset, the whole grid; ``HEADLAT_EXTRA``'s overrides pass through, each
+    its own argument. ``python3`` stubbed: it records its arguments, the stage's orchestration is the
+    script's own."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "$# $*" >> {calls}\n')  # the count, then the words
     (bin_dir / "python3").chmod(0o755)
     (tmp_path / "outputs/h200/session").mkdir(parents=True)
     path = f"{bin_dir}:/usr/bin:/bin"
-    part = {"HEADLAT_BLOCKS": "10,16", "HEADLAT_FAMILIES": "rnn"}
+    extra = "head.rank=32 drafter.num_layers=3"
+    part = {"HEADLAT_BLOCKS": "10,16", "HEADLAT_FAMILIES": "rnn", "HEADLAT_EXTRA": extra}
     _session(tmp_path, "pipeline", STAGES="headlat", PATH=path, **part)
     _session(tmp_path, "pipeline", STAGES="headlat", PATH=path)
-    bench = [c for c in calls.read_text().splitlines() if c.startswith("-m dspark.bench.head_latency")]
-    assert len(bench) == 2
+    runs = [c.split(" ", 1) for c in calls.read_text().splitlines()]
+    bench = [words for _, words in runs if words.startswith("-m dspark.bench.head_latency")]
+    counts = [int(n) for n, words in runs if words.startswith("-m dspark.bench.head_latency")]
+    assert len(bench) == 2 and counts[0] == counts[1] + 2  # HEADLAT_EXTRA: two more arguments, not one
     assert "--families rnn --blocks 10,16 --rows 1,128" in bench[0]
+    assert bench[0].endswith(f"head_latency.json {extra}")
     assert "--families dflash,markov,rnn --blocks 4,7,10,16 --rows 1,128" in bench[1]
+    assert bench[1].endswith("head_latency.json")
 
 
 def test_keep_packs_each_of_a_batchs_runs_and_goes_on_past_a_missing_one(tmp_path):
