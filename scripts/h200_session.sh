@@ -52,7 +52,9 @@
 #   spec    issue 18's speculation study with this drafter (h200_speculation.sh)
 #   eval1   τ at T = 1
 #   vocab   issue 18: the draft step and e2e runs with NAME's drafter over draft vocabularies of several
-#           sizes against the whole vocabulary (h200_draft_vocab.sh; VOCAB_SIZES and the rest pass through)
+#           sizes against the whole vocabulary (h200_draft_vocab.sh; VOCAB_SIZES and the rest pass through);
+#           VOCAB_RUNS="A B": each of a batch's runs instead, into out/draft_vocab/<run>/ (a sweep's drafters
+#           side by side: the draft step of each head rank, say)
 #   batch   Table 1 in one go: the RUNS drafters (';'-separated NAME:TRAIN_OVERRIDES, as for
 #           h200_table1.sh) trained AT ONCE on the shared GPU for the same TRAIN_MINUTES on the clock
 #           (TRAIN_EXTRA for all alike), each evaluated at T = 0 and 1 as soon as its own training ends,
@@ -413,7 +415,16 @@ pipeline)
       ;;
     batch) run batch batch ;;
     headlat) run headlat headlat ;;  # needs no drafter: any session can run it
-    vocab) run vocab env OUT=outputs/h200/out/draft_vocab bash scripts/h200_draft_vocab.sh "outputs/h200/$name/drafter" ;;
+    vocab)  # NAME's drafter into draft_vocab/, or each of VOCAB_RUNS (a batch's runs) into draft_vocab/<run>/
+      if [ -z "${VOCAB_RUNS:-}" ]; then
+        run vocab env OUT=outputs/h200/out/draft_vocab bash scripts/h200_draft_vocab.sh "outputs/h200/$name/drafter"
+      else
+        for measured in $VOCAB_RUNS; do  # one that fails does not stop the others
+          run "vocab:$measured" env OUT="outputs/h200/out/draft_vocab/$measured" \
+            bash scripts/h200_draft_vocab.sh "outputs/h200/$measured/drafter"
+        done
+      fi
+      ;;
     *) echo "unknown stage '$stage'"; break ;;
     esac
   done

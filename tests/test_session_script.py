@@ -106,6 +106,29 @@ def test_headlat_measures_the_part_of_the_grid_it_is_given(tmp_path):
     assert bench[1].endswith("head_latency.json")
 
 
+def test_vocab_measures_names_drafter_or_each_of_a_batchs_runs(tmp_path):
+    """The vocab stage: NAME's drafter into out/draft_vocab/; with ``VOCAB_RUNS`` each named run's into
+    a folder of its own, a failing one not stopping the next. ``h200_draft_vocab.sh`` stubbed: it
+    records the drafter and output folder it was given, and fails for a run without a drafter."""
+    (tmp_path / "scripts").mkdir()
+    stub = 'echo "$1 $OUT" >> calls.txt; test -d "$1"\n'
+    (tmp_path / "scripts" / "h200_draft_vocab.sh").write_text(stub)
+    for run in ("dspark", "R32", "R512"):
+        (tmp_path / "outputs/h200" / run / "drafter").mkdir(parents=True)
+    (tmp_path / "outputs/h200/session").mkdir(parents=True)
+    _session(tmp_path, "pipeline", STAGES="vocab")
+    _session(tmp_path, "pipeline", STAGES="vocab", VOCAB_RUNS="R32 gone R512")
+    assert (tmp_path / "calls.txt").read_text().splitlines() == [
+        "outputs/h200/dspark/drafter outputs/h200/out/draft_vocab",
+        "outputs/h200/R32/drafter outputs/h200/out/draft_vocab/R32",
+        "outputs/h200/gone/drafter outputs/h200/out/draft_vocab/gone",
+        "outputs/h200/R512/drafter outputs/h200/out/draft_vocab/R512",
+    ]
+    stages = (tmp_path / "outputs/h200/session/stages.txt").read_text().splitlines()
+    done = [" ".join(line.split()[:2]) for line in stages]  # both pipelines' stages, in order
+    assert done == ["vocab 0", "vocab:R32 0", "vocab:gone 1", "vocab:R512 0"]
+
+
 def test_keep_packs_each_of_a_batchs_runs_and_goes_on_past_a_missing_one(tmp_path):
     """``KEEP_RUNS``: every named run's drafter comes back in pieces of its own name; a run that is not
     there fails its own stage and the next is still kept; unpacked, a piece set is its drafter folder."""
