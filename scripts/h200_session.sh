@@ -89,9 +89,9 @@
 #           compiled and captured anew: 3-4 minutes with context 512 alone (2026-12-02-e), ≈ 55 s a drafter
 #           with the four (2026-12-06-f, an H100), HEADLAT_LIMIT (960 s) at most; a run cut off keeps every
 #           context it measured. HEADLAT_BLOCKS / HEADLAT_FAMILIES (default 4,7,10,16 / dflash,markov,rnn):
-#           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b]); HEADLAT_EXTRA:
-#           drafter.… / head.… overrides for every drafter, e.g. "head.rank=32" (the Markov head's cost at
-#           another rank; its JSON records them: report it apart from the default rank's)
+#           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b]);
+#           HEADLAT_EXTRA: drafter.… / head.… overrides for every drafter, e.g. "head.rank=32" (the Markov
+#           head's cost at another rank; its JSON records them: report it apart from the default rank's)
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as

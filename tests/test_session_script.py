@@ -106,7 +106,7 @@ def test_headlat_measures_the_part_of_the_grid_it_is_given(tmp_path):
     assert bench[1].endswith("head_latency.json")
 
 
-def test_vocab_measures_names_drafter_or_each_of_a_batchs_runs(tmp_path):
+def test_vocab_measures_the_named_drafter_or_each_of_a_batchs_runs(tmp_path):
     """The vocab stage: NAME's drafter into out/draft_vocab/; with ``VOCAB_RUNS`` each named run's into
     a folder of its own, a failing one not stopping the next. ``h200_draft_vocab.sh`` stubbed: it
     records the drafter and output folder it was given, and fails for a run without a drafter."""
