@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 / H100, issue 18: what a draft vocabulary (decoding.draft_vocab: the drafter drafts among the K
-# most frequent tokens of its training answers) buys, with a trained drafter (each engine_sps run took
-# 40-80 s on an H100, 2026-12-07; each e2e run 1-3 minutes, a guess: not yet run):
+# most frequent tokens of its training answers) buys, with a trained drafter (on an H100, 2026-12-07-b:
+# each engine_sps run 44-72 s, each e2e run at R = 1,64,256 92-101 s; K = 0 and 16 384 at T = 0: 309 s):
 #   1. per K of VOCAB_SIZES (default "0 16384 32768"; 0: the whole vocabulary) the draft step per row
 #      count and drafted length, and the verify steps beside it, at T = 0 (python -m dspark.bench.engine_sps
 #      --draft-vocab K, the e2e prompts' mean context, ROUND_CONTEXT, default 172): the draft step's share

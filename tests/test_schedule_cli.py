@@ -327,7 +327,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
+def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread, caplog):
     from dspark.checkpoints import save_drafter
     from dspark.core.types import TargetDims
     from dspark.drafters import build_drafter
@@ -405,6 +405,14 @@ def test_measured_mode_tiny_target(tiny_target, tmp_path, one_thread):
     )  # fmt: skip
     assert res["cost_table"]["meta"]["draft_vocab"]["size"] == 64
     assert json.loads((narrow / "fig7_frontier.json").read_text())["draft_vocab"]["size"] == 64
+    # that table's draft steps price a run over the whole vocabulary wrongly: it is told so
+    whole = ["mode=measured", "target=tiny", f"drafter_dir={drafter}", "concurrency=[2]", "policies=[fixed]",
+             "measured.benchmarks=[gsm8k]", f"measured.benchmark_dir={bench}", "measured.max_new_tokens=4",
+             f"cost_table={narrow / 'cost_table.json'}", "context_len=16", "measured.warmup=false",
+             "progress=false", f"out_dir={tmp_path / 'whole'}"]  # fmt: skip
+    with caplog.at_level("WARNING", logger="dspark.frontier.modes"):
+        run(_cfg(whole))
+    assert "timed with draft vocabulary {'size': 64" in caplog.text and "with None" in caplog.text
 
 
 def test_settle_profile_retimes_spikes_then_smooths():

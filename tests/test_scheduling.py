@@ -1556,6 +1556,18 @@ def test_cost_interpolation_and_extrapolation():
         cm.step_time(0)
 
 
+def test_cost_names_a_draft_vocabulary_its_draft_steps_were_not_timed_with():
+    """Draft steps timed over one draft vocabulary misprice runs over another (meta's draft_vocab,
+    None: the whole); a table without draft steps prices none, whatever the vocabulary."""
+    k16 = {"size": 16384, "coverage": 0.99}
+    drafts = CostModel({4: 10.0, 8: 18.0}, draft_ms={1: 2.0}, meta={"draft_vocab": k16})
+    assert drafts.draft_vocab_mismatch(k16) is None
+    assert "timed with draft vocabulary {'size': 16384" in drafts.draft_vocab_mismatch(None)
+    by_length = CostModel({4: 10.0, 8: 18.0}, draft_len_ms={7: {1: 2.0}})  # engine_sps's curves, whole
+    assert by_length.draft_vocab_mismatch(None) is None and by_length.draft_vocab_mismatch(k16)
+    assert CostModel({4: 10.0, 8: 18.0}).draft_vocab_mismatch(k16) is None  # verify steps only
+
+
 def test_cost_analytical_shapes():
     cm = CostModel.analytical(base_ms=8.0, knee=16, ms_per_token=0.5, max_batch=256)
     assert cm.step_time(1) == cm.step_time(16) == pytest.approx(0.008)

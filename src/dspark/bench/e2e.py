@@ -143,13 +143,9 @@ def _main(argv, watch) -> dict:
         drafter = drafter.to(target.dtype)
     calibration = DrafterFolder(args.drafter_dir).read_calibration()
     vocab, vocab_report = served_draft_vocab(args, target)
-    timed_with = cost.meta.get("draft_vocab") if cost is not None else None
-    if cost is not None and cost.meta.get("drafter") and timed_with != vocab_report:  # drafter steps timed
-        log.warning(
-            "the cost table's draft steps were timed with draft vocabulary %s and price runs with %s: "
-            "time them with the run's (engine_sps --draft-vocab)",
-            timed_with, vocab_report,
-        )  # fmt: skip
+    mismatch = None if cost is None else cost.draft_vocab_mismatch(vocab_report)
+    if mismatch:
+        log.warning(mismatch)
     prompts = [target.prompt_ids(t) for t in texts]
     gamma = int(drafter.gamma)
     conc = [int(r) for r in args.concurrency.split(",")]

@@ -86,12 +86,16 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
         cfg.drafter_dir, int(m.get("draft_vocab") or 0), target.vocab_size, target.eos_token_ids,
         m.get("draft_vocab_counts"),
     )  # fmt: skip
+    served = vocab_record(vocab, coverage)
     conc = [int(r) for r in cfg.concurrency]
     if cfg.cost_table is not None:
         cost = load_cost(cfg)
+        mismatch = cost.draft_vocab_mismatch(served)
+        if mismatch:
+            log.warning(mismatch)
     else:
         cost = profiled_cost(cfg, target, drafter, gamma, vocab)
-        cost.meta["draft_vocab"] = vocab_record(vocab, coverage)
+        cost.meta["draft_vocab"] = served
     cost.save(folder.cost_table_path)
     engine_kw = {"draft_vocab": vocab}
     if m.get("engine") == "fast":
@@ -104,17 +108,17 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
         prompts,
         cost=cost,
         calibration=calibration,
-        temperature=float(cfg.measured.temperature),
-        max_new_tokens=int(cfg.measured.max_new_tokens),
+        temperature=float(m.temperature),
+        max_new_tokens=int(m.max_new_tokens),
         seed=int(cfg.seed),
-        warmup=bool(cfg.measured.warmup),
-        repeats=int(cfg.measured.repeats),
+        warmup=bool(m.warmup),
+        repeats=int(m.repeats),
         progress=bool(cfg.progress),
-        engine_kind=str(cfg.measured.get("engine", "plain")),
+        engine_kind=str(m.get("engine", "plain")),
         engine_kw=engine_kw,
     )
     info = {"prompts": len(prompts), "block": block, "gamma": gamma, "device": str(target.device),
-            "draft_vocab": vocab_record(vocab, coverage)}  # fmt: skip
+            "draft_vocab": served}  # fmt: skip
     return frontier, policies, cost, info
 
 

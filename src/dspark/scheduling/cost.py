@@ -197,6 +197,19 @@ class CostModel:
         self._buckets: np.ndarray | None = None  # the rows an engine pads a round to (at_engine_rows)
 
     # ---- tables -------------------------------------------------------------------------
+    def draft_vocab_mismatch(self, served: dict | None) -> str | None:
+        """A warning where this table's draft steps were timed over another draft vocabulary
+        (``meta["draft_vocab"]``, None: the whole) than the one a run serves (``served``, as
+        ``data.vocab_counts.vocab_record`` writes it): they would misprice every round's draft
+        step. None where they agree or the table times no draft step."""
+        timed = self.meta.get("draft_vocab")
+        if (self._d is None and self._dl is None) or timed == served:
+            return None
+        return (
+            f"the cost table's draft steps were timed with draft vocabulary {timed} and price runs with "
+            f"{served}: time them with the run's (engine_sps --draft-vocab, schedule measured.draft_vocab)"
+        )
+
     @property
     def verify_ms(self) -> dict[int, float]:
         return {int(b): float(t) for b, t in zip(self._vx, self._vy)}
