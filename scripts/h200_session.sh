@@ -96,7 +96,10 @@
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as
 # gemma3_270m answering the SmolLM2 pack's prompts (its own Magpie prompts rarely finish; the pack in
-# the repository holds them, {"id", "prompt"} lines, which data=jsonl reads as they are):
+# the repository holds them, {"id", "prompt"} lines, which data=jsonl reads as they are). Gemma needs the
+# transformers==5.18.0 wheel staged with the others: the machine's 5.17 converts Gemma's GGUF tokenizer into
+# one that cuts words into pieces (session 2026-12-07-c made 29 232 answers of nonsense with it; loading now
+# refuses it):
 #   cat data/packs/smollm2_30000_bfloat16.tar.xz.* | xz -d | tar -xO smollm2_30000_bfloat16/prompts/train.jsonl \
 #     > outputs/h200/prompts.jsonl
 #   TARGET=gemma3_270m N=29400 DATA_EXTRA="data.source=jsonl data.jsonl.path=outputs/h200/prompts.jsonl"

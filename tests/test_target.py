@@ -200,6 +200,64 @@ def test_a_cache_folder_another_process_published_first_is_kept_and_ours_dropped
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model-abc", "model-def"]
 
 
+def word_breaking_tokenizer():
+    """What transformers up to 5.17 made of Gemma 3's GGUF tokenizer, at its worst (saved and loaded
+    again): one token a character, from a BPE vocabulary without merges."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set("".join(chr(c) for c in range(32, 127))))
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")), unk_token="<unk>"
+    )
+
+
+def test_a_gguf_tokenizer_that_breaks_words_is_refused_before_the_model_is_converted(tmp_path, monkeypatch):
+    """The Gemma fault of transformers 5.17 (the GPU machine's): the GGUF's tokenizer, converted,
+    cuts words into pieces and nothing downstream fails; a session's data were nonsense for it. The
+    load stops with the fix before the de-quantisation's minute, and caches nothing."""
+    import transformers
+
+    from dspark.target import breaks_words, load_tokenizer_only
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def convert(where, *args, gguf_file=None, **kwargs):
+        return word_breaking_tokenizer() if gguf_file else real(where, *args, **kwargs)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was converted before the tokenizer was checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", convert)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    cfg = load_group("target", "smollm2_135m")
+    cfg.cache_dir = str(tmp_path)
+    assert breaks_words(word_breaking_tokenizer())
+    for load in (load_target, lambda c: load_tokenizer_only(c, tmp_path)):
+        with pytest.raises(
+            TargetError,
+            match=r"cuts common words into pieces \(75 tokens for the 15 words.*transformers>=5\.18",
+        ):
+            load(cfg)
+    assert not (tmp_path / "dequantized").exists() or not any((tmp_path / "dequantized").iterdir())
+
+
+def test_a_cached_tokenizer_that_breaks_words_is_converted_again(tmp_path, caplog):
+    """A cache an older transformers wrote (its tokenizer breaks words) is removed and the GGUF
+    converted again by this transformers: the user who upgraded needs to delete nothing."""
+    from dspark.target import breaks_words, load_tokenizer_only
+
+    cfg = load_group("target", "smollm2_135m")
+    _, tok, folder = load_tokenizer_only(cfg, tmp_path)
+    sound = tok("The capital of France is", add_special_tokens=False).input_ids
+    assert len(sound) == 5 and not breaks_words(tok)
+    word_breaking_tokenizer().save_pretrained(folder)  # as the older transformers would have left it
+    _, tok, again = load_tokenizer_only(cfg, tmp_path)
+    assert again == folder and "breaks words (converted by an older transformers)" in caplog.text
+    assert tok("The capital of France is", add_special_tokens=False).input_ids == sound
+
+
 def test_hub_target_offline_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_group("target", "qwen3_4b")

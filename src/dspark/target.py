@@ -512,9 +512,8 @@ def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
         cached = _gguf_cache_dir(Path(where) / gguf_file, dtype_name, cache_dir)
         if not (cached / "config.json").exists():
             log.info("de-quantising %s (first load only; cached at %s)", gguf_file, cached)
-            tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+            tok = _gguf_tokenizer(where, gguf_file, cfg)  # checked before the de-quantisation's minute
             model = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=dtype)
-            _fix_special_tokens(tok, cfg)
             _save_dequantized(model, tok, cached)
         kind, where = "hf_dir", cached
     offline = kind == "hf_dir" or os.environ.get("HF_HUB_OFFLINE") == "1"
@@ -530,7 +529,53 @@ def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
             ) from err
         raise
     _fix_special_tokens(tok, cfg)
+    if gguf_file and _stale_tokenizer(tok, where):
+        return load_model_and_tokenizer(cfg, dtype, cache_dir)  # converted again, and checked
     return model, tok, f"{kind}:{where}"
+
+
+# Common English words: every LLM vocabulary holds each of them (with its leading space) as one token.
+WORD_PROBE = "The capital of France is Paris, and the river that runs through it is long."
+GGUF_TOKENIZER_FIXED = "5.18"  # the first transformers that converts Gemma 3's GGUF tokenizer right
+
+
+def breaks_words(tok) -> bool:
+    """Whether ``tok`` cuts common English words into pieces (more than 1.5 tokens a word of
+    WORD_PROBE; a sound tokenizer needs about one): what transformers up to 5.17 made of the GGUF
+    tokenizer of Gemma 3 (a Unigram over scores that do not rank its merges: "capital" as c-ap-it-al;
+    saved and loaded again, one token a character). Nothing fails downstream: the model reads text
+    split as it never saw in training and writes nonsense, which data and τ are then made of."""
+    return len(tok(WORD_PROBE, add_special_tokens=False).input_ids) > 1.5 * len(WORD_PROBE.split())
+
+
+def _gguf_tokenizer(where, gguf_file: str, cfg):
+    """The tokenizer converted from a GGUF by this transformers, refused when it breaks words."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+    _fix_special_tokens(tok, cfg)
+    if breaks_words(tok):
+        n = len(tok(WORD_PROBE, add_special_tokens=False).input_ids)
+        raise TargetError(
+            f"transformers {transformers.__version__} converts the tokenizer of {gguf_file} into one that "
+            f"cuts common words into pieces ({n} tokens for the {len(WORD_PROBE.split())} words of "
+            f"'{WORD_PROBE}'): the target would read text split as it never saw in training. Upgrade "
+            f"transformers (pip install -U 'transformers>={GGUF_TOKENIZER_FIXED}') and load again"
+        )
+    return tok
+
+
+def _stale_tokenizer(tok, cached: Path) -> bool:
+    """Whether the tokenizer of a de-quantisation cache breaks words (an older transformers
+    converted it): the cache is then removed, for the caller to convert the GGUF again, with the
+    check above."""
+    if not breaks_words(tok):
+        return False
+    log.warning("the tokenizer cached in %s breaks words (converted by an older transformers): "
+                "converting the GGUF again", cached)  # fmt: skip
+    shutil.rmtree(cached)
+    return True
 
 
 def _fix_special_tokens(tok, cfg) -> None:
@@ -574,13 +619,14 @@ def load_tokenizer_only(cfg, cache_dir: Path):
     if kind == "gguf":
         cached = _gguf_cache_dir(Path(where) / gguf_file, "tokenizer", cache_dir)
         if not (cached / "tokenizer_config.json").exists():
-            tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
-            _fix_special_tokens(tok, cfg)
+            tok = _gguf_tokenizer(where, gguf_file, cfg)
             with _cache_folder(cached) as tmp:
                 tok.save_pretrained(tmp)
         where = cached
     tok = AutoTokenizer.from_pretrained(where, local_files_only=kind != "hub")
     _fix_special_tokens(tok, cfg)
+    if gguf_file and _stale_tokenizer(tok, where):
+        return load_tokenizer_only(cfg, cache_dir)  # converted again, and checked
     return None, tok, str(where)
 
 
