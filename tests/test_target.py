@@ -258,6 +258,25 @@ def test_a_cached_tokenizer_that_breaks_words_is_converted_again(tmp_path, caplo
     assert tok("The capital of France is", add_special_tokens=False).input_ids == sound
 
 
+def test_a_conversion_that_breaks_words_only_once_reloaded_is_refused_not_retried_forever(
+    tmp_path, monkeypatch
+):
+    """The stale-cache path converts again once: a conversion that passes the check but breaks words
+    once saved and loaded back (as 5.17's Gemma tokenizer did) ends in the error, not in a loop."""
+    import transformers
+
+    from dspark.target import load_tokenizer_only
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def reloaded_breaks(where, *args, gguf_file=None, **kwargs):
+        return real(where, *args, gguf_file=gguf_file, **kwargs) if gguf_file else word_breaking_tokenizer()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", reloaded_breaks)
+    with pytest.raises(TargetError, match=r"as saved and loaded again\).*cuts common words"):
+        load_tokenizer_only(load_group("target", "smollm2_135m"), tmp_path)
+
+
 def test_hub_target_offline_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_group("target", "qwen3_4b")

@@ -503,7 +503,7 @@ def _save_dequantized(model, tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
-def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
+def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path, _stale_retry: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kind, where, gguf_file = resolve_source(cfg, cache_dir)
@@ -529,8 +529,8 @@ def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path):
             ) from err
         raise
     _fix_special_tokens(tok, cfg)
-    if gguf_file and _stale_tokenizer(tok, where):
-        return load_model_and_tokenizer(cfg, dtype, cache_dir)  # converted again, and checked
+    if gguf_file and _stale_tokenizer(tok, where, _stale_retry):
+        return load_model_and_tokenizer(cfg, dtype, cache_dir, _stale_retry=False)  # converted again
     return model, tok, f"{kind}:{where}"
 
 
@@ -539,39 +539,51 @@ WORD_PROBE = "The capital of France is Paris, and the river that runs through it
 GGUF_TOKENIZER_FIXED = "5.18"  # the first transformers that converts Gemma 3's GGUF tokenizer right
 
 
+def word_probe_tokens(tok) -> int:
+    """The tokens ``tok`` makes of WORD_PROBE (no special tokens)."""
+    return len(tok(WORD_PROBE, add_special_tokens=False).input_ids)
+
+
 def breaks_words(tok) -> bool:
     """Whether ``tok`` cuts common English words into pieces (more than 1.5 tokens a word of
     WORD_PROBE; a sound tokenizer needs about one): what transformers up to 5.17 made of the GGUF
     tokenizer of Gemma 3 (a Unigram over scores that do not rank its merges: "capital" as c-ap-it-al;
     saved and loaded again, one token a character). Nothing fails downstream: the model reads text
     split as it never saw in training and writes nonsense, which data and τ are then made of."""
-    return len(tok(WORD_PROBE, add_special_tokens=False).input_ids) > 1.5 * len(WORD_PROBE.split())
+    return word_probe_tokens(tok) > 1.5 * len(WORD_PROBE.split())
 
 
 def _gguf_tokenizer(where, gguf_file: str, cfg):
     """The tokenizer converted from a GGUF by this transformers, refused when it breaks words."""
-    import transformers
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
     _fix_special_tokens(tok, cfg)
     if breaks_words(tok):
-        n = len(tok(WORD_PROBE, add_special_tokens=False).input_ids)
-        raise TargetError(
-            f"transformers {transformers.__version__} converts the tokenizer of {gguf_file} into one that "
-            f"cuts common words into pieces ({n} tokens for the {len(WORD_PROBE.split())} words of "
-            f"'{WORD_PROBE}'): the target would read text split as it never saw in training. Upgrade "
-            f"transformers (pip install -U 'transformers>={GGUF_TOKENIZER_FIXED}') and load again"
-        )
+        raise _word_breaking_error(tok, gguf_file)
     return tok
 
 
-def _stale_tokenizer(tok, cached: Path) -> bool:
+def _word_breaking_error(tok, what) -> TargetError:
+    import transformers
+
+    return TargetError(
+        f"transformers {transformers.__version__} converts the tokenizer of {what} into one that cuts "
+        f"common words into pieces ({word_probe_tokens(tok)} tokens for the {len(WORD_PROBE.split())} words "
+        f"of '{WORD_PROBE}'): the target would read text split as it never saw in training. Upgrade "
+        f"transformers (pip install -U 'transformers>={GGUF_TOKENIZER_FIXED}') and load again"
+    )
+
+
+def _stale_tokenizer(tok, cached: Path, retry: bool) -> bool:
     """Whether the tokenizer of a de-quantisation cache breaks words (an older transformers
     converted it): the cache is then removed, for the caller to convert the GGUF again, with the
-    check above."""
+    check above. Once only (``retry``): a conversion that passes the check but breaks words once
+    saved and loaded again is refused, not converted forever."""
     if not breaks_words(tok):
         return False
+    if not retry:
+        raise _word_breaking_error(tok, f"{cached} (as saved and loaded again)")
     log.warning("the tokenizer cached in %s breaks words (converted by an older transformers): "
                 "converting the GGUF again", cached)  # fmt: skip
     shutil.rmtree(cached)
@@ -611,7 +623,7 @@ def build_tiny(cfg, dtype: torch.dtype, cache_dir: Path):
     return model, tok, f"tiny:{cfg.num_layers}x{cfg.hidden_size}:seed{cfg.get('seed', 0)}"
 
 
-def load_tokenizer_only(cfg, cache_dir: Path):
+def load_tokenizer_only(cfg, cache_dir: Path, _stale_retry: bool = True):
     """Tokenizer of a target config, through the same de-quantisation cache (cheap once cached)."""
     from transformers import AutoTokenizer
 
@@ -625,8 +637,8 @@ def load_tokenizer_only(cfg, cache_dir: Path):
         where = cached
     tok = AutoTokenizer.from_pretrained(where, local_files_only=kind != "hub")
     _fix_special_tokens(tok, cfg)
-    if gguf_file and _stale_tokenizer(tok, where):
-        return load_tokenizer_only(cfg, cache_dir)  # converted again, and checked
+    if gguf_file and _stale_tokenizer(tok, where, _stale_retry):
+        return load_tokenizer_only(cfg, cache_dir, _stale_retry=False)  # converted again
     return None, tok, str(where)
 
 
