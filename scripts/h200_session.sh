@@ -91,7 +91,11 @@
 #           context it measured. HEADLAT_BLOCKS / HEADLAT_FAMILIES (default 4,7,10,16 / dflash,markov,rnn):
 #           a part of the grid, joined with another session's on the CPU (mode=head_latency runs=[a,b]);
 #           HEADLAT_EXTRA: drafter.… / head.… overrides for every drafter, e.g. "head.rank=32" (the Markov
-#           head's cost at another rank; its JSON records them: report it apart from the default rank's)
+#           head's cost at another rank; its JSON records them: report it apart from the default rank's),
+#           and options, e.g. "--draft-vocab 32768 --draft-vocab-counts <a data folder of TARGET>" (every
+#           drafter over those 32 768 tokens: Gemma's 262 144 make the head's sampling the cost). A
+#           configuration out of device memory (Gemma, DFlash at block 16, R = 128 on an H100) is recorded
+#           under out_of_memory in the JSON and the run goes on
 # Needs /root/stage (the staged GGUF and wheels, ../shared/GPU.md). TARGET (default smollm2_135m)
 # names the conf/target whose GGUF is staged there, for every stage; DATA_EXTRA the data recipe's
 # overrides for the data and training stages alike (h200_drafter.sh), e.g. a base model such as

@@ -150,6 +150,81 @@ def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch)
     assert "round_vs_dflash" not in saved["results"][0]  # no DFlash row to compare with
 
 
+def test_head_latency_serves_every_drafter_a_draft_vocabulary(tmp_path, monkeypatch):
+    """--draft-vocab K: every engine of the run (draft steps, rounds, the head's parts) drafts over the
+    K most frequent tokens of --draft-vocab-counts, and the report says which and how much they cover."""
+    import torch
+
+    from dspark.artifacts import DrafterFolder
+    from dspark.bench import sps
+    from dspark.decoding.draft_vocab import coverage
+
+    counts = torch.zeros(49152, dtype=torch.long)  # the tiny target's vocabulary (SmolLM2's tokenizer)
+    counts[100:200] = torch.arange(100, 0, -1)
+    counts_file = DrafterFolder(tmp_path / "counts").write_token_counts(counts)
+    served = []
+    real_parts = sps._parts_at
+
+    def parts_at(eng, *args, **kw):
+        served.append(eng.shared.lm_weight.shape[0])
+        return real_parts(eng, *args, **kw)
+
+    real_init = sps.FastEngine.__init__
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        served.append(self.shared.lm_weight.shape[0])
+
+    monkeypatch.setattr(sps, "_parts_at", parts_at)
+    monkeypatch.setattr(sps.FastEngine, "__init__", init)
+    out, whole_out = tmp_path / "k64.json", tmp_path / "whole.json"
+    argv = ["--families", "markov", "--blocks", "4", *FAST]
+    k64 = ["--draft-vocab", "64", "--draft-vocab-counts", str(counts_file)]
+    report = head_latency.main([*argv, *k64, "--out", str(out)])
+    assert len(served) >= 4 and set(served) == {64}  # draft step, rounds, parts' engine, parts
+    vocab = report["draft_vocab"]
+    assert vocab["size"] == 64 and 0.8 < vocab["coverage"] < 0.87  # 64 of 100 counted tokens
+    top = torch.sort(torch.argsort(counts, descending=True, stable=True)[:64]).values
+    assert vocab["coverage"] == pytest.approx(
+        coverage(counts, top), abs=0.02
+    )  # the EOS ids take a place or two
+    assert json.loads(out.read_text())["draft_vocab"] == vocab and report["out_of_memory"] == []
+    served.clear()
+    whole = head_latency.main([*argv, "--out", str(whole_out)])
+    assert whole["draft_vocab"] is None and set(served) == {49152}
+    with pytest.raises(ConfigError, match="differ in draft_vocab"):  # the two never share a panel
+        report_head_latency(f"[{out},{whole_out}]", tmp_path / "fig")
+
+
+def test_head_latency_goes_on_past_a_configuration_out_of_memory(tmp_path, monkeypatch):
+    """A configuration that does not fit (Gemma's DFlash at block 16, R = 128 on an H100): recorded with
+    the contexts not measured, its memory given back, and the next configuration measured."""
+    import torch
+
+    real = head_latency.measure
+    tried = []
+
+    def measure(target, drafter, rows, ctx, args, family, vocab=None):
+        tried.append((family, ctx))
+        if family == "markov" and ctx == 24:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.62 GiB")
+        return real(target, drafter, rows, ctx, args, family, vocab)
+
+    monkeypatch.setattr(head_latency, "measure", measure)
+    out = tmp_path / "h.json"
+    fast = [a if a != "8" else "8,24,40" for a in FAST]  # --context 8,24,40
+    report = head_latency.main(["--families", "markov,rnn", "--blocks", "4", "--out", str(out), *fast])
+    assert tried == [("markov", 8), ("markov", 24), ("rnn", 8), ("rnn", 24), ("rnn", 40)]
+    assert report["out_of_memory"] == [
+        {"family": "markov", "block_size": 4, "contexts": [24, 40], "error": "CUDA out of memory"}
+    ]
+    assert [(r["family"], r["context"]) for r in report["results"]] == [
+        ("markov", 8), ("rnn", 8), ("rnn", 24), ("rnn", 40)
+    ]  # fmt: skip
+    assert [m["family"] for m in report["mean_over_contexts"]] == ["rnn"]  # no mean over fewer contexts
+    assert json.loads(out.read_text())["out_of_memory"] == report["out_of_memory"]
+
+
 @pytest.mark.parametrize(
     "argv, problem",
     [
@@ -163,6 +238,12 @@ def test_head_latency_keeps_what_it_measured_when_cut_off(tmp_path, monkeypatch)
         (["--context", "512,4k"], "--context '512,4k' is not a comma-separated list of integers"),
         (["--blokcs", "4"], r"unknown arguments \['--blokcs', '4'\]"),
         (["drafter.num_heads=3"], "num_heads=3 is not a multiple of num_kv_heads"),
+        (["--draft-vocab", "64"], "--draft-vocab 64 needs --draft-vocab-counts: the drafters here are fresh"),
+        (["--draft-vocab", "-1"], "--draft-vocab -1 is negative"),
+        (
+            ["--draft-vocab", "64", "--draft-vocab-counts", "/nowhere"],
+            "is neither a token counts file nor a data",
+        ),
     ],
 )
 def test_head_latency_refuses_bad_input_before_building_a_model(argv, problem, tmp_path, monkeypatch):

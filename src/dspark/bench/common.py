@@ -69,7 +69,7 @@ def publish(path: str, report: dict, header: list[str], cells: list[list[str]]) 
         print("| " + " | ".join(row) + " |")
 
 
-def add_draft_vocab_args(ap) -> None:
+def add_draft_vocab_args(ap, counts_help: str | None = None) -> None:
     """``--draft-vocab K`` (and where its counts come from) for a benchmark that serves a drafter."""
     ap.add_argument(
         "--draft-vocab", type=int, default=0,
@@ -77,7 +77,8 @@ def add_draft_vocab_args(ap) -> None:
     )  # fmt: skip
     ap.add_argument(
         "--draft-vocab-counts", default=None,
-        help="their counts: the data folder the drafter was trained on (default: the drafter folder's own)",
+        help=counts_help
+        or "their counts: the data folder the drafter was trained on (default: the drafter folder's own)",
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
     python -m dspark.bench.head_latency target=smollm2_135m target.device=cuda target.dtype=bfloat16 \\
         [--families dflash,markov,rnn] [--blocks 4,7,10,16] [--rows 1,128] [--context 512[,1024,…]] \\
         [--layers 5] [--warmup 3] [--repeats 10] [--round-tokens 32] [--no-compile] \\
+        [--draft-vocab K --draft-vocab-counts DATA_DIR] \\
         [--out head_latency.json] [drafter.… head.… overrides for every family]
     python -m dspark.report mode=head_latency runs=head_latency.json   # fig4_latency.png (+ .json)
 
@@ -32,8 +33,15 @@ With several contexts, ``mean_over_contexts`` holds each family, B and R average
 paper's panel is (the mean round and head latency; the share and ``round_vs_dflash`` of the means),
 and the figure draws those.
 
+``--draft-vocab K``: every drafter drafts among the K most frequent answer tokens of
+``--draft-vocab-counts`` (a prepared data folder, or a counts file), as the engines serve a trained
+drafter with ``decoding.draft_vocab``: the LM head, the head's bias and the sampling then cover K
+columns, not the whole vocabulary (what decides the head's cost on a large vocabulary: Gemma 3's 262 144).
+
 The JSON (with provenance) is rewritten after each configuration, so a run cut off keeps what it
-measured; the blocks are the outer loop, DFlash first. Prints a table; ``python -m dspark.report
+measured; the blocks are the outer loop, DFlash first. A configuration that does not fit in the
+device's memory is recorded under ``out_of_memory`` (with its larger contexts, not tried) and the
+run goes on with the next one. Prints a table; ``python -m dspark.report
 mode=head_latency`` draws it (round latency, head latency and the head's share against the block
 size, a column per R).
 """
@@ -41,6 +49,7 @@ size, a column per R).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..core.errors import ConfigError
 
@@ -57,6 +66,8 @@ _PASSED = ("target", "drafter.", "head.")  # the overrides this command takes
 
 
 def _parse(argv):
+    from .common import add_draft_vocab_args
+
     doc = __doc__.split("\n")[0]
     ap = argparse.ArgumentParser(prog="python -m dspark.bench.head_latency", description=doc)
     ap.add_argument("--families", default="dflash,markov,rnn", help=f"of {', '.join(FAMILIES)}")
@@ -80,6 +91,9 @@ def _parse(argv):
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the fast path's layer functions (default: on CUDA)",
     )  # fmt: skip
+    add_draft_vocab_args(
+        ap, counts_help="their counts: a data folder (its training answers) or a counts file"
+    )
     ap.add_argument("--out", default="head_latency.json")
     return ap.parse_known_args(argv)
 
@@ -115,6 +129,24 @@ def check_args(args, overrides: list[str]) -> dict:
     ):  # fmt: skip
         if value < least:
             raise ConfigError(f"{flag} {value} is below {least}: pass {flag} {max(least, 1)} or more")
+    if args.draft_vocab < 0:
+        raise ConfigError(
+            f"--draft-vocab {args.draft_vocab} is negative: give a token count, or 0 for the whole"
+        )
+    if args.draft_vocab and not args.draft_vocab_counts:
+        raise ConfigError(
+            f"--draft-vocab {args.draft_vocab} needs --draft-vocab-counts: the drafters here are fresh and "
+            f"carry no token counts; pass the data folder they would train on (its tokens/train.safetensors)"
+        )
+    if args.draft_vocab:
+        from ..data.datamodule import tokens_path
+
+        source = Path(args.draft_vocab_counts).expanduser()
+        if not (source.is_file() or tokens_path(source, "train").is_file()):
+            raise ConfigError(
+                f"--draft-vocab-counts {args.draft_vocab_counts} is neither a token counts file nor a data "
+                f"folder with its tokenised training split ({tokens_path(source, 'train')})"
+            )
     stray = [o for o in overrides if not o.startswith(_PASSED)]
     if stray:
         raise ConfigError(
@@ -150,18 +182,21 @@ def drafter_configs(families: list[str], blocks: list[int], layers: int, overrid
     return out
 
 
-def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> list[dict]:
-    """One drafter's rows of the table, one per R (see the module's docstring)."""
+def measure(target, drafter, rows: list[int], ctx: int, args, family: str, vocab=None) -> list[dict]:
+    """One drafter's rows of the table, one per R (see the module's docstring); ``vocab``: the draft
+    vocabulary served, None for the whole."""
     from .sps import capacity, draft_parts, draft_step_times, round_times
 
     gamma = int(drafter.gamma)
     timing = {"warmup": args.warmup, "repeats": args.repeats}
     cap = capacity(ctx, [gamma + 1])
-    t = {"temperature": args.temperature}
+    t = {"temperature": args.temperature, "draft_vocab": vocab}
     draft = draft_step_times(
         target, drafter, rows, ctx, cap, compile=args.compile, lengths=[gamma], **timing, **t
     )
+    release(target)  # each phase's engine and CUDA graphs gone before the next captures its own
     rounds = round_times(target, drafter, rows, ctx, args.compile, args.round_tokens, lengths=[0, gamma], **t)
+    release(target)
     parts = {p["rows"]: p for p in draft_parts(target, drafter, rows, ctx, **timing, **t)}
     out = []
     for r in rows:
@@ -185,6 +220,18 @@ def measure(target, drafter, rows: list[int], ctx: int, args, family: str) -> li
             }
         )
     return out
+
+
+def release(target) -> None:
+    """Free what the measurements before left: their engines (the collector's cycles) and, on CUDA,
+    the cached blocks of their graphs' memory pools."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _relate(results: list[dict], where: tuple[str, ...] = ("block_size", "rows", "context")) -> None:
@@ -220,13 +267,13 @@ def mean_over_contexts(results: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    import gc
     import sys
 
     import torch
 
     from ..core.io import atomic_write_json
     from ..core.types import TargetDims
+    from ..data.vocab_counts import load_draft_vocab, vocab_record
     from ..drafters import build_drafter
     from ..target import load_target
     from .common import compose_target, publish, report_header
@@ -238,9 +285,14 @@ def main(argv=None) -> dict:
     configs = drafter_configs(chosen["families"], chosen["blocks"], args.layers, overrides)
     target = load_target(compose_target(overrides))
     contexts, rows = chosen["contexts"], chosen["rows"]
+    vocab, coverage = load_draft_vocab(
+        None, args.draft_vocab, target.vocab_size, target.eos_token_ids, args.draft_vocab_counts
+    )
     results: list[dict] = []
+    out_of_memory: list[dict] = []
     report = {
         **report_header("dspark.bench.head_latency", argv, target, args.compile),
+        "draft_vocab": vocab_record(vocab, coverage),  # None: the whole vocabulary
         "contexts": contexts,
         "layers": args.layers,
         "families": chosen["families"],
@@ -262,6 +314,7 @@ def main(argv=None) -> dict:
             "panel), head_share and round_vs_dflash of the means",
         },
         "results": results,
+        "out_of_memory": out_of_memory,
     }
     # Each configuration's drafter is a new module with its own block size, and each context a new
     # cache shape: its fused paths would pass dynamo's default recompile limit (8) after a few, and run
@@ -277,15 +330,29 @@ def main(argv=None) -> dict:
                 drafter = served(build_drafter(TargetDims.of(target), drafter_cfg, head_cfg), target)
                 built = {"overrides": picked, "parameters": sum(p.numel() for p in drafter.parameters())}
                 for ctx in contexts:
-                    results += [{**row, **built} for row in measure(target, drafter, rows, ctx, args, family)]
+                    try:
+                        rows_measured = measure(target, drafter, rows, ctx, args, family, vocab)
+                    except torch.OutOfMemoryError as err:
+                        # A larger context needs more: this drafter is done; the next may fit.
+                        skipped = {
+                            "family": family,
+                            "block_size": b,
+                            "contexts": contexts[contexts.index(ctx) :],
+                        }
+                        out_of_memory.append({**skipped, "error": str(err).split(".")[0]})
+                        print(f"NOT MEASURED (out of memory): {FAMILIES[family][0]}, block {b}, contexts "
+                              f"{skipped['contexts']}", flush=True)  # fmt: skip
+                        atomic_write_json(args.out, report)
+                        break
+                    finally:
+                        release(target)
+                    results += [{**row, **built} for row in rows_measured]
                     _relate(results)
                     if len(contexts) > 1:
                         report["mean_over_contexts"] = mean_over_contexts(results)
                     atomic_write_json(args.out, report)  # a run cut off keeps what it measured
                 del drafter
-                gc.collect()
-                if target.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(target)
     nan = float("nan")
     publish(
         args.out,

@@ -2,8 +2,8 @@
 
 A session may measure part of the grid (blocks 4 and 7 one day, 10 and 16 the next): their rows
 join into one panel only where they compare, the same GPU, PyTorch, target, dtype, compilation,
-drafter depth and contexts; anything else is refused by name before a figure is drawn. Joined rows
-relate to DFlash's at the same block size and R whichever part measured it.
+drafter depth, contexts and draft vocabulary; anything else is refused by name before a figure is
+drawn. Joined rows relate to DFlash's at the same block size and R whichever part measured it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from ..core.io import read_json
 __all__ = ["COMPARABLE", "head_latency_rows"]
 
 # What two measurements must share for their points to sit on one panel.
-COMPARABLE = ("machine.accelerator", "machine.torch", "target", "dtype", "compiled", "layers", "contexts")
+COMPARABLE = (
+    "machine.accelerator", "machine.torch", "target", "dtype", "compiled", "layers", "contexts",
+    "draft_vocab",
+)  # fmt: skip
 
 
 def _get(report: dict, key: str):
