@@ -9,7 +9,9 @@ loss + gradient, at DSpark's training shape.
         # the training step's shape: 32 sequences whose 128 × 7 rows share 290 positions' targets;
         # adds the fused variants that compute each target's logits once (*_shared)
 
-Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions. Times are
+Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions. With a rank,
+``fused_*_add`` time the fused variants with the bias gradient's product and add apart per chunk
+(``fused_loss.GEMM_ACCUMULATES = False``), against which the one accumulating GEMM is measured. Times are
 medians over --iters after --warmup (CUDA events on GPU); peak memory is the allocator's peak
 during the step above what the inputs hold. TFLOP/s counts the GEMMs each variant does (all
 compute each logit once: the fused variants compute the gradient in the same pass). A variant
@@ -24,7 +26,7 @@ import time
 
 import torch
 
-from dspark.kernels import RowWeights, fused_draft_loss, materialized_draft_loss, triton_available
+from dspark.kernels import RowWeights, fused_draft_loss, fused_loss, materialized_draft_loss, triton_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,8 +77,20 @@ def _variants(args):
 
         return run
 
+    def separate_add(run):  # the bias gradient's per-chunk product and add apart, as before GEMM accumulation
+        def apart(*inputs):
+            fused_loss.GEMM_ACCUMULATES = False
+            try:
+                return run(*inputs)
+            finally:
+                fused_loss.GEMM_ACCUMULATES = True
+
+        return apart
+
     impls = ["torch"] + (["triton"] if triton_available() and args.device == "cuda" else [])
     out = {"materialized": materialized, **{f"fused_{i}": fused(i) for i in impls}}
+    if args.rank:
+        out.update({f"fused_{i}_add": separate_add(fused(i)) for i in impls})
     if args.positions:
         out.update({f"fused_{i}_shared": shared(i) for i in impls})
     return out

@@ -39,10 +39,11 @@ from dspark.kernels import (
     triton_available,
     triton_interpreting,
 )
+from dspark.kernels import fused_loss as fused_loss_module
 from dspark.kernels.bias_argmax import BLOCK_V as BIAS_BLOCK_V
 from dspark.kernels.bias_argmax import bias_argmax, bias_argmax_reference, bias_argmax_self_check, near_greedy
 from dspark.kernels.cache_attention import choose_splits
-from dspark.kernels.fused_loss import chunk_plan
+from dspark.kernels.fused_loss import _accumulates_f32, _addmm_f32_, _mm_f32, chunk_plan
 from dspark.kernels.nucleus import nucleus, nucleus_reference, nucleus_self_check
 from dspark.kernels.sample_step import BLOCK, SM_TARGET, TWO_CHUNKS_MAX_ROWS, _chunk_layout, choose_chunks
 
@@ -143,6 +144,21 @@ def test_fused_loss_matches_materialized(softcap, chunk_rows, rank):
     labels = prob[4]
     assert torch.all(ce[labels < 0] == 0) and torch.all(ce[labels >= 0] > 0)
     assert torch.all((tv > 0) & (tv < 2)) and torch.all(kl > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bias_gradient_accumulates_into_its_float32_sum(dtype):
+    """The bias gradient's chunks add into one float32 sum (a GEMM that accumulates where the backend
+    can, else a product and an add): the same sum either way, the loss's layouts (dz transposed, a
+    column slice of the features); the CPU has no 16-bit GEMM into float32, so it keeps the add."""
+    g = torch.Generator().manual_seed(3)
+    dz = torch.randn(24, 50, generator=g).to(dtype)  # [rows, V]
+    x = torch.randn(24, 9, generator=g).to(dtype)[:, 3:]  # the bias block's columns
+    acc = torch.randn(50, 6, generator=g)
+    want = acc + _mm_f32(dz.T, x).float()
+    _addmm_f32_(acc, dz.T, x)
+    torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-5)
+    assert not _accumulates_f32(torch.device("cpu"), torch.bfloat16)
 
 
 def test_fused_loss_gradcheck():
@@ -1150,6 +1166,24 @@ def test_gpu_fused_loss(dtype, softcap):
         got = fused(*prob, softcap=softcap, impl=impl, chunk_rows=1024)
         assert_loss_close(got, ref, tol)
     del ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_gpu_bias_gradient_accumulates_in_the_gemm():
+    """On the GPU the bias gradient's chunks accumulate inside one GEMM each (the fast path is the one
+    taken), and the loss with it equals the loss with the product and add apart."""
+    assert _accumulates_f32(torch.device("cuda"), torch.bfloat16)
+    prob = loss_problem(GPU_N, GPU_D, GPU_R, GPU_V, seed=24, dtype=torch.bfloat16, device="cuda")
+    got = fused(*prob, impl="triton", chunk_rows=512)
+    fused_loss_module.GEMM_ACCUMULATES = False
+    try:
+        apart = fused(*prob, impl="triton", chunk_rows=512)
+    finally:
+        fused_loss_module.GEMM_ACCUMULATES = True
+    assert_loss_close(got, apart, 1e-3)
+    del got, apart
     torch.cuda.empty_cache()
 
 
