@@ -314,7 +314,8 @@ class Target(nn.Module):
         return self._features(ids)
 
     def _features(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        out, taps = self._run(ids, use_cache=False)
+        with _rows_not_packed():
+            out, taps = self._run(ids, use_cache=False)
         return taps, out.last_hidden_state
 
     def compile_features(self, **options) -> None:
@@ -367,6 +368,30 @@ class Target(nn.Module):
             "mask_token_id": self.mask_token_id,
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+@contextlib.contextmanager
+def _rows_not_packed():
+    """transformers looks for several sequences packed into one row (positions that restart) in every
+    forward without a cache or mask, and reads its answer back to the host: one wait for the device
+    per attention mask built (Gemma 3 builds two), which holds the training step's launches until the
+    step before has run (2.3 waits a step, 99 ms of its host time, in h100-gemma3-2026-12-07-d's
+    profile). A training row is one sequence (positions 0..T-1), for which that check answers None:
+    given here without the wait."""
+    masks = importlib.import_module("transformers.masking_utils")
+    check = getattr(masks, "find_packed_sequence_indices", None)
+    if check is None:  # a transformers without the check: nothing to skip
+        yield
+        return
+    masks.find_packed_sequence_indices = _one_sequence_per_row
+    try:
+        yield
+    finally:
+        masks.find_packed_sequence_indices = check
+
+
+def _one_sequence_per_row(position_ids: Tensor) -> None:
+    return None
 
 
 def _plain(node) -> dict:
