@@ -127,6 +127,59 @@ def test_anchor_sampling_respects_mask():
     assert sorted(x for x in a[0].tolist() if x >= 0) == [2, 3, 6]
 
 
+def test_anchor_positions_count_where_sampling_can_start_a_block():
+    """data's anchor_positions (what anchors_per_sequence=auto sizes the step by) counts per conversation
+    exactly the positions sample_anchors draws from, and a pair across two conversations is none."""
+    from dspark.data.datamodule import anchor_positions
+    from dspark.data.tokenize import TokenSplit
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [9, 1, 14, 6, 30]
+    masks = [torch.rand(n, generator=g) < 0.7 for n in lengths]
+    masks[0][-1] = masks[2][0] = True  # answer tokens on both sides of a boundary
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    split = TokenSplit(torch.zeros(sum(lengths), dtype=torch.long), torch.cat(masks), offsets, [], {})
+    counts = anchor_positions(split)
+    for mask, count in zip(masks, counts.tolist()):
+        drawn = sample_anchors(mask[None], len(mask) + 1, torch.Generator().manual_seed(0))
+        assert count == int((drawn >= 0).sum()) == int((mask[:-1] & mask[1:]).sum())
+
+
+def test_as_many_anchors_as_positions_draw_what_512_draws():
+    """anchors_per_sequence=auto's promise: with at least as many anchors as a conversation's positions,
+    the step draws the anchors 512 would (all of them), only with fewer padding columns."""
+    g = torch.Generator().manual_seed(3)
+    lm = torch.rand(4, 300, generator=g) < 0.6
+    most = int((lm[:, :-1] & lm[:, 1:]).sum(1).max())
+    few = sample_anchors(lm, 64 * -(-most // 64), torch.Generator().manual_seed(1))
+    many = sample_anchors(lm, 512, torch.Generator().manual_seed(1))
+    assert torch.equal(many[:, : few.shape[1]], few) and bool((many[:, few.shape[1] :] == -1).all())
+
+
+def test_anchors_per_sequence_auto_rounds_the_longest_answer_up_and_caps_it():
+    from omegaconf import OmegaConf
+
+    from dspark.training import anchors_per_sequence
+
+    class Data:
+        def __init__(self, most):
+            self.most = most
+
+        def most_anchor_positions(self):
+            return self.most
+
+    def resolved(setting, most, num_anchors=512):
+        cfg = OmegaConf.create(
+            {"data": {"anchors_per_sequence": setting}, "drafter": {"num_anchors": num_anchors}}
+        )
+        return anchors_per_sequence(cfg, Data(most))
+
+    assert resolved("auto", 195) == 256 and resolved("auto", 256) == 256 and resolved("auto", 257) == 320
+    assert resolved("auto", 440) == 448 and resolved("auto", 900) == 512 and resolved("auto", 0) == 64
+    assert resolved("auto", 300, num_anchors=128) == 128  # never more than the drafter's
+    assert resolved(128, 900) == 128 and resolved(None, 900) == 512  # a number or null: as before
+
+
 @pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
 def test_sampling_probabilities_are_exact(tiny_target, head):
     """The probs returned at position k are the softmax conditioned on the token sampled at k-1."""

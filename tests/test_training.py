@@ -24,6 +24,16 @@ def data_dir(smoke_data):
     return smoke_data
 
 
+def test_auto_anchors_follow_the_longest_training_answer(tmp_path, data_dir):
+    """data.anchors_per_sequence=auto: the step's anchors per sequence from the data (the smoke set's
+    12-token answers: 11 positions at most, one multiple of 64), not the drafter's 512."""
+    summary = run_training(
+        cfg_for(tmp_path / "run", data_dir, "trainer.max_steps=1", "data.anchors_per_sequence=auto",
+                "drafter.num_anchors=512")
+    )  # fmt: skip
+    assert summary["global_step"] == 1 and summary["anchors_per_sequence"] == 64
+
+
 def test_train_export_and_resume(tmp_path, data_dir):
     out = tmp_path / "run"
     first = run_training(cfg_for(out, data_dir, "trainer.max_steps=2"))

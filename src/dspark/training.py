@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -182,6 +183,20 @@ def trainer_kwargs(cfg: DictConfig, accumulate: int | None = None, world: int = 
     return out
 
 
+def anchors_per_sequence(cfg: DictConfig, datamodule) -> int:
+    """The training step's anchor blocks per sequence. ``data.anchors_per_sequence``: a number caps
+    (or sets) it, null takes ``drafter.num_anchors``, and ``auto`` the most anchor positions any
+    training conversation has, rounded up to a multiple of 64 (fewer step shapes), at most
+    ``drafter.num_anchors``: every conversation then gets the very anchors ``num_anchors`` would draw
+    (all its positions, when it has no more than that), without the padding blocks past its end
+    that the step would compute at zero weight (short answers: most of 512)."""
+    setting = cfg.data.get("anchors_per_sequence")
+    most = int(cfg.drafter.get("num_anchors", 512))
+    if setting != "auto":
+        return int(setting or most)
+    return min(most, 64 * max(1, math.ceil(datamodule.most_anchor_positions() / 64)))
+
+
 def _launching_rank_zero() -> bool:
     """Whether this process is global rank 0, judged from the environment before the trainer exists
     (torchrun / SLURM / Lightning's own launcher set these; a plain run is rank 0)."""
@@ -276,8 +291,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         LossWeights.from_cfg(cfg.loss),
         OmegaConf.to_container(cfg.optim),
         cfg.features,
-        # Anchors per sequence: the data config may cap the paper's 512 for small CPU runs.
-        num_anchors=cfg.data.get("anchors_per_sequence") or cfg.drafter.get("num_anchors"),
+        num_anchors=anchors_per_sequence(cfg, datamodule),
         seed=int(cfg.seed),
         compile_target=cfg.get("compile_target", "auto"),
     )
@@ -286,6 +300,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         "drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6
     )
 
+    log.info("anchors per sequence: %d", module.num_anchors)
     throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
     stop = GracefulStop(run.last_checkpoint)
     every = int(cfg.callbacks.checkpoint_every_n_steps)
@@ -361,6 +376,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         "extra_data_dirs": [str(d) for d in cfg.data.get("extra_dirs") or []],
         # what the steps drew from (data.extra_dirs joined): the data size a result states
         "train_conversations": len(datamodule.datasets["train"]) if "train" in datamodule.datasets else None,
+        "anchors_per_sequence": module.num_anchors,
     }
     if trainer.is_global_zero:  # one writer; every rank returns the summary
         run.write_summary(summary)

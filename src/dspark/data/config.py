@@ -70,7 +70,7 @@ class DataConfig:
     shard_size: Count = 32
     batch_size: Count = 4
     global_batch_size: Count | None = None
-    anchors_per_sequence: Count | None = None
+    anchors_per_sequence: Literal["auto"] | Count | None = None
     num_workers: Natural = 0
     bucket_batches: Count = 16
     extra_dirs: list[str] = field(default_factory=list)  # prepared folders whose training splits join dir's

@@ -253,6 +253,18 @@ class ResumableLoader(DataLoader):
         self.batch_sampler.load_state_dict(state)
 
 
+def anchor_positions(split) -> torch.Tensor:
+    """[conversations] of a token split: each one's positions a with loss_mask[a] and loss_mask[a+1],
+    where a training block can start (``drafters.dflash.sample_anchors``' rule)."""
+    mask = split.loss_mask.bool()
+    starts = mask[:-1] & mask[1:]
+    ends = split.offsets[1:-1] - 1
+    starts[ends[ends >= 0]] = False  # a pair across two conversations is no anchor
+    before = torch.cat([torch.zeros(1, dtype=torch.long), starts.long().cumsum(0)])
+    edges = split.offsets.clamp(max=starts.numel())
+    return before[edges[1:]] - before[edges[:-1]]
+
+
 class DraftDataModule(L.LightningDataModule):
     """Train/val batches from a prepared `data.dir` (see dspark.data.dataset).
 
@@ -301,6 +313,12 @@ class DraftDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self._load("train")
         self._load("val")
+
+    def most_anchor_positions(self) -> int:
+        """The most anchor positions any training conversation has (its joined sets included): what
+        ``data.anchors_per_sequence=auto`` sizes the training step's anchors by."""
+        counts = anchor_positions(self._load("train").tokens)
+        return int(counts.max()) if counts.numel() else 0
 
     def answer_token_counts(self, vocab_size: int):
         """How often each token id occurs in the training split's answers (its joined sets
