@@ -299,8 +299,8 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
     log.info(
         "drafter %s (%s head): %.2fM trainable parameters", cfg.drafter.name, cfg.head.name, n_params / 1e6
     )
-
     log.info("anchors per sequence: %d", module.num_anchors)
+
     throughput = Throughput(int(cfg.callbacks.get("throughput_warmup_steps", 5)))
     stop = GracefulStop(run.last_checkpoint)
     every = int(cfg.callbacks.checkpoint_every_n_steps)
