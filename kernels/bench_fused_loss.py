@@ -9,7 +9,8 @@ loss + gradient, at DSpark's training shape.
         # the training step's shape: 32 sequences whose 128 × 7 rows share 290 positions' targets;
         # adds the fused variants that compute each target's logits once (*_shared)
 
-Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions. With a rank,
+Defaults: SmolLM2-135M (V=49152, d=576), Markov rank 256, 512 anchors × 7 positions, every row
+weighting CE, TV and KL (``--loss ce``: CE alone, as DFlash trains: --rank 0 --loss ce). With a rank,
 ``fused_*_add`` time the fused variants with the bias gradient's product and add apart per chunk
 (``fused_loss.GEMM_ACCUMULATES = False``), against which the one accumulating GEMM is measured. Times are
 medians over --iters after --warmup (CUDA events on GPU); peak memory is the allocator's peak
@@ -42,6 +43,8 @@ def _inputs(args, device, dtype):
     labels = torch.randint(0, args.v, (n,), generator=g)
     labels[:: args.gamma] = -100
     rw = RowWeights(*(torch.rand(3, n, generator=g) / n).to(device))
+    if args.loss == "ce":  # DFlash's loss: no TV or KL term (the row kernel's two-sweep rows)
+        rw = RowWeights(rw.ce, torch.zeros_like(rw.tv), torch.zeros_like(rw.kl))
     t = [v.to(device, dtype) for v in (x, lm, bias, th)]
     return t[0].requires_grad_(), t[1], t[2].requires_grad_(), t[3], labels.to(device), rw
 
@@ -140,6 +143,7 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--softcap", type=float, default=None)
+    p.add_argument("--loss", choices=["mixed", "ce"], default="mixed", help="ce: DFlash's (no TV, no KL)")
     p.add_argument("--chunk-rows", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

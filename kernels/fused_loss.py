@@ -215,8 +215,10 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
     ):
         # One program per row; three sweeps over V: normalisers, then losses, then dz (which needs
-        # m = Σ σ·p_d from the second sweep). V is constexpr: fixed per model, and a runtime loop
-        # bound breaks the triton 3.6 interpreter under numpy >= 2.4.
+        # m = Σ σ·p_d from the second sweep). A row whose TV weight is 0 (every DFlash and Eagle3
+        # row, a padding row) needs no m: the second sweep writes its dz and the third is skipped.
+        # V is constexpr: fixed per model, and a runtime loop bound breaks the triton 3.6
+        # interpreter under numpy >= 2.4.
         row = tl.program_id(0).to(tl.int64)
         zd_row = zd_ptr + row * V
         if HAS_INDEX:  # noqa: SIM108 (a compile-time branch) - the row's target: a zt row it shares
@@ -243,6 +245,12 @@ if HAS_TRITON:
         lse_d = m_d + tl.log(s_d)
         lse_t = m_t + tl.log(s_t)
 
+        lab = tl.load(labels_ptr + row)
+        valid = lab >= 0
+        a = tl.where(valid, tl.load(a_ptr + row).to(tl.float32), 0.0)
+        b = tl.load(b_ptr + row).to(tl.float32)
+        c = tl.load(c_ptr + row).to(tl.float32)
+        dz_row = dz_ptr + row * V
         tv = tl.zeros((), tl.float32)
         msum = tl.zeros((), tl.float32)
         cross = tl.zeros((), tl.float32)  # Σ p_t·(z_t - z_d)
@@ -258,34 +266,37 @@ if HAS_TRITON:
             tv += tl.sum(tl.abs(diff), 0)
             msum += tl.sum(sgn * p_d, 0)
             cross += tl.sum(p_t * (zt - zd), 0)
+            if WANT_GRAD:  # noqa: SIM102 - a compile-time branch around a runtime one
+                if b == 0.0:  # dz without the TV term: all it needs is here
+                    dz = a * p_d + c * diff
+                    dz -= tl.where(cols == lab, a, 0.0)
+                    if HAS_CAP:
+                        t = zd / softcap
+                        dz *= 1.0 - t * t
+                    tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
-        lab = tl.load(labels_ptr + row)
-        valid = lab >= 0
         z_lab = _softcap(tl.load(zd_row + tl.maximum(lab, 0)).to(tl.float32), softcap, HAS_CAP)
         tl.store(ce_ptr + row, tl.where(valid, lse_d - z_lab, 0.0))
         tl.store(tv_ptr + row, tv)
         tl.store(kl_ptr + row, cross - lse_t + lse_d)
 
-        if WANT_GRAD:
-            a = tl.where(valid, tl.load(a_ptr + row).to(tl.float32), 0.0)
-            b = tl.load(b_ptr + row).to(tl.float32)
-            c = tl.load(c_ptr + row).to(tl.float32)
-            dz_row = dz_ptr + row * V
-            for v0 in range(0, V, BLOCK):
-                cols = v0 + cols0
-                ok = cols < V
-                zd = _softcap(tl.load(zd_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
-                zt = _softcap(tl.load(zt_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
-                p_d = tl.exp(zd - lse_d)
-                p_t = tl.exp(zt - lse_t)
-                diff = p_d - p_t
-                sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
-                dz = a * p_d + b * p_d * (sgn - msum) + c * diff
-                dz -= tl.where(cols == lab, a, 0.0)
-                if HAS_CAP:
-                    t = zd / softcap
-                    dz *= 1.0 - t * t
-                tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=ok)
+        if WANT_GRAD:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if b != 0.0:  # the TV term needs the second sweep's m: a third sweep
+                for v0 in range(0, V, BLOCK):
+                    cols = v0 + cols0
+                    ok = cols < V
+                    zd = _softcap(tl.load(zd_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+                    zt = _softcap(tl.load(zt_row + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_CAP)
+                    p_d = tl.exp(zd - lse_d)
+                    p_t = tl.exp(zt - lse_t)
+                    diff = p_d - p_t
+                    sgn = (diff > 0).to(tl.float32) - (diff < 0).to(tl.float32)
+                    dz = a * p_d + b * p_d * (sgn - msum) + c * diff
+                    dz -= tl.where(cols == lab, a, 0.0)
+                    if HAS_CAP:
+                        t = zd / softcap
+                        dz *= 1.0 - t * t
+                    tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows_triton(zd, zt, labels, a, b, c, softcap, want_grad: bool, dz_dtype, zt_index=None):

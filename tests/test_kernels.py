@@ -736,6 +736,22 @@ def test_interp_fused_loss(softcap):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("rows", ["some", "all"])
+def test_interp_fused_loss_rows_without_tv(softcap, rows):
+    """Rows whose TV weight is 0 (DFlash's and Eagle3's, padding rows) take their gradient from the
+    second sweep and skip the third: the same loss and gradients as the reference, beside rows
+    that keep the TV term."""
+    x, lm, bias, th, labels, rw = loss_problem(37, 20, 6, 300, seed=13)
+    tv = rw.tv.clone()
+    tv[:: 3 if rows == "some" else 1] = 0.0
+    prob = (x, lm, bias, th, labels, RowWeights(rw.ce, tv, rw.kl))
+    assert_loss_close(
+        fused(*prob, softcap=softcap, impl="triton", chunk_rows=16), reference(*prob, softcap), 3e-5
+    )
+
+
+@needs_interpreter
 @pytest.mark.parametrize("chunk_rows", [24, 8], ids=["2-groups-a-chunk", "group-over-chunks"])
 def test_interp_fused_loss_shared_targets(chunk_rows):
     x, lm, bias, th, labels, rw, index = shared_targets_problem(5, 12, 5, 20, 6, 300, seed=12)
@@ -1184,6 +1200,23 @@ def test_gpu_bias_gradient_accumulates_in_the_gemm():
         fused_loss_module.GEMM_ACCUMULATES = True
     assert_loss_close(got, apart, 1e-3)
     del got, apart
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda_triton
+def test_gpu_fused_loss_rows_without_tv():
+    """The compiled kernel's two-sweep rows (TV weight 0: DFlash's, Eagle3's, padding) beside
+    three-sweep ones, against the PyTorch row pass at the training shape."""
+    x, lm, bias, th, labels, rw = loss_problem(
+        GPU_N, GPU_D, GPU_R, GPU_V, seed=25, dtype=torch.bfloat16, device="cuda"
+    )
+    tv = rw.tv.clone()
+    tv[::2] = 0.0
+    prob = (x, lm, bias, th, labels, RowWeights(rw.ce, tv, rw.kl))
+    got = fused(*prob, impl="triton", chunk_rows=1024)
+    assert_loss_close(got, fused(*prob, impl="torch", chunk_rows=1024), 1e-2)
+    del got
     torch.cuda.empty_cache()
 
 
