@@ -19,7 +19,8 @@ same pass: with s = z_d (capped), σ = sign(p_d - p_t), m = Σ_v σ_v p_d,v,
 
 Rows are processed in chunks: per chunk the two logit matrices come from two cuBLAS GEMMs
 (16-bit operands, float32 output), one row-wise pass computes the losses and writes dz, and
-two more GEMMs turn dz into the gradients of x and of the trainable columns. Each logit is
+two more GEMMs turn dz into the gradients of x and of the trainable columns (that one adding
+into a float32 sum over the chunks, inside the GEMM where the backend can). Each logit is
 computed once, no [N, V] tensor outlives its chunk, and backward only rescales the stored
 gradients by the incoming scalar.
 
