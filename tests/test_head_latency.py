@@ -185,9 +185,8 @@ def test_head_latency_serves_every_drafter_a_draft_vocabulary(tmp_path, monkeypa
     vocab = report["draft_vocab"]
     assert vocab["size"] == 64 and 0.8 < vocab["coverage"] < 0.87  # 64 of 100 counted tokens
     top = torch.sort(torch.argsort(counts, descending=True, stable=True)[:64]).values
-    assert vocab["coverage"] == pytest.approx(
-        coverage(counts, top), abs=0.02
-    )  # the EOS ids take a place or two
+    # the 64 most counted, give or take the EOS ids the vocabulary always holds
+    assert vocab["coverage"] == pytest.approx(coverage(counts, top), abs=0.02)
     assert json.loads(out.read_text())["draft_vocab"] == vocab and report["out_of_memory"] == []
     served.clear()
     whole = head_latency.main([*argv, "--out", str(whole_out)])
