@@ -18,7 +18,7 @@ from dspark.training import run_training
 
 def test_sync_watch_counts_reads_of_device_data_only():
     layer = torch.nn.Linear(3, 2)
-    tolist = torch.Tensor.tolist
+    tolist, arange = torch.Tensor.tolist, torch.arange
     with SyncWatch() as watch:
         watch.mark(layer)
         y = layer(torch.ones(4, 3))
@@ -30,14 +30,18 @@ def test_sync_watch_counts_reads_of_device_data_only():
         host = torch.arange(5.0)  # host data, however it is read
         host.sum().item()
         host[host > 1].tolist()
+        named = torch.arange(5, device=host.device)  # a device named: on CUDA made on the GPU
+        bool((named > 2).any())
     assert [e.op for e in watch.events] == [
         "aten::_local_scalar_dense",
         "Tensor.tolist",
         "aten::_local_scalar_dense",
         "aten::index",
+        "aten::_local_scalar_dense",
     ]
     assert all("test_host_syncs.py" in e.where for e in watch.events)
     assert torch.Tensor.tolist is tolist and "tolist" not in vars(torch.Tensor)  # unpatched again
+    assert torch.arange is arange
 
 
 class _Tiny(lightning.LightningModule):

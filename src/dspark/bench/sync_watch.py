@@ -7,9 +7,10 @@ nothing waits, so ``torch.cuda.set_sync_debug_mode`` has nothing to say there; `
 instead follows which tensors hold *device data*: those marked (``mark``: parameters, buffers, the
 batch once on the device) and every result of an operator that read one. A syncing call on such a
 tensor is recorded with the line that made it. Tensors made from host numbers alone are host
-data, reading them is free; except the numbers given to ``LightningModule.log``, which Lightning
-puts on the module's device (and reads back with ``.item()`` on every later step): those are
-device data.
+data, reading them is free; except a factory's result asked for a device by name (``torch.arange(…,
+device=x.device)``: on CUDA it is made on the GPU, as transformers makes its positions) and the
+numbers given to ``LightningModule.log``, which Lightning puts on the module's device (and reads back
+with ``.item()`` on every later step): those are device data.
 
     with SyncWatch() as watch:
         watch.mark(module, batch)
@@ -24,6 +25,7 @@ step is in it). A test on the CPU then fails when a step gains a sync (tests/tes
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,11 @@ SYNC_OPS = frozenset(
         "aten::equal",
     }
 )
+# Factories whose result is made where ``device=`` says: on the GPU when named, whatever its inputs.
+_FACTORIES = (
+    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "tensor", "as_tensor", "linspace",
+    "eye",
+)  # fmt: skip
 _BOOL_INDEXED = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
 _ROOT = Path(__file__).resolve().parents[1]  # src/dspark
 _TO_TENSOR = "_LightningModule__to_tensor"  # LightningModule.log's number -> tensor (name-mangled)
@@ -164,6 +171,22 @@ class SyncWatch(TorchDispatchMode):
 
         self._patch(Tensor, name, read)
 
+    def _wrap_factory(self, name: str) -> None:
+        """``torch.<name>(…, device=…)`` called outside torch: device data (on CUDA made on the GPU,
+        whatever its inputs), where on the CPU nothing tells it from host data. torch's own calls
+        are left out: its optimizers keep their step counts on the host by naming the CPU."""
+        original = getattr(torch, name)
+        watch = self
+
+        def make(*args, **kwargs):
+            out = original(*args, **kwargs)
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            if kwargs.get("device") is not None and "/torch/" not in caller:
+                watch._add(out)
+            return out
+
+        self._patch(torch, name, make)
+
     def _wrap_lightning_log(self) -> None:
         """``LightningModule.log`` turns a logged number into a tensor on the module's device (a
         copy to the device, then a read back per use): such tensors are device data."""
@@ -183,6 +206,8 @@ class SyncWatch(TorchDispatchMode):
     def __enter__(self):
         for name in ("tolist", "numpy", "__array__"):
             self._wrap(name)
+        for name in _FACTORIES:
+            self._wrap_factory(name)
         self._wrap_lightning_log()
         return super().__enter__()
 
