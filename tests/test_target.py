@@ -33,44 +33,25 @@ def test_embeddings_tap(tiny_target):
     torch.testing.assert_close(target(ids).taps[..., d:], hs[2])
 
 
-def _host_reads(fn) -> list[str]:
-    """The transformers code lines that read a tensor's value back to the host (``if tensor``,
-    ``.item()``, ``.tolist()``: on a GPU each waits for the device) while ``fn`` runs."""
-    import traceback
+def _host_reads(target, fn) -> list[str]:
+    """The reads of device data (each a wait for the device on a GPU) while ``fn`` runs on ``target``."""
+    from dspark.bench.sync_watch import SyncWatch
 
-    seen, originals = [], {}
-
-    def spy(name):
-        def read(self, *args, **kw):
-            frames = [f for f in traceback.extract_stack()[:-1] if "transformers" in f.filename]
-            if frames:
-                seen.append(
-                    f"{name} at {Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
-                )
-            return originals[name](self, *args, **kw)
-
-        return read
-
-    for name in ("__bool__", "item", "tolist"):
-        originals[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, spy(name))
-    try:
+    with SyncWatch() as watch:
+        watch.mark(target)
         fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return seen
+    return [str(e) for e in watch.events]
 
 
 def test_features_wait_for_no_host_read_and_equal_the_plain_forward(tiny_target):
     """The training step's target forward reads nothing back to the host: transformers' check for
     packed rows (a read per attention mask) is answered for it, the rows being one sequence each,
-    and what it computes is unchanged. Its plain forward still reads: the spy sees what it must."""
+    and what it computes is unchanged. Its plain forward still reads: the watch sees what it must."""
     ids = torch.randint(2, 1000, (2, 9))
     with torch.no_grad():
-        plain = _host_reads(lambda: tiny_target._run(ids, use_cache=False))
+        plain = _host_reads(tiny_target, lambda: tiny_target._run(ids, use_cache=False))
         assert any("find_packed_sequence_indices" in r for r in plain), plain
-        assert _host_reads(lambda: tiny_target.features(ids)) == []
+        assert _host_reads(tiny_target, lambda: tiny_target.features(ids)) == []
         out, taps = tiny_target._run(ids, use_cache=False)
         got_taps, got_last = tiny_target.features(ids)
     assert torch.equal(got_taps, taps) and torch.equal(got_last, out.last_hidden_state)
