@@ -284,6 +284,38 @@ def test_position_weights_decay_by_the_block_when_none(tiny_target, batch):
     assert not torch.allclose(losses[None], losses[4.0])
 
 
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_confidence_loss_trains_the_backbone_unless_detached(tiny_target, batch, detached):
+    """The paper trains the confidence head through the backbone's hidden states and the Markov
+    embedding it reads; ``confidence.detach_features`` keeps that loss to the head's own weights
+    (the ablation of DSpark's position-1 acceptance) and leaves the confidences themselves as they were."""
+    ids, lm, step = batch
+    d = load_group("drafter", "dspark")
+    d.num_layers, d.block_size, d.confidence.detach_features = 1, 4, detached
+    h = load_group("head", "markov")
+    h.rank = 32
+    torch.manual_seed(0)
+    drafter = build_drafter(TargetDims.of(tiny_target), d, h)
+    anchors = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    out = drafter.train_forward(step.taps, ids, lm, anchors, Shared.of(tiny_target))
+    out.confidence_logits.sum().backward()
+    reached = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    own = {"confidence.proj.weight", "confidence.proj.bias"}
+    assert {n for n in reached if n.startswith("confidence.")} == own
+    others = reached - own
+    if detached:
+        assert others == set()
+    else:
+        assert "head.W1.weight" in others and any(n.startswith("layers.") for n in others), others
+    d.confidence.detach_features = not detached  # the same weights the other way: equal confidences
+    torch.manual_seed(0)
+    twin = build_drafter(TargetDims.of(tiny_target), d, h)
+    twin.load_state_dict(drafter.state_dict())
+    again = twin.train_forward(step.taps, ids, lm, anchors, Shared.of(tiny_target))
+    torch.testing.assert_close(again.confidence_logits, out.confidence_logits)
+
+
 @pytest.mark.parametrize("name,head", VARIANTS)
 def test_gradients_reach_exactly_trainable_params(tiny_target, batch, name, head):
     ids, lm, step = batch

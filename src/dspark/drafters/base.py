@@ -23,6 +23,7 @@ from .layers import LayerShape
 class ConfidenceConfig:
     enabled: bool = False
     use_prev_embedding: bool = False
+    detach_features: bool = False
 
 
 @dataclass

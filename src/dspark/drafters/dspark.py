@@ -33,6 +33,7 @@ class DSparkDrafter(BlockDrafter):
         if self.config_has_confidence(cfg):
             prev_dim = self.head.rank if self.head is not None and conf.get("use_prev_embedding", True) else 0
             self.confidence = ConfidenceHead(dims.hidden_size, prev_dim)
+        self.confidence_detached = bool(conf.get("detach_features", False))
         self._vocab_rows: dict[int, tuple] = {}  # id(draft vocabulary) -> (its weakref, W2's rows)
 
     @classmethod
@@ -56,6 +57,8 @@ class DSparkDrafter(BlockDrafter):
         if self.confidence is None:
             return None
         emb = self.head.W1(prev) if self.confidence.prev_dim else None
+        if self.confidence_detached:  # the confidence loss reaches the confidence head's own weights only
+            h, emb = h.detach(), None if emb is None else emb.detach()
         return self.confidence(h, emb)
 
     def head_features(self, hidden, prev):
