@@ -284,7 +284,6 @@ def test_position_weights_decay_by_the_block_when_none(tiny_target, batch):
     assert not torch.allclose(losses[None], losses[4.0])
 
 
-
 @pytest.mark.parametrize("detached", [False, True])
 def test_confidence_loss_trains_the_backbone_unless_detached(tiny_target, batch, detached):
     """The paper trains the confidence head through the backbone's hidden states and the Markov
