@@ -99,6 +99,7 @@ CASES = [
     # train: values, enums, unknown keys, rules across keys, the target's context
     ("train", ["loss.tv=-1"], "loss.tv=-1: must be >= 0"),
     ("train", ["loss.confidence=-0.5"], "loss.confidence=-0.5: must be >= 0"),
+    ("train", ["loss.kl=-1"], "loss.kl=-1: must be >= 0"),
     ("train", ["loss.gamma_decay=0"], "loss.gamma_decay=0: must be > 0"),
     ("train", ["loss.ce=0", "loss.tv=0", "loss.confidence=0"], "nothing to train on"),
     ("train", ["loss.impl=cuda"], "loss.impl='cuda': must be one of"),

@@ -3,7 +3,9 @@
 import pytest
 import torch
 from conftest import load_group
+from omegaconf import OmegaConf
 
+from dspark.core.errors import ConfigError
 from dspark.core.sampling import sample_from
 from dspark.core.types import Shared, TargetDims
 from dspark.drafters import build_drafter
@@ -227,19 +229,22 @@ def test_rnn_state_carries(tiny_target):
     torch.testing.assert_close(m1[:, 2], m2[:, 2])  # memoryless
 
 
-@pytest.mark.parametrize("name,head", [("dflash", "none"), ("dspark", "markov"), ("dspark", "rnn")])
-def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
+@pytest.mark.parametrize(
+    "name,head,kl",
+    [("dflash", "none", 0.0), ("dflash", "none", 0.4), ("dspark", "markov", 0.3), ("dspark", "rnn", 0.0)],
+)
+def test_block_loss_equals_naive_loop(tiny_target, batch, name, head, kl):
     ids, lm, step = batch
     drafter = make(tiny_target, name, head)
     shared = Shared.of(tiny_target)
     anchors = torch.tensor([[3, 8, 20], [6, 11, -1]])
     out = drafter.train_forward(step.taps, ids, lm, anchors, shared)
     w = LossWeights.from_cfg(load_group("loss", "dspark" if name == "dspark" else "dflash"))
-    w.impl = "materialized"
+    w.impl, w.kl = "materialized", kl
     got = block_loss(out, step.last_hidden, tiny_target.lm_head_weight, None, w)
     # Naive: loop over every (sequence, anchor, k) and accumulate.
     pw = position_weights(drafter.gamma, w.gamma_decay)
-    num = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
+    num = {"ce": 0.0, "tv": 0.0, "kl": 0.0, "conf": 0.0}
     den = 0.0
     logits = out.logits(tiny_target.lm_head_weight)
     for r in range(2):
@@ -255,6 +260,7 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
                 tv = (p_d - p_t).abs().sum()
                 num["ce"] += pw[k] * -torch.log(p_d[ids[r, t]])
                 num["tv"] += pw[k] * tv
+                num["kl"] += pw[k] * (p_t * (p_t.log() - p_d.log())).sum()
                 if out.confidence_logits is not None:
                     c = torch.sigmoid(out.confidence_logits[r, j, k])
                     cs = (1 - tv / 2).detach()
@@ -262,8 +268,29 @@ def test_block_loss_equals_naive_loop(tiny_target, batch, name, head):
                 den += pw[k]
     torch.testing.assert_close(got["ce"], (num["ce"] / den).detach(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got["tv"], (num["tv"] / den).detach(), rtol=1e-4, atol=1e-5)
+    assert ("kl" in got) == (kl > 0)  # logged only where it is trained
+    if kl:
+        torch.testing.assert_close(got["kl"], (num["kl"] / den).detach(), rtol=1e-4, atol=1e-5)
     if out.confidence_logits is not None:
         torch.testing.assert_close(got["conf_loss"], (num["conf"] / den).detach(), rtol=1e-4, atol=1e-5)
+    total = w.ce * num["ce"] + w.tv * num["tv"] + kl * num["kl"] + w.confidence * num["conf"]
+    torch.testing.assert_close(got["loss"], total / den, rtol=1e-4, atol=1e-5)
+
+
+def test_kl_weight_left_out_is_the_loss_kind_s_own():
+    """Eagle3 trains on KL alone, a block drafter on none unless asked (eq. 12 has no KL term): a
+    loss config written before block drafters had the key keeps its meaning."""
+    block = {"kind": "block", "ce": 0.1, "tv": 0.9, "confidence": 1.0}
+    assert LossWeights.from_cfg(OmegaConf.create(block)).kl == 0.0
+    assert LossWeights.from_cfg(OmegaConf.create({"kind": "eagle3"})).kl == 1.0
+    assert LossWeights.from_cfg(OmegaConf.create({**block, "kl": 0.5})).kl == 0.5
+    assert LossWeights.from_cfg(load_group("loss", "eagle3")).kl == 1.0
+    for name in ("dspark", "dflash"):
+        assert LossWeights.from_cfg(load_group("loss", name)).kl == 0.0
+    nothing = {**block, "ce": 0, "tv": 0, "confidence": 0}
+    with pytest.raises(ConfigError, match="nothing to train on"):
+        LossWeights.from_cfg(OmegaConf.create(nothing))
+    assert LossWeights.from_cfg(OmegaConf.create({**nothing, "kl": 1})).kl == 1
 
 
 def test_position_weights_decay_by_the_block_when_none(tiny_target, batch):
@@ -347,6 +374,7 @@ def test_fused_and_materialized_losses_agree(tiny_target, batch):
     shared = Shared.of(tiny_target)
     anchors = sample_anchors(lm, 8, torch.Generator().manual_seed(0))
     w = LossWeights.from_cfg(load_group("loss", "dspark"))
+    w.kl = 0.5  # rows with every term: CE, TV and KL
     results = {}
     for impl in ("materialized", "torch"):
         drafter.zero_grad()

@@ -26,8 +26,10 @@ CPU_MATERIALIZE_BYTES = 1 << 30
 
 @dataclass
 class LossWeights:
-    """conf/loss/*.yaml, checked (dspark.core.schema): block drafters weigh ce / tv / confidence,
-    Eagle3 kl with step_weight; every weight finite and >= 0."""
+    """conf/loss/*.yaml, checked (dspark.core.schema): block drafters weigh ce / tv / kl / confidence,
+    Eagle3 kl with step_weight; every weight finite and >= 0. ``kl`` (forward KL to the target,
+    KL(p_t ‖ p_d)) left out is the kind's own: 1 for Eagle3, 0 for a block drafter (the paper's
+    eq. 12 has none; a weight > 0 is an ablation of its distribution-matching term)."""
 
     ce: NonNegative = 0.1
     tv: NonNegative = 0.9
@@ -37,11 +39,13 @@ class LossWeights:
     impl: Literal["auto", "torch", "triton", "materialized"] = "auto"
     chunk_rows: Count | None = None  # rows per fused-loss chunk (None: sized from the vocabulary)
     kind: Literal["block", "eagle3"] = "block"
-    kl: NonNegative = 1.0
+    kl: NonNegative | None = None
     step_weight: Positive = 0.8
 
     def __post_init__(self):
-        used = {"ce": self.ce, "tv": self.tv, "confidence": self.confidence}
+        if self.kl is None:
+            self.kl = 1.0 if self.kind == "eagle3" else 0.0
+        used = {"ce": self.ce, "tv": self.tv, "kl": self.kl, "confidence": self.confidence}
         if self.kind == "eagle3":
             used = {"kl": self.kl}
         if not any(used.values()):
@@ -148,7 +152,7 @@ def block_loss(
     pw = (position_weights(gamma, w.gamma_decay, x.device) * out.valid).reshape(-1)  # w_k, 0 if invalid
     norm = pw.sum().clamp_min(1e-12)
     unit = pw / norm
-    weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=torch.zeros_like(unit))
+    weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=w.kl * unit)
     with phase("fused_loss"):
         res = draft_target_distances(
             x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows,
@@ -157,6 +161,8 @@ def block_loss(
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     loss = res.loss
     metrics = {"ce": (unit * res.ce).sum(), "tv": (unit * res.tv).sum()}
+    if w.kl:
+        metrics["kl"] = (unit * res.kl).sum()
     if out.confidence_logits is not None:
         with phase("confidence"):
             z = out.confidence_logits.reshape(-1).float()

@@ -359,6 +359,7 @@ PRIORITY = (
     "target.name",
     "loss.tv",
     "loss.ce",
+    "loss.kl",
     "seed",
 )
 # Series labels read best as "dflash" / "dspark rnn": the drafter, then its head.
