@@ -42,12 +42,18 @@ def test_specs_split_into_names_and_overrides():
         ("DFlash:drafter=dflash data=quick", "sets data"),
         ("DFlash:drafter=dflash target.dtype=float32", "sets target"),
         ("DFlash:drafter=dflash hydra.run.dir=x", "sets hydra"),
-        ("DFlash:drafter=dflash seed=3", "sets seed"),
     ],
 )
 def test_bad_specs_are_refused(spec, message):
     with pytest.raises(ConfigError, match=message):
         parse_entry(spec)
+
+
+def test_a_spec_may_train_its_own_seed():
+    """A second seed of one recipe in the same batch: the spread between two trainings."""
+    assert parse_entry("DSpark-S1:drafter=dspark seed=1").overrides == ("drafter=dspark", "seed=1")
+    with pytest.raises(ConfigError, match="sets data"):  # data.seed is the data's, owned by the batch
+        parse_entry("DSpark-S1:drafter=dspark data.seed=1")
 
 
 def test_batch_names_are_unique_and_present():
