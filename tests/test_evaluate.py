@@ -105,7 +105,7 @@ def test_evaluate_cli_writes_everything(tiny_target, tmp_path):
         b, mine = res["benchmarks"][name], [r for r in rounds if r["benchmark"] == name]
         assert set(b) == {
             "tau", "tau_stderr", "requests", "rounds", "new_tokens", "accept_rate_by_position",
-            "request_totals",
+            "request_totals", "request_positions",
         }  # fmt: skip
         assert b["requests"] == 2 and b["tau_stderr"] is not None  # errors: tests/test_table1.py
         assert b["request_totals"] == {  # each prompt's Σ (accepted + 1) and rounds, keyed as the rounds
@@ -116,6 +116,10 @@ def test_evaluate_cli_writes_everything(tiny_target, tmp_path):
             for req in {r["request"] for r in mine}
         }
         assert b["rounds"] == len(mine) and len(b["accept_rate_by_position"]) == 4
+        accepted, reached = (
+            [sum(c[i][k] for c in b["request_positions"].values()) for k in range(4)] for i in (0, 1)
+        )  # summed over the requests: the position-wise acceptance itself
+        assert b["accept_rate_by_position"] == [a / n if n else None for a, n in zip(accepted, reached)]
         assert b["tau"] == pytest.approx(sum(r["accepted"] + 1 for r in mine) / len(mine))
         ids = sorted(g["id"] for g in gens if g["benchmark"] == name)
         assert ids == [f"{name}/0", f"{name}/1"]  # the held-out last prompt is never reported

@@ -268,6 +268,19 @@ def test_rows_on_the_same_prompts_are_compared_paired(evals, tmp_path):
     assert diff["difference"] == pytest.approx(want["difference"])
     assert diff["stderr"] == pytest.approx(want["difference_stderr"]) and diff["stderr"] > 0
     assert diff["z"] == pytest.approx(diff["difference"] / diff["stderr"])
+    # Position by position, from the same prompts: Fig. 2's curves (the mean over the benchmarks) of the
+    # two rows apart, paired, as rounds.jsonl's rounds count them
+    (pos,) = table["position_differences"]
+    assert (pos["row"], pos["baseline"]) == (diff["row"], diff["baseline"])
+    rows = {f: _positions(f, 4) for f in (evals["dspark_t1"], dflash)}
+    for k in range(4):
+        want = paired_comparison(*(at(k) for at in (rows[evals["dspark_t1"]], rows[dflash])))
+        assert pos["difference"][k] == pytest.approx(want["difference"])
+        assert pos["stderr"][k] == pytest.approx(want["difference_stderr"])
+    curves = {f: json.loads((f / "results.json").read_text())["benchmarks"] for f in rows}
+    mean = {f: sum(b["accept_rate_by_position"][0] for b in c.values()) / len(c) for f, c in curves.items()}
+    assert pos["difference"][0] == pytest.approx(mean[evals["dspark_t1"]] - mean[dflash])
+    assert "Differences by draft position" in table_markdown(table)
 
     def independent(folder: Path) -> None:
         (table,) = build_tables(read_labelled([str(dflash), str(folder)]))
@@ -289,6 +302,21 @@ def test_rows_on_the_same_prompts_are_compared_paired(evals, tmp_path):
     res["benchmarks"]["gsm8k"]["request_totals"].pop("gsm8k/3")
     (other / "results.json").write_text(json.dumps(res))
     independent(other)
+
+
+def _positions(folder: Path, gamma: int):
+    """k -> benchmark -> request -> (rounds that accepted k, rounds that reached it), from rounds.jsonl."""
+    counts: dict = {}
+    for r in _lines(folder / "rounds.jsonl"):
+        per = counts.setdefault(r["benchmark"], {}).setdefault(r["request"], [[0] * gamma, [0] * gamma])
+        for k in range(min(r["accepted"] + 1, r["proposed"], gamma)):
+            per[1][k] += 1
+            per[0][k] += r["accepted"] > k
+
+    def at(k: int) -> dict:
+        return {n: {q: (c[0][k], c[1][k]) for q, c in per.items()} for n, per in counts.items()}
+
+    return at
 
 
 def test_figures_cli_draws_figs_2_5_6_with_their_json(evals, tmp_path):

@@ -11,6 +11,7 @@ from dspark.decoding.uncertainty import (
     mean_stderr,
     paired_comparison,
     paired_contrast,
+    per_request_positions,
     per_request_totals,
     ratio_stderr,
     tau_stderr,
@@ -32,6 +33,25 @@ def test_hand_computed_case():
     assert tau_stderr(recs) == pytest.approx(0.509175, abs=1e-6)
     # The order of the records does not matter; only the grouping by request does.
     assert tau_stderr(list(reversed(recs))) == pytest.approx(tau_stderr(recs))
+
+
+def test_positions_count_the_rounds_that_reach_and_accept_each_position():
+    """A round that accepted n of the ℓ it verified reached positions 1..min(n + 1, ℓ) and accepted 1..n;
+    summed over a request's rounds, Fig. 2's curve is Σ accepted / Σ reached."""
+    recs = [
+        {"request": "A", "accepted": 2, "proposed": 4},  # reached 1, 2, 3; accepted 1, 2
+        {"request": "A", "accepted": 4, "proposed": 4},  # reached and accepted all four
+        {"request": "B", "accepted": 0, "proposed": 2},  # reached 1 only
+        {"request": "B", "accepted": 1, "proposed": 1},  # a short round: reached and accepted 1
+    ]
+    counts = per_request_positions(recs, 4)
+    assert counts == {"A": ([2, 2, 1, 1], [2, 2, 2, 1]), "B": ([1, 0, 0, 0], [2, 0, 0, 0])}
+    # One position of two drafters, paired like τ: (accepted, reached) per request; here each request
+    # gains alike over the baseline, so the paired error is 0.
+    a = {"b": {"A": (2, 2), "B": (1, 2)}}
+    b = {"b": {"A": (1, 2), "B": (0, 2)}}
+    c = paired_comparison(a, b)
+    assert c["difference"] == pytest.approx(0.75 - 0.25) and c["difference_stderr"] == pytest.approx(0.0)
 
 
 def test_degenerate_cases():

@@ -87,6 +87,7 @@ from .draft_vocab import check_draft_vocab
 from .kv import RaggedKV, concat_draft_caches, select_draft_cache
 from .sampling import target_probs
 from .stall_watch import StallWatch
+from .uncertainty import per_request_positions
 from .verify import VerifyResult, one_hot_drafts, verify
 
 __all__ = [
@@ -1044,13 +1045,9 @@ def tau(records: Iterable) -> float | None:
 def conditional_acceptance(records: Iterable, gamma: int) -> list[float | None]:
     """Paper Fig. 2: at draft position k, among rounds that verified position k with positions
     1..k-1 all accepted, the fraction where k was accepted too (None where no round qualifies)."""
-    num = [0] * gamma
-    den = [0] * gamma
-    for r in records:
-        n, ell = _get(r, "accepted"), _get(r, "proposed")
-        for k in range(min(n + 1, ell, gamma)):  # 0-based k qualifies when n >= k and ell > k
-            den[k] += 1
-            num[k] += n > k
+    per_request = per_request_positions(records, gamma).values()
+    num = [sum(a[k] for a, _ in per_request) for k in range(gamma)]
+    den = [sum(r[k] for _, r in per_request) for k in range(gamma)]
     return [num[k] / den[k] if den[k] else None for k in range(gamma)]
 
 

@@ -20,6 +20,11 @@ times. Each request's linearised influence on τ̂ is u_i = (y_i - τ̂ x_i) / �
 several τ̂'s (a macro average, a difference of two, their ratio) has as its influence the same
 combination of the u_i, and its standard error is sqrt(Σ_b n_b / (n_b - 1) · Σ_i g_bi²) over the
 benchmarks b and their requests i (the same formula as above when there is one τ̂).
+
+The conditional acceptance at draft position k (Fig. 2) is a ratio of the same kind: the rounds that
+accepted k over those that reached it (verified k with 1..k-1 accepted), summed over a request's
+rounds (``per_request_positions``); ``paired_comparison`` of those totals compares two drafters at
+one position.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 __all__ = [
-    "mean_stderr", "paired_comparison", "paired_contrast", "per_request_totals", "ratio_stderr", "tau_stderr",
+    "mean_stderr", "paired_comparison", "paired_contrast", "per_request_positions", "per_request_totals",
+    "ratio_stderr", "tau_stderr",
 ]  # fmt: skip
 
 
@@ -57,6 +63,21 @@ def per_request_totals(records: Iterable) -> dict:
         tokens, rounds = totals.get(_get(r, "request"), (0, 0))
         totals[_get(r, "request")] = (tokens + _get(r, "accepted") + 1, rounds + 1)
     return totals
+
+
+def per_request_positions(records: Iterable, gamma: int) -> dict:
+    """request id -> ([accepted at k], [reached k]) for draft positions k = 1..γ over that request's
+    rounds: a round reaches k when it verified k with 1..k-1 all accepted (Fig. 2's conditional
+    acceptance is Σ accepted / Σ reached over the rounds; records without a request count as one)."""
+    counts: dict = {}
+    for r in records:
+        request = r.get("request") if isinstance(r, dict) else r.request
+        accepted, reached = counts.setdefault(request, ([0] * gamma, [0] * gamma))
+        n, ell = _get(r, "accepted"), _get(r, "proposed")
+        for k in range(min(n + 1, ell, gamma)):  # 0-based k is reached when n >= k and ell > k
+            reached[k] += 1
+            accepted[k] += n > k
+    return counts
 
 
 def tau_stderr(records: Iterable) -> float | None:

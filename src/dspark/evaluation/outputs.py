@@ -13,7 +13,7 @@ from ..calibration.metrics import position_metrics, reliability_data, summary
 from ..calibration.plots import reliability_diagram
 from ..data.vocab_counts import vocab_record
 from ..decoding.engine import calibration_arrays, conditional_acceptance, tau, threshold_sweep
-from ..decoding.uncertainty import mean_stderr, per_request_totals, tau_stderr
+from ..decoding.uncertainty import mean_stderr, per_request_positions, per_request_totals, tau_stderr
 from ..drafters import DrafterSpec
 from ..reporting.plots import acceptance_by_position_plot, threshold_sweep_plot
 from ..reporting.tables import table1
@@ -29,7 +29,8 @@ def write_outputs(
     (the policy's fixed γ, else the drafter's); ``tau_stderr`` is τ's standard error over the
     benchmark's requests (``decoding.uncertainty``), ``macro_stderr`` that of each macro average;
     ``request_totals`` each request's Σ (accepted + 1) and rounds, so that a report compares two
-    drafters paired on the same prompts."""
+    drafters paired on the same prompts; ``request_positions`` each request's rounds that accepted
+    and that reached each draft position, for the same comparison position by position."""
     gamma, domains = spec.gamma, domain_map(out.rounds)
     fixed_gamma = cfg.policy.get("gamma")
     results = {
@@ -67,6 +68,8 @@ def _benchmark(recs: list, generations: list, gamma: int) -> dict:
         "accept_rate_by_position": conditional_acceptance(recs, gamma),
         # Σ (accepted + 1) and rounds per request: what pairs two drafters' τ on the same prompts
         "request_totals": totals,
+        # per request, the rounds that accepted / reached each position: Fig. 2's curve, paired
+        "request_positions": per_request_positions(recs, gamma),
     }
 
 

@@ -8,12 +8,15 @@ One table per temperature (per temperature and γ with ``split_gamma``, for a bl
      "stderr": {drafter: {benchmark: SE, …, "macro": {…}}},
      "prompts": {drafter: {benchmark: requests}}, "sources": {drafter: folder},
      "findings": [{"row", "baseline", "ratio", "stderr", "stderr_kind", "goal", "met"}],
-     "differences": [{"row", "baseline", "difference", "stderr", "stderr_kind", "z"}]}
+     "differences": [{"row", "baseline", "difference", "stderr", "stderr_kind", "z"}],
+     "position_differences": [{"row", "baseline", "difference": [per k], "stderr": [per k]}]}
 
 ``findings``: the paper's claims about these rows, each DSpark row's macro τ over each baseline row's
 (DFlash: ≥ 1.10×, Eagle3: ≥ 1.25×; ``PAPER_GOALS``) with its standard error. ``differences``: each
 row's macro τ (all benchmarks) minus each earlier row's, its standard error and their quotient ``z``:
-whether two rows differ by more than prompt sampling explains.
+whether two rows differ by more than prompt sampling explains. ``position_differences``: the same
+pairs position by position, Fig. 2's conditional acceptance at draft position k (the mean over all
+benchmarks), paired (``request_positions`` in results.json; rows without them are left out).
 
 The errors are the evaluation's own (``tau_stderr``, ``macro_stderr`` in results.json: the ratio
 estimator's standard error over prompts, ``decoding.uncertainty``); folders written before they
@@ -131,6 +134,7 @@ def _table(rows: Sequence[Labelled]) -> dict:
     paired = paired_comparisons(rows)
     table["findings"] = findings(table, {r.label: str(r.results.get("drafter", "")) for r in rows}, paired)
     table["differences"] = differences(table, paired)
+    table["position_differences"] = position_differences(rows)
     return table
 
 
@@ -149,6 +153,42 @@ def paired_comparisons(rows: Sequence[Labelled]) -> dict[tuple[str, str], dict]:
                 with contextlib.suppress(ValueError):  # prompts that do not pair: independent errors
                     out[row, base] = paired_comparison(a, b)
     return out
+
+
+def position_differences(rows: Sequence[Labelled]) -> list[dict]:
+    """Each row's conditional acceptance at each draft position minus each earlier row's (the mean over
+    the benchmarks), with its paired standard error: for rows whose results carry each request's
+    counts by position (``request_positions``) on the same prompts; None at a position some
+    benchmark's rounds never reached."""
+    counts = {}
+    for r in rows:
+        per = {n: b.get("request_positions") for n, b in r.results["benchmarks"].items()}
+        if all(c is not None for c in per.values()):
+            counts[r.label] = per
+    labels = [r.label for r in rows if r.label in counts]
+    gamma = rows[0].gamma
+    out = []
+    for j, row in enumerate(labels):
+        for base in labels[:j]:
+            diff, err = [], []
+            for k in range(gamma):
+                a, b = (_at_position(counts[label], k) for label in (row, base))
+                try:
+                    c = paired_comparison(a, b)
+                except ValueError:  # other prompts, or a position no round of a benchmark reached
+                    c = {"difference": None, "difference_stderr": None}
+                diff.append(c["difference"])
+                err.append(c["difference_stderr"])
+            if any(d is not None for d in diff):
+                out.append({"row": row, "baseline": base, "difference": diff, "stderr": err})
+    return out
+
+
+def _at_position(per_benchmark: dict, k: int) -> dict:
+    """benchmark -> request -> (rounds that accepted position k, rounds that reached it)."""
+    return {
+        n: {q: (acc[k], reached[k]) for q, (acc, reached) in per.items()} for n, per in per_benchmark.items()
+    }
 
 
 def _macro(table: dict, key: str, label: str) -> float | None:
@@ -259,7 +299,26 @@ def table_markdown(table: dict) -> str:
     ]
     if diffs:
         text += "\n\nDifferences between rows, macro τ over all benchmarks:\n\n" + "\n".join(diffs) + "\n"
+    if table.get("position_differences"):
+        text += "\n\n" + _position_markdown(table["position_differences"], table["gamma"])
     return text
+
+
+def _position_markdown(pairs: Sequence[dict], gamma: int) -> str:
+    """``position_differences`` as a table: a pair per line, difference ± paired SE per position."""
+
+    def cell(d, se):
+        return "–" if d is None else f"{d:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+    head = "| row − baseline | " + " | ".join(f"k = {k + 1}" for k in range(gamma)) + " |"
+    lines = [head, "|---|" + "---:|" * gamma]
+    for p in pairs:
+        cells = " | ".join(cell(d, se) for d, se in zip(p["difference"], p["stderr"]))
+        lines.append(f"| {p['row']} − {p['baseline']} | {cells} |")
+    return (
+        "Differences by draft position: conditional acceptance at position k (Fig. 2), the mean over all "
+        "benchmarks, ± paired standard error:\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def _error(entry: dict) -> str:
