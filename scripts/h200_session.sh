@@ -4,7 +4,8 @@
 # it has finished so far, so a training run spans calls without stopping, resuming or recompiling.
 #   bash scripts/h200_session.sh start             # launch the stages below in the background
 #   bash scripts/h200_session.sh wait SECONDS      # until the pipeline ends or SECONDS pass; then
-#                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log),
+#                                                  # $OUT/bundle.tgz (outputs/h200/out + the session log;
+#                                                  # each run still training: its metrics so far),
 #                                                  # $OUT/evals.tgz (the evaluation folders)
 # `wait` prints the stages, each run still training (its last logged step, step time and the time its steps
 # left take at that pace: whether the runs fit the session's minutes) and the log's last WAIT_TAIL lines
@@ -130,6 +131,19 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
     [ -f "$log" ] || continue
     { tr '\r' '\n' < "$log" | grep -av -E '(it/s|s/it)[],]' | tail -300; echo "== last lines"
       tr '\r' '\n' < "$log" | tail -5; } > "outputs/h200/out/logs/$(basename "$log")"
+  done
+  # Each run still training: its metrics so far and its config, named as h200_drafter.sh's collect names
+  # them (collect overwrites them when the run ends), so that a session whose machine goes before its runs
+  # end still brings back their validation curves, to compare with another run's at the same steps.
+  local run name f
+  for run in outputs/h200/*/; do
+    run=${run%/} name=$(basename "$run")
+    [ ! -f "$run/summary.json" ] && [ -d "$run/logs" ] || continue
+    for f in $(find "$run/logs" -name metrics.csv | sort); do
+      mkdir -p "outputs/h200/out/$name"
+      cp "$f" "outputs/h200/out/$name/metrics_$(basename "$(dirname "$f")").csv"
+      cp "$run/config.yaml" "outputs/h200/out/$name/" 2>/dev/null || true
+    done
   done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null
   # The pieces (PACK_DATA, keep, cachekeep), each its own file: PACK_PER_CALL (3, 45 MiB) not sent by an

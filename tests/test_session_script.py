@@ -67,6 +67,28 @@ def test_a_missing_cache_pack_leaves_the_stages_to_compile(tmp_path):
     assert (tmp_path / "outputs/h200/session/done").is_file()
 
 
+def test_wait_brings_back_the_curves_of_runs_still_training(tmp_path):
+    h200 = tmp_path / "outputs/h200"
+    (h200 / "session").mkdir(parents=True)
+    running, resumed, done = h200 / "Running", h200 / "Running/logs/resumed-1000", h200 / "Done"
+    resumed.mkdir(parents=True)
+    (running / "logs/metrics.csv").write_text("step,val/tau_prob\n499,1.9\n")
+    (resumed / "metrics.csv").write_text("step,val/tau_prob\n1499,2.4\n")
+    (running / "config.yaml").write_text("seed: 0\n")
+    (done / "logs").mkdir(parents=True)
+    (done / "logs/metrics.csv").write_text("step\n")
+    (done / "summary.json").write_text("{}")  # ended: collect brought its files back already
+
+    out = tmp_path / "out"
+    _session(tmp_path, "wait", "0", OUT=out)
+    subprocess.run(["tar", "-xzf", str(out / "bundle.tgz"), "-C", str(out)], check=True)
+    kept = out / "out/Running"
+    names = sorted(p.name for p in kept.iterdir())
+    assert names == ["config.yaml", "metrics_logs.csv", "metrics_resumed-1000.csv"]
+    assert (kept / "metrics_resumed-1000.csv").read_text().endswith("1499,2.4\n")
+    assert not (out / "out/Done").exists()
+
+
 def test_batch_temperatures_are_checked_before_the_pipeline_starts(tmp_path):
     """``BATCH_TEMPERATURES`` (the batch stage's evaluations, "0 1" by default) takes 0 and 1 only:
     anything else is refused by ``start``, saying which, before a pipeline (and a machine's minutes)
