@@ -161,7 +161,8 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
   ls -la "$OUT"
 }
 
-progress() {  # each run still training: its last logged step, step time and the time to its step budget
+progress() {  # each run still training: its last logged step, step time, the time to its step budget and
+  # its last validation (τ_prob, position 1's c*: whether a run is on course before it ends)
   local m run
   for m in outputs/h200/*/logs/metrics.csv; do
     run=$(dirname "$(dirname "$m")")
@@ -169,10 +170,12 @@ progress() {  # each run still training: its last logged step, step time and the
     python3 - "$run" <<'PY'
 import csv, os, sys
 run = sys.argv[1]
-last = {}
+last, val = {}, None
 with open(os.path.join(run, "logs", "metrics.csv"), newline="") as f:
     for row in csv.DictReader(f):
         last.update({k: v for k, v in row.items() if v})  # Lightning logs a row per metric group
+        if row.get("val/tau_prob"):
+            val = row
 line = f"{os.path.basename(run)}: step {last.get('step', '?')}"
 if last.get("train/step_ms"):
     ms = float(last["train/step_ms"])
@@ -185,6 +188,10 @@ if last.get("train/step_ms"):
             line += f", ~{(total - 1 - int(last['step'])) * ms / 1000:.0f} s to step {total} at that pace"
     except (ImportError, OSError, KeyError, TypeError, ValueError):
         pass  # no step budget known: the pace alone
+if val:
+    line += f"; validation at step {val['step']}: tau_prob {float(val['val/tau_prob']):.3f}"
+    if val.get("val/c_star_1"):
+        line += f", c*_1 {float(val['val/c_star_1']):.3f}"
 print(line)
 PY
   done

@@ -602,11 +602,15 @@ def test_session_sweep_evaluates_each_run_of_the_multirun_as_it_finishes(evals, 
 
 def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
     """`wait` names every run still training with its last logged step and step time (Lightning's CSV:
-    a row per metric group, so the latest non-empty value of each), and no run that has finished."""
+    a row per metric group, so the latest non-empty value of each) and its last validation, and no run
+    that has finished."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "h200_session.sh", tmp_path / "scripts")
     h200 = tmp_path / "outputs" / "h200"
-    csv_text = "epoch,lr-AdamW,step,train/step_ms\n,0.001,9,\n0,,9,141.2\n,0.0009,19,\n"
+    csv_text = (
+        "epoch,lr-AdamW,step,train/step_ms,val/tau_prob,val/c_star_1\n,0.001,9,,,\n0,,9,141.2,,\n"
+        "0,,9,,1.8125,0.4567\n,0.0009,19,,,\n"
+    )
     for run in ("DSpark-B4", "DSpark-B16"):
         (h200 / run / "logs").mkdir(parents=True)
         (h200 / run / "logs" / "metrics.csv").write_text(csv_text)
@@ -622,7 +626,10 @@ def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
     assert proc.returncode == 0, proc.stderr
     training = proc.stdout.split("== training\n")[1].split("== log")[0]
     # 4 480 steps left (the log counts from 0) at 141.2 ms: ~633 s
-    assert training == "DSpark-B16: step 19, 141 ms a step, ~633 s to step 4500 at that pace\n"
+    assert training == (
+        "DSpark-B16: step 19, 141 ms a step, ~633 s to step 4500 at that pace;"
+        " validation at step 9: tau_prob 1.812, c*_1 0.457\n"
+    )
 
 
 def test_session_data_pack_comes_back_and_unpacks_in_place_of_the_data_stage(tmp_path):
