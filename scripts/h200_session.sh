@@ -135,14 +135,16 @@ bundle() {  # results and logs; the evaluation folders (rounds, generations) apa
   # Each run still training: its metrics so far and its config, named as h200_drafter.sh's collect names
   # them (collect overwrites them when the run ends), so that a session whose machine goes before its runs
   # end still brings back their validation curves, to compare with another run's at the same steps.
-  local run name f
+  local run name metrics f
   for run in outputs/h200/*/; do
     run=${run%/} name=$(basename "$run")
     [ ! -f "$run/summary.json" ] && [ -d "$run/logs" ] || continue
-    for f in $(find "$run/logs" -name metrics.csv | sort); do
-      mkdir -p "outputs/h200/out/$name"
+    metrics=$(find "$run/logs" -name metrics.csv | sort)
+    [ -n "$metrics" ] || continue
+    mkdir -p "outputs/h200/out/$name"
+    cp "$run/config.yaml" "outputs/h200/out/$name/" 2>/dev/null || true
+    for f in $metrics; do
       cp "$f" "outputs/h200/out/$name/metrics_$(basename "$(dirname "$f")").csv"
-      cp "$run/config.yaml" "outputs/h200/out/$name/" 2>/dev/null || true
     done
   done
   tar -czf "$OUT/bundle.tgz" -C outputs/h200 out session 2>/dev/null

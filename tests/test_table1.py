@@ -609,7 +609,7 @@ def test_session_wait_shows_each_run_still_training_with_its_step(tmp_path):
     h200 = tmp_path / "outputs" / "h200"
     csv_text = (
         "epoch,lr-AdamW,step,train/step_ms,val/tau_prob,val/c_star_1\n,0.001,9,,,\n0,,9,141.2,,\n"
-        "0,,9,,1.8125,0.4567\n,0.0009,19,,,\n"
+        "0,,9,,1.8124,0.4567\n,0.0009,19,,,\n"
     )
     for run in ("DSpark-B4", "DSpark-B16"):
         (h200 / run / "logs").mkdir(parents=True)
