@@ -22,6 +22,16 @@ def load_group(group: str, name: str):
     return cfg
 
 
+def head_group(spec: str):
+    """conf/head/<name>.yaml for ``spec`` = "<name>" or "<name>@<first_position>" (a head that starts
+    at a later draft position: parametrized tests name that variant as one string)."""
+    name, _, first = spec.partition("@")
+    cfg = load_group("head", name)
+    if first:
+        cfg.first_position = int(first)
+    return cfg
+
+
 def smoke_run(out_dir, data_dir, *more: str) -> list[str]:
     """Overrides of a seconds-long training run on the tiny target over ``smoke_data``."""
     return [

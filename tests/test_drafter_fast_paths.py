@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_group
+from conftest import head_group, load_group
 
 from dspark.core.types import DraftCache, TargetDims
 from dspark.drafters import build_drafter
@@ -21,7 +21,7 @@ from dspark.drafters.derived import DerivedWeights
 def build(target, name="dspark", head="markov", layers=3, gamma=4, slots="anchor", seed=0):
     """A drafter of ``layers`` layers whose norms are not all ones (so a mixed-up layer or a
     skipped norm shows in its numbers)."""
-    dc, hc = load_group("drafter", name), load_group("head", head)
+    dc, hc = load_group("drafter", name), head_group(head)
     dc.num_layers, dc.block_size, dc.slots = layers, gamma, slots
     hc.rank = 16 if head != "none" else 0
     torch.manual_seed(seed)
@@ -237,6 +237,8 @@ DRAFTERS = [
     ("dspark", "gated", "masks", True),
     ("dspark", "rnn", "anchor", True),
     ("dspark", "rnn", "masks", False),
+    ("dspark", "rnn@2", "anchor", True),  # the head from position 2: position 1 as DFlash drafts
+    ("dspark", "markov@3", "masks", True),
     ("dspark", "none", "anchor", True),
     ("dflash", "none", "anchor", False),
     ("dflash", "none", "masks", False),

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import load_group
+from conftest import head_group, load_group
 from omegaconf import OmegaConf
 
 from dspark.core.errors import ConfigError
@@ -27,7 +27,7 @@ def make(target, name, head, layers=1, gamma=4, rank=32):
     if name == "eagle3":
         d.ttt_steps = gamma
     torch.manual_seed(0)
-    h = load_group("head", head)
+    h = head_group(head)
     if head != "none":
         h.rank = rank
     drafter = build_drafter(TargetDims.of(target), d, h)
@@ -182,7 +182,7 @@ def test_anchors_per_sequence_auto_rounds_the_longest_answer_up_and_caps_it():
     assert resolved(128, 900) == 128 and resolved(None, 900) == 512  # a number or null: as before
 
 
-@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn", "rnn@2"])
 def test_sampling_probabilities_are_exact(tiny_target, head):
     """The probs returned at position k are the softmax conditioned on the token sampled at k-1."""
     drafter = make(tiny_target, "dspark", head).eval()
@@ -213,6 +213,51 @@ def test_sampling_probabilities_are_exact(tiny_target, head):
     # The fused sampler draws by the shared convention (inverse CDF of the returned probs).
     u = torch.rand(3, drafter.gamma, generator=torch.Generator().manual_seed(1))
     assert torch.equal(prop.tokens, sample_from(prop.probs, u))
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_a_head_from_position_2_leaves_position_1_to_the_backbone(tiny_target, head):
+    """head.first_position=2: position 1's draft distribution is the LM head's softmax of the
+    backbone's state (the head's weights do not reach it), later positions carry the head's bias,
+    and the RNN's state starts at position 2 (its features there are those of a block begun there)."""
+    shared = Shared.of(tiny_target)
+    drafter = make(tiny_target, "dspark", f"{head}@2").eval()
+    hidden = torch.randn(3, drafter.gamma, tiny_target.hidden_size)
+    anchor = torch.randint(100, 5000, (3,))
+    u = torch.rand(3, drafter.gamma, generator=torch.Generator().manual_seed(2))
+
+    def draw():
+        with torch.no_grad():
+            return drafter.sample_block(hidden, anchor, shared, 1.0, u)
+
+    tokens, probs, _ = draw()
+    plain = torch.softmax((hidden[:, 0] @ shared.lm_weight.t()).float(), -1)
+    torch.testing.assert_close(probs[:, 0], plain, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        drafter.head.W2.weight.mul_(3.0)
+    tokens3, probs3, _ = draw()
+    torch.testing.assert_close(probs3[:, 0], probs[:, 0])
+    assert not torch.allclose(probs3[:, 1:], probs[:, 1:], atol=1e-3)  # the head acts from position 2
+    prev = torch.cat([anchor[:, None], tokens3[:, :-1]], 1)
+    feats, _ = drafter.head_features(hidden, prev)
+    bias = feats[..., tiny_target.hidden_size :]
+    assert not bias[:, 0].any()
+    torch.testing.assert_close(bias[:, 1:], drafter.head.sequence(hidden[:, 1:], prev[:, 1:]))
+
+
+def test_head_first_position_must_be_a_draft_position(tiny_target):
+    from dspark.drafters.registry import check_drafter_config
+
+    d = load_group("drafter", "dspark")
+    d.block_size = 4  # slots=anchor: γ = 4
+    cases = ((4, None), (5, "head.first_position=5 is not a draft position"), (0, "first_position"))
+    for first, error in cases:
+        h = head_group(f"markov@{first}")
+        if error is None:
+            check_drafter_config(d, h)
+        else:
+            with pytest.raises(ConfigError, match=error):
+                check_drafter_config(d, h)
 
 
 def test_rnn_state_carries(tiny_target):

@@ -238,6 +238,9 @@ def test_refusals_name_the_problem(tiny_target, tmp_path):
     anchor = read_drafter_config(_save(tiny_target, tmp_path / "a", "dflash", "none", False, False))
     assert "one position late" in refusal("vllm", anchor) and "one position late" in refusal("sglang", anchor)
     assert "drafter.slots=masks" in refusal("vllm", anchor)
+    late = read_drafter_config(_save(tiny_target, tmp_path / "late", "dspark", "gated"))
+    late["head"]["first_position"] = 2  # no engine's head skips a position
+    assert all("head.first_position=2" in refusal(f, late) for f in formats.FORMATS)
     masks = read_drafter_config(_save(tiny_target, tmp_path / "m", "dflash", "none", False, False, "masks"))
     assert "anchor's slot" in refusal("hf", masks) and "drafter.slots=anchor" in refusal("hf", masks)
     other = {**headless, "drafter": {**headless["drafter"], "name": "medusa"}}  # a drafter added later

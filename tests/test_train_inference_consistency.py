@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_group
+from conftest import head_group, load_group
 from test_engine import Cycling, prompts_for
 
 from dspark.core.types import DraftCache, Shared, TargetDims
@@ -43,13 +43,14 @@ BLOCK_VARIANTS = [
     ("dspark", "markov", "masks"),
     ("dspark", "gated", "masks"),
     ("dspark", "rnn", "masks"),
+    ("dspark", "gated@2", "anchor"),  # the head from position 2 (head.first_position)
 ]
 
 
 def build(target, name, head, slots="anchor", layers=2, seed=0):
     """A drafter whose every part moves its outputs: norms off one, layers that change the hidden
     states well beyond the block's embeddings, a sequential head with a real bias."""
-    dc, hc = load_group("drafter", name), load_group("head", head)
+    dc, hc = load_group("drafter", name), head_group(head)
     dc.num_layers, dc.block_size = layers, GAMMA
     if name == "eagle3":
         dc.ttt_steps = GAMMA

@@ -55,6 +55,12 @@ def _cannot(fmt: str, config: dict) -> tuple[str, str | None] | None:
     confidence = dspark and bool((d.get("confidence") or {}).get("enabled", True))
     if dspark and head != "none" and head not in formats.HEAD_TO_EXT:
         return f"head={head} has no counterpart in the engines' markov_head_type", None
+    first = int((config.get("head") or {}).get("first_position") or 1)
+    if dspark and head != "none" and first != 1:
+        return (
+            f"head.first_position={first}: the engines' heads bias every draft position",
+            "retrain with head.first_position=1",
+        )
     if fmt == "hf":
         if slots == "masks":
             return (

@@ -58,6 +58,7 @@ class HeadConfig:
 
     name: str
     rank: Annotated[int, Range(ge=0)]
+    first_position: Annotated[int, Range(ge=1)] = 1  # draft positions before it take no bias
 
 
 class Drafter(nn.Module, metaclass=abc.ABCMeta):

@@ -20,6 +20,17 @@ from .heads import HEADS, ConfidenceHead
 from .registry import register
 
 
+def head_first_position(head_cfg) -> int:
+    """``head.first_position`` (1 where a config predates it): the first draft position the head biases."""
+    value = head_cfg.get("first_position") if head_cfg is not None else None
+    return 1 if value is None else int(value)
+
+
+def soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """``logits`` capped as the target caps its own (float32), or as they are where it does not."""
+    return torch.tanh(logits.float() / softcap) * softcap if softcap else logits
+
+
 @register("dspark")
 class DSparkDrafter(BlockDrafter):
     def __init__(self, dims: TargetDims, cfg, head_cfg=None):
@@ -28,6 +39,9 @@ class DSparkDrafter(BlockDrafter):
         self.head = (
             HEADS[name](dims.vocab_size, dims.hidden_size, int(head_cfg.rank)) if name != "none" else None
         )
+        # Draft positions before this one (1-based) take the backbone's logits alone; the head's state,
+        # if any, starts here.
+        self.head_skip = head_first_position(head_cfg) - 1 if self.head is not None else 0
         conf = cfg.get("confidence") or {}
         self.confidence = None
         if self.config_has_confidence(cfg):
@@ -44,6 +58,12 @@ class DSparkDrafter(BlockDrafter):
         if head != "none" and int(head_cfg.rank) <= 0:
             raise ConfigError(f"head.rank must be positive for head={head}, got {head_cfg.rank}")
         check_slots(drafter_cfg)
+        first, gamma = head_first_position(head_cfg), cls.config_gamma(drafter_cfg)
+        if head != "none" and not 1 <= first <= gamma:
+            raise ConfigError(
+                f"head.first_position={first} is not a draft position of this block (1..{gamma}, "
+                f"drafter.block_size={drafter_cfg['block_size']}): 1 lets the head bias every position"
+            )
 
     @classmethod
     def config_has_confidence(cls, drafter_cfg) -> bool:
@@ -65,7 +85,11 @@ class DSparkDrafter(BlockDrafter):
         conf = self._confidence(hidden, prev)
         if self.head is None:
             return hidden, conf
-        return torch.cat([hidden, self.head.sequence(hidden, prev).to(hidden.dtype)], dim=-1), conf
+        s = self.head_skip
+        b = self.head.sequence(hidden[:, s:], prev[:, s:]).to(hidden.dtype)
+        if s:  # no bias before the head's first position: zero features there
+            b = torch.cat([b.new_zeros(b.shape[0], s, b.shape[-1]), b], dim=1)
+        return torch.cat([hidden, b], dim=-1), conf
 
     def bias_weight(self) -> Tensor | None:
         return None if self.head is None else self.head.W2.weight
@@ -98,9 +122,12 @@ class DSparkDrafter(BlockDrafter):
         state = self.head.init_state(anchor.shape[0], hidden) if self.head is not None else None
         tokens, probs = [], []
         for k in range(hidden.shape[1]):
-            logits, bias, state = self.position_logits(
-                base[:, k], hidden[:, k], prev, state, shared.softcap, w2
-            )  # fmt: skip
+            if k < self.head_skip:
+                logits, bias = soft_capped(base[:, k], shared.softcap), None
+            else:
+                logits, bias, state = self.position_logits(
+                    base[:, k], hidden[:, k], prev, state, shared.softcap, w2
+                )  # fmt: skip
             step = sample_step(logits, bias, temperature, u[:, k])
             prev = shared.target_ids(step.tokens)
             tokens.append(prev)
@@ -121,8 +148,7 @@ class DSparkDrafter(BlockDrafter):
             b, state = self.head.step(h, prev, state)
             bias = self.head.bias_logits(b) if bias_weight is None else F.linear(b, bias_weight)
         if softcap:  # the cap applies to the sum: add first
-            logits = base.float() + (0.0 if bias is None else bias.float())
-            return torch.tanh(logits / softcap) * softcap, None, state
+            return soft_capped(base.float() + (0.0 if bias is None else bias.float()), softcap), None, state
         return base, bias, state
 
     def head_step(self, h: Tensor, prev: Tensor, state):
@@ -175,7 +201,13 @@ class DSparkDrafter(BlockDrafter):
         prev, tokens = anchor, []
         for k in range(n):
             logits, bias, h = base[k], None, first[k]
-            if greedy:
+            if k < self.head_skip:  # the backbone's logits alone, as DFlash drafts
+                logits = soft_capped(logits, shared.softcap)
+                if greedy:
+                    index = greedy_tokens(logits.float())
+                else:
+                    index = sample_step(logits, None, temperature, u[:, k], out=probs[:, k]).tokens
+            elif greedy:
                 index, state = fused.greedy_step(logits, h, prev, state, shared.softcap, w2)
             else:
                 if self.head is not None or shared.softcap:
