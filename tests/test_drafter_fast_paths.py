@@ -326,7 +326,10 @@ def test_fused_draft_step_equals_the_reference(small_target, name, head, slots, 
     assert len(seen_tokens) > 2  # not one degenerate token: the comparison had something to see
 
 
-@pytest.mark.parametrize("name,head,slots", [("dspark", "rnn", "masks"), ("dflash", "none", "anchor")])
+COMPILED = [("dspark", "rnn", "masks"), ("dspark", "gated@2", "anchor"), ("dflash", "none", "anchor")]
+
+
+@pytest.mark.parametrize("name,head,slots", COMPILED)
 def test_compiled_draft_step_equals_the_reference_in_two_graphs_per_path(small_target, name, head, slots):
     """Inductor on the CPU, as the fast engine asks for it (``fullgraph``: no graph break): the
     compiled draft step proposes the reference's tokens, and its probabilities and confidences to
