@@ -377,7 +377,7 @@ def compiled_graphs(name: str, head: str, device: str) -> int:
     gathered by the kernel itself (nothing compiled)."""
     if name != "dspark":
         return 2
-    greedy = 0 if device == "cuda" and head == "markov" else 2
+    greedy = 0 if device == "cuda" and head.partition("@")[0] == "markov" else 2
     return 6 + greedy
 
 

@@ -1362,8 +1362,9 @@ def test_compiled_context_write_on_cuda_matches_eager_inside_graphs(small_target
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "name,head,slots",
-    [("dspark", "markov", "anchor"), ("dspark", "rnn", "masks"), ("dflash", "none", "anchor")],
-)
+    [("dspark", "markov", "anchor"), ("dspark", "rnn", "masks"), ("dspark", "markov@2", "anchor"),
+     ("dflash", "none", "anchor")],
+)  # fmt: skip
 def test_compiled_draft_step_on_cuda_matches_eager_inside_graphs(small_target, name, head, slots):
     """The compiled draft step on CUDA (``fullgraph``: a graph break raises; the Triton sampler
     between the graphs writing into the proposal's buffer; the layers attending with the cache
