@@ -183,3 +183,20 @@ def test_a_cast_copy_of_a_drafter_serves_the_same_weights(tiny_target, tmp_path)
         cast_drafter(tmp_path / "f32", tmp_path / "x", "int8")
     with pytest.raises(ValueError, match="overwrite its source"):
         cast_drafter(tmp_path / "f32", tmp_path / "f32", "bfloat16")
+
+
+def test_a_checkpoint_keeps_the_head_s_first_position(tiny_target, tmp_path):
+    """``head.first_position`` travels in the checkpoint's config: loaded back, the drafter leaves
+    the same positions to the backbone; a config written before the key existed loads with the
+    head on every position (the paper's)."""
+    import json
+
+    drafter_cfg, head_cfg = _cfg("dspark", "markov")
+    head_cfg.first_position = 2
+    drafter = make(tiny_target, "dspark", "markov@2")
+    save_drafter(drafter, tmp_path, drafter_cfg, head_cfg, tiny_target.describe())
+    assert load_drafter(tmp_path)[0].head_skip == 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["head"]["first_position"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_drafter(tmp_path)[0].head_skip == 0
