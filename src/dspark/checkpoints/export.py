@@ -23,7 +23,7 @@ import torch
 
 from ..artifacts import DrafterFolder
 from ..core.io import atomic_save_safetensors, atomic_write_json
-from ..drafters.base import layer_shape
+from ..drafters.base import head_first_position, layer_shape
 from ..interop import formats
 from ..interop.formats import ExportError
 from .store import load_drafter
@@ -55,7 +55,7 @@ def _cannot(fmt: str, config: dict) -> tuple[str, str | None] | None:
     confidence = dspark and bool((d.get("confidence") or {}).get("enabled", True))
     if dspark and head != "none" and head not in formats.HEAD_TO_EXT:
         return f"head={head} has no counterpart in the engines' markov_head_type", None
-    first = int((config.get("head") or {}).get("first_position") or 1)
+    first = head_first_position(config.get("head"))
     if dspark and head != "none" and first != 1:
         return (
             f"head.first_position={first}: the engines' heads bias every draft position",

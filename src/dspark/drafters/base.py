@@ -61,6 +61,12 @@ class HeadConfig:
     first_position: Annotated[int, Range(ge=1)] = 1  # draft positions before it take no bias
 
 
+def head_first_position(head_cfg) -> int:
+    """``head.first_position`` (1 where a config predates it): the first draft position the head biases."""
+    value = head_cfg.get("first_position") if head_cfg is not None else None
+    return 1 if value is None else int(value)
+
+
 class Drafter(nn.Module, metaclass=abc.ABCMeta):
     """A drafter: built from ``(dims, drafter_cfg, head_cfg)`` by name (``drafters.registry``),
     trained through ``train_forward``, run by the engines through ``new_cache`` /
@@ -221,11 +227,13 @@ def head_product(x: Tensor, weight: Tensor) -> Tensor:
     return (rows @ weight.t().to(x.dtype)).view(*x.shape[:-1], weight.shape[0])
 
 
+def soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """``logits`` capped as the target caps its own (float32), or as they are where it does not."""
+    return torch.tanh(logits.float() / softcap) * softcap if softcap else logits
+
+
 def output_logits(x: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
-    logits = head_product(x, weight).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    return soft_capped(head_product(x, weight).float(), softcap)
 
 
 def draft_length(gamma: int, draft_len: int | None) -> int:

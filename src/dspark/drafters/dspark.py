@@ -13,22 +13,11 @@ from ..core.errors import ConfigError
 from ..core.sampling import greedy_tokens
 from ..core.types import TargetDims
 from ..kernels.sample_step import sample_step
-from .base import head_product
+from .base import head_first_position, head_product, soft_capped
 from .derived import DerivedWeights
 from .dflash import BlockDrafter, check_slots
 from .heads import HEADS, ConfidenceHead
 from .registry import register
-
-
-def head_first_position(head_cfg) -> int:
-    """``head.first_position`` (1 where a config predates it): the first draft position the head biases."""
-    value = head_cfg.get("first_position") if head_cfg is not None else None
-    return 1 if value is None else int(value)
-
-
-def soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
-    """``logits`` capped as the target caps its own (float32), or as they are where it does not."""
-    return torch.tanh(logits.float() / softcap) * softcap if softcap else logits
 
 
 @register("dspark")
