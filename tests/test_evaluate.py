@@ -271,3 +271,39 @@ def test_calibration_offsets_are_fitted_written_and_applied(tiny_target, tmp_pat
     for r in rounds:
         z = torch.tensor(r["confidence_logits"])
         torch.testing.assert_close(torch.tensor(r["confidence"]), torch.sigmoid(z / temps + offsets))
+
+
+def test_fast_engines_of_one_evaluation_share_one_cache_capacity(tiny_target, tmp_path, monkeypatch):
+    """engine=fast: the calibration's engine and every benchmark's are sized alike, for the longest
+    prompt of the whole run (a capacity per call would give the short benchmark a smaller cache, and
+    the compiled layers a new cache shape to recompile for)."""
+    from dspark import evaluate
+    from dspark.decoding.fast_engine import cache_capacity
+    from dspark.evaluation import evaluator
+
+    drafter = _save(tiny_target, tmp_path / "drafter", "dspark", "markov")
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    long_question = "Sum these numbers: " + " ".join(str(n) for n in range(200)) + "."
+    for name, qs in {"gsm8k": [long_question, "held out"], "mt-bench": ["Say hi.", "held out"]}.items():
+        (bench / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in qs))
+    engines = []
+
+    def recorded(*args, **kw):
+        engines.append(evaluator_build(*args, **kw))
+        return engines[-1]
+
+    evaluator_build = evaluator.build_engine
+    monkeypatch.setattr(evaluator, "build_engine", recorded)
+    cfg = _cfg(
+        "target=tiny", f"drafter_dir={drafter}", "benchmarks=[gsm8k,mt-bench]", f"benchmark_dir={bench}",
+        "max_prompts=1", "max_new_tokens=8", "calibrate=true", "calibration.prompts=1", "engine=fast",
+        "concurrency=2", "temperature=0", "progress=false", f"out_dir={tmp_path / 'out'}",
+    )  # fmt: skip
+    evaluate.run(cfg)
+    longest = len(tiny_target.prompt_ids(long_question)) + 8
+    short = len(tiny_target.prompt_ids("Say hi.")) + 8
+    gamma = engines[0]._gamma
+    assert cache_capacity(short, gamma) < cache_capacity(longest, gamma)  # the case this is about
+    assert len(engines) == 3  # calibration, gsm8k, mt-bench
+    assert {e.static.capacity for e in engines} == {cache_capacity(longest, gamma)}

@@ -55,9 +55,24 @@ from .graphs import GraphBank, bucket_for
 from .static_target import StaticTarget, move_rows
 from .verify import VerifyResult, greedy_verify, one_hot_drafts
 
-__all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine"]
+__all__ = ["DEFAULT_BUCKETS", "ENGINES", "FastEngine", "build_engine", "cache_capacity"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def cache_positions(tokens: int, gamma: int, pipeline: int = 1) -> int:
+    """Cache positions a row needs for a request of ``tokens`` (prompt + answer budget): its last
+    round may write γ + 1 positions past the budget, and each round it rides along in before its
+    row is freed (``pipeline`` of them) γ + 1 more."""
+    return tokens + (pipeline + 1) * (gamma + 1)
+
+
+def cache_capacity(tokens: int, gamma: int, pipeline: int = 1) -> int:
+    """``cache_positions`` rounded up to 128: the capacity a FastEngine sizes itself to. A caller
+    that runs several engines over prompts of different lengths (an evaluation's benchmarks) passes
+    one such capacity to all of them: the compiled layers see one cache shape, where a capacity of
+    each call's own made every later one recompile them (a new cache length)."""
+    return 128 * math.ceil(cache_positions(tokens, gamma, pipeline) / 128)
 
 
 class FastEngine(Engine):
@@ -67,7 +82,7 @@ class FastEngine(Engine):
         buckets: row counts to capture graphs for; a round of R requests runs the smallest
             bucket >= R. The largest bucket must cover ``concurrency``.
         capacity: positions per request row; None sizes it from each ``generate`` call's
-            longest prompt + budget (rounded up to 128).
+            longest prompt + budget (``cache_capacity``).
         graphs: capture CUDA graphs (default: when the target is on CUDA). The cost model then
             prices a round at its bucket's rows (``CostModel.at_engine_rows``), the rows it runs.
         prefill_chunk: prompts prefilled together (bounds the prefill's attention mask).
@@ -142,10 +157,9 @@ class FastEngine(Engine):
     # ---- static state ---------------------------------------------------------------------
     def _check_requests(self, reqs: list[Request]) -> None:
         budget = max(self.max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens) for r in reqs)
-        # Its last round may write γ + 1 positions past the budget, and each round it rides along
-        # in before its row is freed (``pipeline`` of them) γ + 1 more.
-        need = max(len(r.prompt) for r in reqs) + budget + (self.pipeline + 1) * (self._gamma + 1)
+        tokens = max(len(r.prompt) for r in reqs) + budget
         if self.fixed_capacity is not None:
+            need = cache_positions(tokens, self._gamma, self.pipeline)
             if need > self.fixed_capacity:
                 raise ValueError(
                     f"a request needs {need} cache positions (prompt + max_new_tokens + (pipeline + 1)"
@@ -154,7 +168,7 @@ class FastEngine(Engine):
                 )
             need = self.fixed_capacity
         else:
-            need = 128 * math.ceil(need / 128)
+            need = cache_capacity(tokens, self._gamma, self.pipeline)
         if self.static is None or self.static.capacity < need:
             self._allocate(need)
 

@@ -20,7 +20,7 @@ from ..checkpoints import load_drafter
 from ..core.errors import ConfigError
 from ..data.vocab_counts import load_draft_vocab
 from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
-from ..decoding.fast_engine import build_engine
+from ..decoding.fast_engine import build_engine, cache_capacity
 from ..scheduling.cost import CostModel
 from ..scheduling.policies import Fixed, Policy, build_policy
 
@@ -61,6 +61,7 @@ class Evaluator:
         # The drafter's draft vocabulary (None: the whole) and the share of its training answers'
         # tokens that it holds.
         self.draft_vocab, self.vocab_coverage = draft_vocab, vocab_coverage
+        self.longest: int | None = None  # the longest prompt + budget of the run (check_context)
 
     @classmethod
     def load(cls, cfg: DictConfig, target) -> Evaluator:
@@ -76,17 +77,18 @@ class Evaluator:
 
     def check_context(self, report: dict[str, list[str]], held_out: list[tuple[str, str]]) -> None:
         """Before any decoding: every prompt with its answer budget fits the target's context
-        (ConfigError naming the first that does not)."""
+        (ConfigError naming the first that does not). Records the longest, which sizes every
+        engine of the run alike (``engine``)."""
         context, cfg = self.target.context_length, self.cfg
-        if context is None:
-            return
         budget = int(cfg.max_new_tokens)
         held_budget = int(cfg.calibration.get("max_new_tokens") or budget)
         items = [(f"{b} prompt {i}", p, budget) for b, ps in report.items() for i, p in enumerate(ps)]
         items += [(f"calibration prompt {i} ({b})", p, held_budget) for i, (b, p) in enumerate(held_out)]
+        self.longest = 0
         for label, text, new in items:
             n = len(self.target.prompt_ids(text))
-            if n + new > context:
+            self.longest = max(self.longest, n + new)
+            if context is not None and n + new > context:
                 raise ConfigError(
                     f"{label} is {n} tokens: with {new} new tokens it exceeds target {self.target.name}'s "
                     f"context of {context}: lower max_new_tokens, or leave the prompt out"
@@ -96,7 +98,11 @@ class Evaluator:
         cfg = self.cfg
         gen = torch.Generator().manual_seed(int(cfg.seed) * 1_000_003 + zlib.crc32(name.encode()))
         kind = str(cfg.get("engine", "plain"))
-        fast = {"compile": cfg.get("engine_compile")} if kind == "fast" else {}  # null: on CUDA
+        fast = {}
+        if kind == "fast":
+            fast["compile"] = cfg.get("engine_compile")  # null: on CUDA
+            if self.longest:  # one cache shape for the calibration and every benchmark
+                fast["capacity"] = cache_capacity(self.longest, getattr(self.drafter, "gamma", 0))
         return build_engine(
             kind,
             self.target,
