@@ -219,3 +219,25 @@ def test_init_from_another_architecture_is_refused_before_the_run(tmp_path, data
     with pytest.raises(DrafterCheckpointError):
         run_training(cfg_for(tmp_path / "none", data_dir, f"init_from={tmp_path / 'nowhere'}"))
     assert not any((tmp_path / name / "checkpoints").exists() for name in ("other", "none"))
+
+
+def test_gpu_processes_keep_few_cpu_threads(monkeypatch):
+    """cap_cpu_threads: a process whose model is on a GPU keeps GPU_PROCESS_THREADS intra-op threads
+    at most (runs at once must not oversubscribe the cores); a CPU model keeps them all, and so
+    does a process whose OMP_NUM_THREADS the user set."""
+    from dspark.core.threads import GPU_PROCESS_THREADS, cap_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(GPU_PROCESS_THREADS + 2)
+        assert cap_cpu_threads("cpu") is None and torch.get_num_threads() == GPU_PROCESS_THREADS + 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        assert cap_cpu_threads("cuda") is None and torch.get_num_threads() == GPU_PROCESS_THREADS + 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert cap_cpu_threads(torch.device("cuda", 0)) == GPU_PROCESS_THREADS
+        assert torch.get_num_threads() == GPU_PROCESS_THREADS
+        torch.set_num_threads(1)
+        assert cap_cpu_threads("cuda") == 1 and torch.get_num_threads() == 1  # never raised
+    finally:
+        torch.set_num_threads(before)

@@ -43,11 +43,14 @@ def run(cfg: DictConfig) -> dict:
 def _evaluate(cfg: DictConfig, spec, report: dict, held_out: list, folder) -> dict:
     from .artifacts import DrafterFolder
     from .core.provenance import provenance
+    from .core.threads import cap_cpu_threads
     from .evaluation import Evaluator, write_outputs
     from .target import load_target
 
     started = time.time()
-    ev = Evaluator.load(cfg, load_target(cfg.target))
+    target = load_target(cfg.target)
+    cap_cpu_threads(target.device)
+    ev = Evaluator.load(cfg, target)
     ev.check_context(report, held_out)
     fit = ev.calibrate(held_out) if cfg.calibrate else None
     if fit is not None and cfg.calibration.save_to_drafter:

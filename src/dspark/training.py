@@ -20,6 +20,7 @@ from .callbacks import CalibrationCallback, DrafterExport, Throughput
 from .checkpoints import read_drafter_config, warm_start
 from .core.errors import ConfigError, DataError
 from .core.lock import folder_lock
+from .core.threads import cap_cpu_threads
 from .core.types import TargetDims
 from .drafters import build_drafter
 from .module import DraftingModule
@@ -264,6 +265,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
     out_dir = run.path
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
+    cap_cpu_threads(target.device)
 
     from .data.cache import target_fingerprint
     from .data.datamodule import DraftDataModule
