@@ -287,13 +287,12 @@ def test_fast_engines_of_one_evaluation_share_one_cache_capacity(tiny_target, tm
     long_question = "Sum these numbers: " + " ".join(str(n) for n in range(200)) + "."
     for name, qs in {"gsm8k": [long_question, "held out"], "mt-bench": ["Say hi.", "held out"]}.items():
         (bench / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in qs))
-    engines = []
+    engines, build = [], evaluator.build_engine
 
     def recorded(*args, **kw):
-        engines.append(evaluator_build(*args, **kw))
+        engines.append(build(*args, **kw))
         return engines[-1]
 
-    evaluator_build = evaluator.build_engine
     monkeypatch.setattr(evaluator, "build_engine", recorded)
     cfg = _cfg(
         "target=tiny", f"drafter_dir={drafter}", "benchmarks=[gsm8k,mt-bench]", f"benchmark_dir={bench}",
