@@ -329,3 +329,21 @@ def test_compare_cli_scores_each_method_where_it_was_not_fitted(tmp_path):
         compare(_round_records(z, y)[:100], folds=1)
     with pytest.raises(DataError, match="do not fill 3 folds"):
         compare(_round_records(z, y)[:20], folds=3)  # one request only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fits_and_metrics_on_cuda_match_the_cpu():
+    """Training validation fits STS on the model's device (CalibrationCallback): the same temperatures,
+    offsets and metrics as on the CPU, up to float rounding of the ECE's sums."""
+    for z, y, v in (rollouts(20_000, seed=1), teacher_forced(12_000, seed=5)):
+        cuda = [t.to("cuda") for t in (z, y, v)]
+        temps = fit_sts(z, y, v)
+        torch.testing.assert_close(fit_sts(*cuda).cpu(), temps, rtol=0.05, atol=0)  # adjacent grid points
+        for ours, ref in zip(fit_sts_offsets(*cuda), fit_sts_offsets(z, y, v)):
+            torch.testing.assert_close(ours.cpu(), ref, rtol=1e-3, atol=1e-4)
+        on_cpu, on_cuda = position_metrics(z, y, v, temps), position_metrics(*cuda, temps)
+        for a, b in zip(on_cpu, on_cuda):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5, nan_ok=True), key

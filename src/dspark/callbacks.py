@@ -36,9 +36,11 @@ class CalibrationCallback(L.Callback):
         records = gather_records(trainer, getattr(module, "val_records", []))
         if not records:
             return
-        logits = torch.cat([r["logits"] for r in records])
-        labels = torch.cat([r["labels"] for r in records])
-        valid = torch.cat([r["valid"] for r in records])
+        # Fitted where the model runs: STS's grid (200 temperatures × every validation block) is
+        # seconds of work for the few CPU threads a GPU process keeps (core.threads).
+        logits, labels, valid = (
+            torch.cat([r[key] for r in records]).to(module.device) for key in ("logits", "labels", "valid")
+        )
         temps = fit_sts(logits, labels, valid)
         rows = position_metrics(logits, labels, valid, temps)
         stats = summary(rows)

@@ -104,11 +104,12 @@ def fit_sts(
     soft cumulative labels Π_{i≤k} c*_i (teacher-forced batches) — the ECE handles both. Positions
     with no valid data keep T = 1. ``fixed[k]`` (when not None) pins T_{k+1} instead of searching it;
     later positions are then fitted on top of the pinned value, e.g. to refit a tail or to study how
-    T_k depends on T_{<k}.
+    T_k depends on T_{<k}. The search runs on the inputs' device.
     """
     _check_inputs(logits, labels, valid)
     n, gamma = logits.shape
     grid = default_grid() if grid is None else torch.as_tensor(grid, dtype=torch.float64).flatten()
+    grid = grid.to(logits.device)
     if grid.numel() == 0 or not bool((grid > 0).all()):
         raise ValueError("grid must be non-empty and strictly positive")
     fixed = list(fixed or [])
@@ -121,7 +122,7 @@ def fit_sts(
     z_all = logits.detach().to(dt)
     y_all = torch.where(valid, labels.detach().to(dt), torch.zeros((), dtype=dt))
     temps = torch.ones(gamma, dtype=torch.float64)
-    log_prefix = torch.zeros(n, dtype=dt)  # Σ_{i<k} logσ(z_i/T_i) with the fitted T_i
+    log_prefix = torch.zeros(n, dtype=dt, device=z_all.device)  # Σ_{i<k} logσ(z_i/T_i), fitted T_i
     for k in range(gamma):
         m = valid[:, k]
         if fixed[k] is not None:
@@ -153,7 +154,7 @@ def fit_sts_offsets(
     z_all, y_all = logits.detach().double(), labels.detach().double()
     temps = torch.ones(gamma, dtype=torch.float64)
     offsets = torch.zeros(gamma, dtype=torch.float64)
-    log_prefix = torch.zeros(n, dtype=torch.float64)  # Σ_{i<k} logσ(z_i/T_i + b_i) with the fitted pairs
+    log_prefix = torch.zeros(n, dtype=torch.float64, device=z_all.device)  # Σ_{i<k} logσ(z_i/T_i + b_i)
     for k in range(gamma):
         m = valid[:, k]
         y = y_all[m, k]
@@ -165,8 +166,8 @@ def fit_sts_offsets(
 
 def _log_loss_pair(base: Tensor, z: Tensor, y: Tensor, max_iter: int) -> tuple[float, float]:
     """(T, b) minimising the mean log-loss of exp(base + logσ(z/T + b)) against y; from (1, 0)."""
-    log_scale = torch.zeros((), dtype=torch.float64, requires_grad=True)  # log(1/T)
-    offset = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    log_scale = torch.zeros((), dtype=torch.float64, device=z.device, requires_grad=True)  # log(1/T)
+    offset = torch.zeros((), dtype=torch.float64, device=z.device, requires_grad=True)
     opt = torch.optim.LBFGS([log_scale, offset], max_iter=max_iter, line_search_fn="strong_wolfe")
 
     def loss() -> Tensor:
