@@ -17,7 +17,7 @@ from dspark.artifacts import DrafterFolder
 from dspark.core.errors import ConfigError, DataError
 from dspark.core.types import Shared
 from dspark.data.tokenize import TokenSplit
-from dspark.data.vocab_counts import load_draft_vocab
+from dspark.data.vocab_counts import load_draft_vocab, served_vocab_size
 from dspark.decoding.draft_vocab import (
     answer_token_counts,
     check_draft_vocab,
@@ -28,7 +28,9 @@ from dspark.decoding.draft_vocab import (
 from dspark.decoding.engine import Engine
 from dspark.decoding.fast_engine import FastEngine
 from dspark.evaluation import check_config
+from dspark.kernels.fused_loss import RowWeights
 from dspark.kernels.rejection import draft_row
+from dspark.objectives import draft_target_distances, restrict_to_vocab
 
 
 def test_most_frequent_takes_counts_then_lower_ids_and_keeps_the_forced_tokens():
@@ -284,3 +286,64 @@ def test_benchmarks_serve_the_drafter_with_its_draft_vocabulary(tiny_target, tmp
         assert "draft vocabulary" not in caplog.text
         e2e.main([*e2e_args, "--drafter-dir", str(drafter), "target=tiny"])
         assert "timed with draft vocabulary {'size': 64" in caplog.text
+
+
+@pytest.mark.parametrize("impl", ["materialized", "torch"])
+def test_a_loss_over_a_draft_vocabulary_compares_both_distributions_over_its_tokens(impl):
+    """draft_vocab=K in training: the draft and the target distributions are both over the K tokens
+    (the target's renormalised there), CE counts only labels inside, and the trainable bias gets no
+    gradient outside; the same on the plain-autograd and the fused path."""
+    g = torch.Generator().manual_seed(0)
+    v, d, r, n, m = 40, 8, 3, 12, 5
+    lm, bias = torch.randn(v, d, generator=g), torch.randn(v, r, generator=g, requires_grad=True)
+    x, th = torch.randn(n, d + r, generator=g), torch.randn(m, d, generator=g)
+    index = torch.randint(0, m, (n,), generator=g)
+    vocab = torch.tensor([1, 4, 5, 9, 17, 23, 30, 39])
+    labels = torch.tensor([4, 39, 2, -1, 1, 30, 31, 5, 0, 17, 23, 9])  # 2, 31, 0 outside; -1 invalid
+    weights = RowWeights(*(torch.rand(n, generator=g) for _ in range(3)))
+    lw, bw, lab = restrict_to_vocab(lm, bias, labels, vocab)
+    assert lab.tolist() == [1, 7, -1, -1, 0, 6, -1, 2, -1, 4, 5, 3]
+    res = draft_target_distances(x, lw, bw, th, lab, weights, None, impl, target_index=index)
+    res.loss.backward()
+
+    logp_d = torch.log_softmax(x @ torch.cat([lm, bias.detach()], 1)[vocab].T, -1)
+    p_t = torch.softmax(th[index] @ lm[vocab].T, -1)
+    inside = lab >= 0
+    ce = torch.where(inside, -logp_d.gather(1, lab.clamp_min(0)[:, None]).squeeze(1), torch.zeros(n))
+    tv = (logp_d.exp() - p_t).abs().sum(-1)
+    kl = (p_t * (p_t.log() - logp_d)).sum(-1)
+    for ours, ref in ((res.ce, ce), (res.tv, tv), (res.kl, kl)):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.loss, (weights.ce * ce + weights.tv * tv + weights.kl * kl).sum())
+    outside = torch.ones(v, dtype=torch.bool)
+    outside[vocab] = False
+    assert bias.grad[outside].abs().max() == 0 and bias.grad[vocab].abs().max() > 0
+    assert restrict_to_vocab(lm, bias, labels, None)[2] is labels  # the whole vocabulary: unchanged
+
+
+def test_training_over_a_draft_vocabulary_is_served_with_it(tiny_target, smoke_data, tmp_path):
+    """draft_vocab=K in training: the drafter folder records K, and an evaluation that names no
+    vocabulary drafts among the same K tokens (draft_vocab=0 still serves the whole)."""
+    from test_training import cfg_for
+
+    from dspark import evaluate
+    from dspark.training import run_training
+
+    out = tmp_path / "run"
+    summary = run_training(cfg_for(out, smoke_data, "trainer.max_steps=2", "draft_vocab=64"))
+    assert summary["global_step"] == 2 and torch.isfinite(torch.tensor(summary["final"]["train/loss"]))
+    folder = out / "drafter"
+    assert DrafterFolder(folder).read_config()["draft_vocab"] == 64
+    assert (served_vocab_size(None, folder), served_vocab_size(0, folder), served_vocab_size(32, folder)) == (
+        64, 0, 32,
+    )  # fmt: skip
+    counts = DrafterFolder(folder).read_token_counts()
+    trained = draft_vocab_from_counts(counts, 64, tiny_target.eos_token_ids)
+    evals = tmp_path / "eval"
+    cfg = _cfg(
+        "target=tiny", f"drafter_dir={folder}", "benchmarks=[gsm8k]", "max_prompts=2", "max_new_tokens=8",
+        f"benchmark_dir={_bench(tmp_path / 'b')}", "progress=false", f"out_dir={evals}",
+    )  # fmt: skip
+    evaluate.run(cfg)
+    res = json.loads((evals / "results.json").read_text())
+    assert res["draft_vocab"] == {"size": 64, "coverage": pytest.approx(coverage(counts, trained), abs=1e-6)}

@@ -55,10 +55,14 @@ class CalibrationCallback(L.Callback):
 class DrafterExport(L.Callback):
     """Keep `<out>/drafter/` (safetensors + config.json [+ calibration.json], and the training
     answers' token counts) in step with the latest checkpoint, so a killed run still leaves a
-    usable drafter."""
+    usable drafter. ``draft_vocab``: the K tokens the loss covered (0: all), which its config
+    records so that serving drafts among them (``data.vocab_counts.served_vocab_size``)."""
 
-    def __init__(self, folder: DrafterFolder, drafter_cfg, head_cfg, every_n_steps: int):
+    def __init__(
+        self, folder: DrafterFolder, drafter_cfg, head_cfg, every_n_steps: int, draft_vocab: int = 0
+    ):
         self.folder = folder
+        self.draft_vocab = int(draft_vocab)
         self.drafter_cfg = drafter_cfg
         self.head_cfg = head_cfg
         self.every = max(1, int(every_n_steps))
@@ -75,6 +79,8 @@ class DrafterExport(L.Callback):
         weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         drafter = SimpleNamespace(dims=module.drafter.dims, state_dict=lambda: weights)
         extra = {"global_step": int(trainer.global_step)}
+        if self.draft_vocab:
+            extra["draft_vocab"] = self.draft_vocab
         target = module.target.describe()
         save_drafter(drafter, self.folder.path, self.drafter_cfg, self.head_cfg, target, extra)
         counts = getattr(getattr(trainer, "datamodule", None), "answer_token_counts", None)

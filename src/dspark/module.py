@@ -228,6 +228,7 @@ class DraftingModule(L.LightningModule):
         num_anchors=None,
         seed: int = 0,
         compile_target: bool | str = "auto",
+        draft_vocab: Tensor | None = None,
     ):
         super().__init__()
         object.__setattr__(self, "target", target)  # not a registered submodule, on purpose
@@ -242,6 +243,9 @@ class DraftingModule(L.LightningModule):
         self.compile_target = compile_target  # true, false or "auto" (on CUDA): see on_fit_start
         gamma = int(getattr(drafter, "ttt_steps", None) or drafter.gamma)
         self.train_sums, self.val_sums = MetricSums(gamma), MetricSums(gamma)
+        # [K] sorted token ids the loss covers (objectives.restrict_to_vocab); None: the whole vocabulary.
+        # Not in the checkpoint: training derives it from its data's counts again on resume.
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
 
     @property
     def shared(self) -> Shared:
@@ -303,8 +307,9 @@ class DraftingModule(L.LightningModule):
             out = self.drafter.train_forward(taps, batch["input_ids"], loss_mask, anchors, self.shared)
         with phase("loss"):
             metrics = compute_loss(
-                out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights
-            )
+                out, last_hidden, self.target.lm_head_weight, self.target.softcap, self.loss_weights,
+                self.draft_vocab,
+            )  # fmt: skip
         metrics["_out"] = out
         return metrics
 

@@ -2,11 +2,13 @@
 against the analytical acceptance c* = 1 - ½‖p_d - p_t‖₁; Eagle3's step-weighted forward KL.
 
 Target distributions come only at the sampled rows, from the target's last hidden states through
-its frozen LM head: full-vocabulary target logits are never stored.
+its frozen LM head: full-vocabulary target logits are never stored. With a draft vocabulary (the
+K most frequent answer tokens, ``draft_vocab``) both distributions cover its K tokens alone.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,19 +66,23 @@ def position_weights(gamma: int, decay: float | None, device=None) -> Tensor:
 
 class _StackedHead:
     """[W_lm | W2] in the LM head's dtype, for the fused loss: the frozen columns are copied once
-    per LM head (and again only if it changes), the trainable ones on every call (V × r, cheap)."""
+    per LM head (and again only if it changes), the trainable ones on every call (V × r, cheap).
+    The head is known by a weak reference as well as its address: a new tensor at a freed one's
+    address (a draft vocabulary's rows, sliced per step) is another head."""
 
     def __init__(self):
         self.key = None
+        self.source = lambda: None  # a weak reference to the head the frozen columns came from
         self.buffer: Tensor | None = None
 
     def __call__(self, lm_weight: Tensor, bias_weight: Tensor) -> Tensor:
         v, d = lm_weight.shape
         key = (lm_weight.data_ptr(), lm_weight._version, v, d, bias_weight.shape[1], lm_weight.dtype)
-        if key != self.key or self.buffer is None or self.buffer.device != lm_weight.device:
+        stale = key != self.key or self.source() is not lm_weight
+        if stale or self.buffer is None or self.buffer.device != lm_weight.device:
             self.buffer = lm_weight.new_empty(v, d + bias_weight.shape[1])
             self.buffer[:, :d] = lm_weight.detach()
-            self.key = key
+            self.key, self.source = key, weakref.ref(lm_weight)
         with torch.no_grad():
             self.buffer[:, d:] = bias_weight
         return self.buffer
@@ -127,6 +133,24 @@ def draft_target_distances(
     )
 
 
+def restrict_to_vocab(
+    lm_weight: Tensor, bias_weight: Tensor | None, labels: Tensor, vocab: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The LM head's rows, the trainable bias's rows and the labels of a loss over the draft
+    vocabulary ``vocab`` ([K] sorted target ids; None: the whole vocabulary, unchanged). Labels
+    become positions in it, -1 (no CE) for a token outside. The target's distribution is then its
+    renormalisation over the K tokens: for a drafter that can draft only them, the distribution
+    that maximises acceptance. What c* and τ_prob measure is acceptance within the vocabulary: a
+    row's target mass outside it (1.4 % of SmolLM2's answer tokens at K = 16 384) is not counted
+    against the drafter, so both read high by about that much."""
+    if vocab is None:
+        return lm_weight, bias_weight, labels
+    at = torch.searchsorted(vocab, labels.clamp_min(0)).clamp_max(vocab.numel() - 1)
+    labels = torch.where((labels >= 0) & (vocab[at] == labels), at, torch.full_like(labels, -1))
+    bias = None if bias_weight is None else bias_weight.index_select(0, vocab)
+    return lm_weight.index_select(0, vocab), bias, labels
+
+
 def _flat_rows(out: DraftOutput, target_hidden: Tensor):
     """Every (sequence, anchor, k) row, valid or not (no host sync): features [N, K], the target
     hidden states [B·T, D] and the one each row is compared with (an index into them, [N]; a
@@ -141,12 +165,15 @@ def _flat_rows(out: DraftOutput, target_hidden: Tensor):
 
 
 def block_loss(
-    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
-) -> dict:
+    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights,
+    vocab: Tensor | None = None,
+) -> dict:  # fmt: skip
     """DFlash / DSpark loss and its diagnostics (tensors on the device; nothing waits for the host).
     Returns a dict with 'loss' and the metrics. Invalid rows are computed with weight 0: they keep
-    the shapes static, and every parameter still receives a (zero) gradient."""
+    the shapes static, and every parameter still receives a (zero) gradient. ``vocab``: the draft
+    vocabulary the loss covers (``restrict_to_vocab``; None: the whole)."""
     x, th, index, labels, valid = _flat_rows(out, target_hidden)
+    lm_weight, bias_weight, labels = restrict_to_vocab(target_lm_weight, out.bias_weight, labels, vocab)
     gamma = out.valid.shape[-1]
     rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
     pw = (position_weights(gamma, w.gamma_decay, x.device) * out.valid).reshape(-1)  # w_k, 0 if invalid
@@ -155,8 +182,8 @@ def block_loss(
     weights = RowWeights(ce=w.ce * unit, tv=w.tv * unit, kl=w.kl * unit)
     with phase("fused_loss"):
         res = draft_target_distances(
-            x, target_lm_weight, out.bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows,
-            index, rows_per_sequence,
+            x, lm_weight, bias_weight, th, labels, weights, softcap, w.impl, w.chunk_rows, index,
+            rows_per_sequence,
         )  # fmt: skip
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     loss = res.loss
@@ -210,11 +237,13 @@ def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict:
 
 
 def eagle3_loss(
-    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights
-) -> dict:
+    out: DraftOutput, target_hidden: Tensor, target_lm_weight: Tensor, softcap, w: LossWeights,
+    vocab: Tensor | None = None,
+) -> dict:  # fmt: skip
     """Forward KL(p_t ‖ p_d) at every TTT step, step i weighted step_weight^i (CE and TV are
     reported, not trained on). Same fused loss as the block drafters, with weight on KL only."""
     x, th, index, labels, valid = _flat_rows(out, target_hidden)
+    lm_weight, bias_weight, labels = restrict_to_vocab(target_lm_weight, out.bias_weight, labels, vocab)
     gamma = out.valid.shape[-1]
     rows_per_sequence = x.shape[0] // max(1, out.valid.shape[0])
     steps = w.step_weight ** torch.arange(gamma, device=x.device, dtype=torch.float32)
@@ -223,8 +252,8 @@ def eagle3_loss(
     zero = torch.zeros_like(unit)
     with phase("fused_loss"):
         res = draft_target_distances(
-            x, target_lm_weight, out.bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit),
-            softcap, w.impl, w.chunk_rows, index, rows_per_sequence,
+            x, lm_weight, bias_weight, th, labels, RowWeights(ce=zero, tv=zero, kl=w.kl * unit), softcap,
+            w.impl, w.chunk_rows, index, rows_per_sequence,
         )  # fmt: skip
     c_star = (1 - 0.5 * res.tv).clamp(0, 1) * valid
     metrics = {
@@ -238,10 +267,11 @@ def eagle3_loss(
     return metrics
 
 
-def compute_loss(out: DraftOutput, target_hidden, target_lm_weight, softcap, w: LossWeights) -> dict:
-    if w.kind == "eagle3":
-        return eagle3_loss(out, target_hidden, target_lm_weight, softcap, w)
-    return block_loss(out, target_hidden, target_lm_weight, softcap, w)
+def compute_loss(
+    out: DraftOutput, target_hidden, target_lm_weight, softcap, w: LossWeights, vocab: Tensor | None = None
+) -> dict:
+    loss = eagle3_loss if w.kind == "eagle3" else block_loss
+    return loss(out, target_hidden, target_lm_weight, softcap, w, vocab)
 
 
 __all__ = [
@@ -251,4 +281,5 @@ __all__ = [
     "eagle3_loss",
     "compute_loss",
     "acceptance_metrics",
+    "restrict_to_vocab",
 ]

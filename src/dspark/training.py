@@ -198,6 +198,25 @@ def anchors_per_sequence(cfg: DictConfig, datamodule) -> int:
     return min(most, 64 * max(1, math.ceil(datamodule.most_anchor_positions() / 64)))
 
 
+def training_vocab(cfg: DictConfig, datamodule, target) -> torch.Tensor | None:
+    """The draft vocabulary the loss covers (``draft_vocab=K``): the K most frequent answer tokens
+    of the training split, its end-of-sequence tokens always among them; None for the whole. The
+    same counts (the drafter folder keeps them) give the same K tokens when it is served."""
+    from .decoding.draft_vocab import coverage, draft_vocab_from_counts
+
+    size = int(cfg.get("draft_vocab") or 0)
+    if not size:
+        return None
+    counts = datamodule.answer_token_counts(target.vocab_size)
+    vocab = draft_vocab_from_counts(counts, size, target.eos_token_ids)
+    if vocab is not None:
+        log.info(
+            "draft vocabulary: %d of %d tokens, %.2f %% of the training answers' tokens",
+            vocab.numel(), target.vocab_size, 100 * coverage(counts, vocab),
+        )  # fmt: skip
+    return vocab
+
+
 def _launching_rank_zero() -> bool:
     """Whether this process is global rank 0, judged from the environment before the trainer exists
     (torchrun / SLURM / Lightning's own launcher set these; a plain run is rank 0)."""
@@ -283,6 +302,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         pad_token_id=target.tokenizer.pad_token_id,
     )
 
+    vocab = training_vocab(cfg, datamodule, target)
     drafter = build_drafter(TargetDims.of(target), cfg.drafter, cfg.get("head"))
     if init_from:
         warm_start(drafter, init_from, target)
@@ -296,6 +316,7 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         num_anchors=anchors_per_sequence(cfg, datamodule),
         seed=int(cfg.seed),
         compile_target=cfg.get("compile_target", "auto"),
+        draft_vocab=vocab,
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info(
@@ -308,7 +329,9 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
     every = int(cfg.callbacks.checkpoint_every_n_steps)
     callbacks = [
         ModelCheckpoint(dirpath=run.checkpoints, save_last=True, every_n_train_steps=every, save_top_k=0),
-        DrafterExport(run.drafter, cfg.drafter, cfg.get("head"), every),
+        DrafterExport(
+            run.drafter, cfg.drafter, cfg.get("head"), every, 0 if vocab is None else vocab.numel()
+        ),
         throughput,
         stop,
         LearningRateMonitor(logging_interval="step"),  # logged as lr-AdamW

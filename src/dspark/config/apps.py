@@ -50,7 +50,7 @@ class EvaluateConfig:
     progress: bool
     out_dir: str
     engine_compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
-    draft_vocab: Natural = 0  # the drafter's K most frequent answer tokens (decoding.draft_vocab); 0: all
+    draft_vocab: Natural | None = None  # the drafter's K most frequent answer tokens; 0: all; None: its own
     draft_vocab_counts: str | None = None  # their counts: null = the drafter folder's; else a data folder
 
 
@@ -82,7 +82,7 @@ class Measured:
     repeats: Count = 1  # timed runs per point from the same seed; the run of median throughput is kept
     engine: ENGINE = "plain"
     compile: bool | None = None  # fast engine: compile target and drafter (null: on CUDA)
-    draft_vocab: Natural = 0  # the drafter's K most frequent answer tokens (decoding.draft_vocab); 0: all
+    draft_vocab: Natural | None = None  # the drafter's K most frequent answer tokens; 0: all; None: its own
     draft_vocab_counts: str | None = None  # their counts: null = the drafter folder's; else a data folder
 
 

@@ -150,6 +150,7 @@ class TrainConfig:
     resume: bool
     features: Literal["online", "offline"]
     compile_target: Literal["auto", True, False] = "auto"  # the target's forward in the training step
+    draft_vocab: Natural = 0  # the loss over the K most frequent answer tokens (objectives.restrict_to_vocab)
     init_from: str | None = None  # a saved drafter whose weights start the run (warm start)
 
     def __post_init__(self):

@@ -12,7 +12,16 @@ from ..decoding.draft_vocab import answer_token_counts, coverage, draft_vocab_fr
 from .datamodule import tokens_path
 from .tokenize import load_tokens
 
-__all__ = ["load_draft_vocab", "vocab_record"]
+__all__ = ["load_draft_vocab", "served_vocab_size", "vocab_record"]
+
+
+def served_vocab_size(requested, drafter_dir) -> int:
+    """The draft vocabulary's size an engine serves the drafter of ``drafter_dir`` with: ``requested``
+    (0: the whole vocabulary), or for None the drafter's own, the K its loss covered in training
+    (``draft_vocab`` in its config; the whole vocabulary when it has none)."""
+    if requested is not None:
+        return int(requested)
+    return int(DrafterFolder(str(drafter_dir)).read_config().get("draft_vocab") or 0)
 
 
 def load_draft_vocab(drafter_dir, size: int, vocab_size: int, always: Iterable[int] = (), counts_from=None):

@@ -11,6 +11,7 @@ from ..artifacts import DrafterFolder
 from ..checkpoints import check_drafter_files
 from ..core.errors import ConfigError
 from ..data.datamodule import tokens_path
+from ..data.vocab_counts import served_vocab_size
 from ..decoding.fast_engine import ENGINES
 from ..drafters import DrafterSpec, static_cache_drafters
 from ..scheduling.cost import CostModel, CostTableError
@@ -42,7 +43,7 @@ def check_config(cfg: DictConfig) -> DrafterSpec:
             f"engine=fast drafts with block drafters ({', '.join(static_cache_drafters())}); "
             f"{spec.kind} runs on engine=plain"
         )
-    size = cfg.get("draft_vocab") or 0  # its sign: the schema's (config.apps)
+    size = served_vocab_size(cfg.get("draft_vocab"), folder)  # its sign: the schema's (config.apps)
     counts = cfg.get("draft_vocab_counts")
     if int(size) and counts is None and DrafterFolder(folder).read_token_counts() is None:
         raise ConfigError(

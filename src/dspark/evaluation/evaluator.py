@@ -18,7 +18,7 @@ from ..artifacts import DrafterFolder, EvaluationFolder
 from ..calibration.sts import Calibration
 from ..checkpoints import load_drafter
 from ..core.errors import ConfigError
-from ..data.vocab_counts import load_draft_vocab
+from ..data.vocab_counts import load_draft_vocab, served_vocab_size
 from ..decoding.engine import Engine, Generation, Request, RoundRecord, calibration_arrays
 from ..decoding.fast_engine import build_engine, cache_capacity
 from ..scheduling.cost import CostModel
@@ -70,7 +70,8 @@ class Evaluator:
         calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
         cost = CostModel.load(cfg.policy.cost_table) if cfg.policy.get("cost_table") else None
         vocab, coverage = load_draft_vocab(
-            cfg.drafter_dir, int(cfg.get("draft_vocab") or 0), target.vocab_size, target.eos_token_ids,
+            cfg.drafter_dir, served_vocab_size(cfg.get("draft_vocab"), cfg.drafter_dir), target.vocab_size,
+            target.eos_token_ids,
             cfg.get("draft_vocab_counts"),
         )  # fmt: skip
         return cls(cfg, target, drafter, calibration, build_policy(cfg.policy), cost, vocab, coverage)

@@ -19,7 +19,7 @@ from ..bench.profile import profile_drafter, profile_target, settle_profile
 from ..checkpoints import load_drafter
 from ..core.errors import ConfigError, DataError
 from ..data.benchmarks import first_turns
-from ..data.vocab_counts import load_draft_vocab, vocab_record
+from ..data.vocab_counts import load_draft_vocab, served_vocab_size, vocab_record
 from ..scheduling.cost import CostModel
 from ..scheduling.policies import Fixed, build_policy
 from ..scheduling.replay import ReplayError, load_rounds, replay
@@ -83,7 +83,8 @@ def run_measured(cfg: DictConfig, folder: FrontierFolder) -> tuple[dict, dict, C
     calibration = DrafterFolder(str(cfg.drafter_dir)).read_calibration()
     m = cfg.measured
     vocab, coverage = load_draft_vocab(
-        cfg.drafter_dir, int(m.get("draft_vocab") or 0), target.vocab_size, target.eos_token_ids,
+        cfg.drafter_dir, served_vocab_size(m.get("draft_vocab"), cfg.drafter_dir), target.vocab_size,
+        target.eos_token_ids,
         m.get("draft_vocab_counts"),
     )  # fmt: skip
     served = vocab_record(vocab, coverage)
