@@ -415,3 +415,25 @@ def test_evaluate_and_export_cli_accept_deepspec_folder(tiny_target, tmp_path):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     with pytest.raises(Exception, match="target="):
         check_export(ex_hf)
+
+
+def test_export_warns_of_a_drafter_trained_over_a_draft_vocabulary(tiny_target, tmp_path, caplog):
+    """A drafter trained with draft_vocab=K (its config records K) leaves as a whole-vocabulary one,
+    with a warning naming K; one trained over the whole vocabulary leaves without it."""
+    from hydra import compose, initialize_config_module
+
+    from dspark import export as export_cli
+
+    folder = _save(tiny_target, tmp_path / "d")
+    for name, size in (("whole", None), ("reduced", 64)):
+        if size:
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "draft_vocab": size}))
+        with initialize_config_module("dspark.conf", version_base="1.3"):
+            cfg = compose("export", [f"drafter_dir={folder}", "format=vllm", f"out={tmp_path / name}"])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dspark.export"):
+            export_cli.run(cfg)
+        warned = [r.getMessage() for r in caplog.records if "draft_vocab" in r.getMessage()]
+        assert len(warned) == (1 if size else 0)
+        assert not size or "its 64 most frequent answer tokens" in warned[0]

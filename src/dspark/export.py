@@ -27,6 +27,7 @@ def run(cfg: DictConfig) -> Path:
     from .config import check_export
 
     _, embeddings = check_export(cfg)
+    _warn_of_a_trained_vocabulary(cfg)
 
     target = None
     if embeddings:
@@ -44,6 +45,21 @@ def run(cfg: DictConfig) -> Path:
     log.info("wrote %s (format=%s)", out, cfg.format)
     print(out)
     return out
+
+
+def _warn_of_a_trained_vocabulary(cfg: DictConfig) -> None:
+    """A drafter trained over a draft vocabulary (train draft_vocab=K) leaves as a whole-vocabulary
+    drafter: the formats have no field for K, and its logits off those K tokens were never trained."""
+    from .data.vocab_counts import served_vocab_size
+
+    size = served_vocab_size(None, cfg.drafter_dir)
+    if size:
+        log.warning(
+            "%s was trained over its %d most frequent answer tokens (draft_vocab); format=%s has no field "
+            "for them and drafts over the whole vocabulary, where the drafter's logits were never trained: "
+            "where the engine takes a draft vocabulary, give it those %d tokens",
+            cfg.drafter_dir, size, cfg.format, size,
+        )  # fmt: skip
 
 
 @hydra.main(version_base="1.3", config_path="pkg://dspark.conf", config_name="export")
