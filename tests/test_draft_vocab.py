@@ -1,7 +1,7 @@
 """Draft vocabularies (``decoding.draft_vocab``): which tokens are chosen, how a drafter drafts among
 them (its distribution is the whole vocabulary's conditioned on them, on every path), that decoding
-with one stays lossless (greedy parity, the exact T = 1 distribution), and that training and the
-evaluation carry the counts they are chosen from."""
+with one stays lossless (greedy parity, the exact T = 1 distribution), that training and the
+evaluation carry the counts they are chosen from, and training over one (``draft_vocab=K`` in train)."""
 
 from __future__ import annotations
 
