@@ -321,16 +321,20 @@ def test_a_loss_over_a_draft_vocabulary_compares_both_distributions_over_its_tok
     assert restrict_to_vocab(lm, bias, labels, None)[2] is labels  # the whole vocabulary: unchanged
 
 
-def test_training_over_a_draft_vocabulary_is_served_with_it(tiny_target, smoke_data, tmp_path):
-    """draft_vocab=K in training: the drafter folder records K, and an evaluation that names no
-    vocabulary drafts among the same K tokens (draft_vocab=0 still serves the whole)."""
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_training_over_a_draft_vocabulary_is_served_with_it(tiny_target, smoke_data, tmp_path, drafter):
+    """draft_vocab=K in training (the block loss and Eagle3's): the drafter folder records K, and an
+    evaluation that names no vocabulary drafts among the same K tokens (draft_vocab=0: the whole)."""
     from test_training import cfg_for
 
     from dspark import evaluate
     from dspark.training import run_training
 
     out = tmp_path / "run"
-    summary = run_training(cfg_for(out, smoke_data, "trainer.max_steps=2", "draft_vocab=64"))
+    head = "head=markov" if drafter == "dspark" else "head=none"
+    summary = run_training(
+        cfg_for(out, smoke_data, f"drafter={drafter}", head, "trainer.max_steps=2", "draft_vocab=64")
+    )
     assert summary["global_step"] == 2 and torch.isfinite(torch.tensor(summary["final"]["train/loss"]))
     folder = out / "drafter"
     assert DrafterFolder(folder).read_config()["draft_vocab"] == 64
