@@ -4,10 +4,10 @@ There torch's CPU operations are bookkeeping: validation's records (their STS fi
 on the GPU, ``CalibrationCallback``), an evaluation's rounds with their STS fit and metrics. By
 default each process takes an OpenMP thread per core, so two runs trained (or evaluated) at once
 on one machine oversubscribe it, and OpenMP's threads then wait on each other: on this project's
-2-core CPU with
-another job running, the calibration metrics of 68 000 validation blocks took 0.9–2.7 s on 2 threads
-and 0.13–0.21 s on 1. A GPU process keeps a few threads; where its model runs on the CPU the threads
-are its compute, and OMP_NUM_THREADS, when set, is the user's choice: both are left alone."""
+2-core CPU with another job running, the calibration metrics of 68 000 validation blocks took
+0.9–2.7 s on 2 threads and 0.13–0.21 s on 1. A GPU process keeps a few threads; where its model
+runs on the CPU the threads are its compute, and OMP_NUM_THREADS, when set, is the user's choice:
+both are left alone."""
 
 from __future__ import annotations
 

@@ -290,6 +290,7 @@ class DraftDataModule(L.LightningDataModule):
         self.batch_size = int(cfg_data.batch_size)
         self.seed = int(cfg_data.get("seed", 0))
         self.datasets: dict[str, ConversationDataset] = {}
+        self._token_counts: dict[int, torch.Tensor] = {}  # answer_token_counts, by vocabulary size
         # Real tokens of the training batches sent to the device so far, summed on the host from
         # the rows' lengths before each transfer: the throughput reads it (callbacks.Throughput)
         # instead of reading a device sum back, which would wait for the device.
@@ -322,8 +323,11 @@ class DraftDataModule(L.LightningDataModule):
 
     def answer_token_counts(self, vocab_size: int):
         """How often each token id occurs in the training split's answers (its joined sets
-        included): what a draft vocabulary is chosen from (``decoding.draft_vocab``)."""
-        return answer_token_counts([self._load("train").tokens], vocab_size)
+        included): what a draft vocabulary is chosen from (``decoding.draft_vocab``). Counted once:
+        training's draft vocabulary and the drafter folder's counts file both read them."""
+        if vocab_size not in self._token_counts:
+            self._token_counts[vocab_size] = answer_token_counts([self._load("train").tokens], vocab_size)
+        return self._token_counts[vocab_size]
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         trainer = self.trainer
