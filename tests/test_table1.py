@@ -722,7 +722,7 @@ def test_session_keeps_the_trained_drafter_and_a_later_session_restores_it(tmp_p
 
 def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
     """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
-    (the four test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
+    (the five test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
     study is told they ran. A failing GPU test is recorded and the pipeline goes on."""
     (tmp_path / "scripts").mkdir()
     for script in ("h200_session.sh", "h200_gpu_tests.sh"):
@@ -740,6 +740,9 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
     )
     (tmp_path / "tests" / "test_draft_vocab.py").write_text(
         "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_draft_vocabulary():\n    assert True\n"
+    )
+    (tmp_path / "tests" / "test_calibration.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_sts_fit():\n    assert True\n"
     )
     outcome = {"pass": "assert True", "fail": "assert False"}
     env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "STAGES": "gputests spec"}
@@ -761,6 +764,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         assert "PASSED tests/test_kernels.py::test_gpu_kernel" in log and "test_cpu_only" not in log
         assert "PASSED tests/test_drafters.py::test_gpu_training_mask" in log
         assert "PASSED tests/test_draft_vocab.py::test_gpu_draft_vocabulary" in log
+        assert "PASSED tests/test_calibration.py::test_gpu_sts_fit" in log
         if case == "pass":
             assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
         else:
