@@ -156,7 +156,7 @@ probe)
   mkdir -p "$OUTDIR/probe"
   # shellcheck disable=SC2086
   python3 -m dspark.bench.train_step --data $DIR --features online --anchors 128 --steps 20 --warmup 5 \
-    --variants "${BENCH_VARIANTS:-default,eager_target}" --out "$OUTDIR/probe/train_step_data.json" \
+    --variants "${BENCH_VARIANTS:-default,graphed_target,eager_target}" --out "$OUTDIR/probe/train_step_data.json" \
     $T data=full drafter=dspark head=markov 2>&1 | grep -v Warning | tail -6
   : > outputs/h200/probe.tsv
   for i in "${!probes[@]}"; do

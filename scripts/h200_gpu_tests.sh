@@ -2,8 +2,8 @@
 # H200: the GPU tests that hold the fast paths to their references (the Triton kernels: fused loss,
 # sampling, rejection, cache attention, the greedy bias argmax, top-p; the fast engine's CUDA
 # graphs, compiled layers, rounds without host syncs; the training step's flex block mask against
-# the dense one; validation's STS fit on the GPU against the CPU's), a line per test as it ends,
-# then the summary, in LOG (default outputs/h200/gpu_tests.log). Exits with pytest's status (124
+# the dense one; validation's STS fit on the GPU against the CPU's; the training target's CUDA
+# graphs against its forward), a line per test as it ends, then the summary, in LOG (default outputs/h200/gpu_tests.log). Exits with pytest's status (124
 # when LIMIT seconds, default 540, ran out: the log keeps what ran; the whole set took 259 s alone
 # on 2026-12-03, before the draft vocabulary's engine checks, which compile four drafters more;
 # 304 s beside a data stage on 2026-12-07, 91 tests). Called by h200_data.sh before it times the
@@ -13,5 +13,5 @@ export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFF
 LOG=${1:-outputs/h200/gpu_tests.log}
 mkdir -p "$(dirname "$LOG")"
 timeout "${LIMIT:-540}" python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/test_fast_engine.py tests/test_drafters.py \
-  tests/test_kernels.py tests/test_draft_vocab.py tests/test_calibration.py 2>&1 |
+  tests/test_kernels.py tests/test_draft_vocab.py tests/test_calibration.py tests/test_target_graphs.py 2>&1 |
   tee "$LOG" | tail -3

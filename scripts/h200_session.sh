@@ -408,7 +408,7 @@ pipeline)
     train)
       if ! run train train; then
         [ -f "outputs/h200/$name/checkpoints/last.ckpt" ] && break
-        name=${name}_fallback TRAIN_EXTRA="${TRAIN_EXTRA:-} ${FALLBACK_EXTRA:-drafter.attention=dense drafter.compile=false compile_target=false}"
+        name=${name}_fallback TRAIN_EXTRA="${TRAIN_EXTRA:-} ${FALLBACK_EXTRA:-drafter.attention=dense drafter.compile=false compile_target=false graph_target=false}"
         run train_fallback train || break
       fi
       ;;

@@ -722,7 +722,7 @@ def test_session_keeps_the_trained_drafter_and_a_later_session_restores_it(tmp_p
 
 def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp_path):
     """With the data from a pack nothing else runs the GPU tests: the ``gputests`` stage does
-    (the five test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
+    (the six test files, ``-m gpu``), logs one line per test into the bundle, and the speculation
     study is told they ran. A failing GPU test is recorded and the pipeline goes on."""
     (tmp_path / "scripts").mkdir()
     for script in ("h200_session.sh", "h200_gpu_tests.sh"):
@@ -735,15 +735,15 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_kernel():\n    assert True\n\n"
         "def test_cpu_only():\n    raise AssertionError('not a gpu test')\n"
     )
-    (tmp_path / "tests" / "test_drafters.py").write_text(
-        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_training_mask():\n    assert True\n"
-    )
-    (tmp_path / "tests" / "test_draft_vocab.py").write_text(
-        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_draft_vocabulary():\n    assert True\n"
-    )
-    (tmp_path / "tests" / "test_calibration.py").write_text(
-        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_sts_fit():\n    assert True\n"
-    )
+    stubs = {
+        "test_drafters": "test_gpu_training_mask",
+        "test_draft_vocab": "test_gpu_draft_vocabulary",
+        "test_calibration": "test_gpu_sts_fit",
+        "test_target_graphs": "test_gpu_feature_graphs",
+    }
+    for file, test in stubs.items():
+        body = f"import pytest\n\n@pytest.mark.gpu\ndef {test}():\n    assert True\n"
+        (tmp_path / "tests" / f"{file}.py").write_text(body)
     outcome = {"pass": "assert True", "fail": "assert False"}
     env = {**ENV, "DSPARK_INSTALLED": "1", "OUT": str(tmp_path / "out"), "STAGES": "gputests spec"}
     for case in ("pass", "fail"):
@@ -765,6 +765,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         assert "PASSED tests/test_drafters.py::test_gpu_training_mask" in log
         assert "PASSED tests/test_draft_vocab.py::test_gpu_draft_vocabulary" in log
         assert "PASSED tests/test_calibration.py::test_gpu_sts_fit" in log
+        assert "PASSED tests/test_target_graphs.py::test_gpu_feature_graphs" in log
         if case == "pass":
             assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
         else:

@@ -229,6 +229,8 @@ class DraftingModule(L.LightningModule):
         seed: int = 0,
         compile_target: bool | str = "auto",
         draft_vocab: Tensor | None = None,
+        graph_target: bool | str = False,
+        graph_target_multiple: int = 64,
     ):
         super().__init__()
         object.__setattr__(self, "target", target)  # not a registered submodule, on purpose
@@ -241,6 +243,8 @@ class DraftingModule(L.LightningModule):
         self.val_records: list[dict] = []
         self.clock_start: float | None = None  # see run_progress
         self.compile_target = compile_target  # true, false or "auto" (on CUDA): see on_fit_start
+        self.graph_target = graph_target  # the same, for the target forward's CUDA graphs
+        self.graph_target_multiple = int(graph_target_multiple)
         gamma = int(getattr(drafter, "ttt_steps", None) or drafter.gamma)
         self.train_sums, self.val_sums = MetricSums(gamma), MetricSums(gamma)
         # [K] sorted token ids the loss covers (objectives.restrict_to_vocab); None: the whole vocabulary.
@@ -264,8 +268,13 @@ class DraftingModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
-        if self.features is online_features and _wanted(self.compile_target, self.device):
+        if self.features is not online_features:
+            return
+        self.target.ungraph_features()  # a target shared across fits (the benches' variants) starts plain
+        if _wanted(self.compile_target, self.device):
             self.target.compile_features()
+        if _wanted(self.graph_target, self.device):
+            self.target.graph_features(self.graph_target_multiple)
 
     def on_validation_start(self) -> None:
         self.target.to(self.device)

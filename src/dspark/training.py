@@ -317,6 +317,8 @@ def _train(cfg: DictConfig, run: RunFolder, batch: dict, resume, held: contextli
         seed=int(cfg.seed),
         compile_target=cfg.get("compile_target", "auto"),
         draft_vocab=vocab,
+        graph_target=cfg.get("graph_target", False),
+        graph_target_multiple=int(cfg.get("graph_target_multiple", 64)),
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info(

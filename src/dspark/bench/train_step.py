@@ -11,11 +11,13 @@ tokens with cached (offline) target features, 512 anchors, block 7, 5 draft laye
 
 Per variant: median ms of the target's features (its forward, online), the drafter's forward +
 loss, backward, optimizer, and the whole step over ``--steps`` steps after ``--warmup`` (CUDA
-events), peak memory (everything resident, the target's weights included, and above what was
-resident before the step), the loss of the first step (the variants must agree), the first step's
-wall time (``first_step_s``: the compilations a run's first step pays, the target's included), and the step's
-floor: its matmul FLOPs (draft layers forward and backward, attention over the blocks each query
-may see, the loss's logit and gradient GEMMs, the target's forward online) over the bf16 peak.
+events; the timed batches' target forwards run once before them, as a long run's first steps
+compile and capture every shape it meets), peak memory (everything resident, the target's
+weights included, and above what was resident before the step), the loss of the first step (the
+variants must agree), the first step's wall time (``first_step_s``: the compilations a run's first
+step pays, the target's included), and the step's floor: its matmul FLOPs (draft layers forward
+and backward, attention over the blocks each query may see, the loss's logit and gradient GEMMs,
+the target's forward online) over the bf16 peak.
 With ``--data DIR`` the batches are a prepared folder's, in training order, and the target is
 the configured one (``target=…`` overrides).
 """
@@ -40,7 +42,8 @@ VARIANTS = {
     "flex": ["drafter.attention=flex"],
     "eager": ["drafter.compile=false"],
     "compiled": ["drafter.compile=true"],
-    "eager_target": ["compile_target=false"],
+    "eager_target": ["compile_target=false", "graph_target=false"],
+    "graphed_target": ["graph_target=true"],
 }
 H200_BF16_TFLOPS = 989.4  # dense bf16 datasheet peak (one H200 SXM); measured ~790 on random data
 
@@ -210,6 +213,8 @@ def run_variant(name, overrides, args, target, batches, device) -> dict:
         args.features,
         num_anchors=args.anchors,
         compile_target=cfg.compile_target,
+        graph_target=cfg.graph_target,
+        graph_target_multiple=cfg.graph_target_multiple,
     ).to(device)
     module.on_fit_start()  # what Lightning runs before the first step (the target's compilation)
     opt = module.configure_optimizers()["optimizer"]
@@ -223,6 +228,10 @@ def run_variant(name, overrides, args, target, batches, device) -> dict:
     start, first_step_s = time.perf_counter(), None
     for i in range(args.warmup + args.steps):
         batch = batches[i % len(batches)]
+        if i == args.warmup:  # the timed batches' target shapes met once first: a long run's steady
+            with autocast:  # state, whose CUDA graphs (graph_target) were captured in its first steps
+                for later in batches[args.warmup :]:
+                    module.target_features(later)
         gen = torch.Generator(device=device).manual_seed(1234)  # the same anchors for the same batch
         marks = [_mark(cuda)]
         with autocast:

@@ -150,6 +150,8 @@ class TrainConfig:
     resume: bool
     features: Literal["online", "offline"]
     compile_target: Literal["auto", True, False] = "auto"  # the target's forward in the training step
+    graph_target: Literal["auto", True, False] = False  # that forward replayed from CUDA graphs
+    graph_target_multiple: Positive = 64  # ...one per batch length rounded up to this many tokens
     draft_vocab: Natural = 0  # the loss over the K most frequent answer tokens (objectives.restrict_to_vocab)
     init_from: str | None = None  # a saved drafter whose weights start the run (warm start)
 

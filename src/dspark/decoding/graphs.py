@@ -30,9 +30,12 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 class GraphBank:
     captured = 0  # graphs captured by every bank of the process (what ``StallWatch`` counts)
 
-    def __init__(self, device: torch.device, warmup: int = 2):
+    def __init__(self, device: torch.device, warmup: int = 2, capture_error_mode: str = "global"):
         self.device = device
         self.warmup = warmup
+        # "thread_local" where other threads keep calling CUDA during a capture (a training loader's
+        # pin-memory thread): "global" would count their calls against the capture and fail it.
+        self.capture_error_mode = capture_error_mode
         self.pools: dict[Hashable, object] = {}
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
 
@@ -49,7 +52,7 @@ class GraphBank:
             graph = torch.cuda.CUDAGraph()
             family = key[0] if isinstance(key, tuple) else key
             pool = self.pools.setdefault(family, torch.cuda.graph_pool_handle())
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
                 out = step()
             self.graphs[key] = (graph, out)
             GraphBank.captured += 1
