@@ -14,5 +14,5 @@ export PYTHONPATH=/root/stage/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFF
 LOG=${1:-outputs/h200/gpu_tests.log}
 mkdir -p "$(dirname "$LOG")"
 timeout "${LIMIT:-540}" python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/test_fast_engine.py tests/test_drafters.py \
-  tests/test_kernels.py tests/test_draft_vocab.py tests/test_calibration.py tests/test_target_graphs.py 2>&1 |
+  tests/test_kernels.py tests/test_draft_vocab.py tests/test_calibration.py tests/test_feature_graphs.py 2>&1 |
   tee "$LOG" | tail -3

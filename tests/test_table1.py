@@ -739,7 +739,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         "test_drafters": "test_gpu_training_mask",
         "test_draft_vocab": "test_gpu_draft_vocabulary",
         "test_calibration": "test_gpu_sts_fit",
-        "test_target_graphs": "test_gpu_feature_graphs",
+        "test_feature_graphs": "test_gpu_feature_graphs",
     }
     for file, test in stubs.items():
         body = f"import pytest\n\n@pytest.mark.gpu\ndef {test}():\n    assert True\n"
@@ -765,7 +765,7 @@ def test_session_gputests_stage_runs_the_gpu_tests_and_spares_the_study_them(tmp
         assert "PASSED tests/test_drafters.py::test_gpu_training_mask" in log
         assert "PASSED tests/test_draft_vocab.py::test_gpu_draft_vocabulary" in log
         assert "PASSED tests/test_calibration.py::test_gpu_sts_fit" in log
-        assert "PASSED tests/test_target_graphs.py::test_gpu_feature_graphs" in log
+        assert "PASSED tests/test_feature_graphs.py::test_gpu_feature_graphs" in log
         if case == "pass":
             assert stages[0] == ["gputests", "0"] and "GPU_TESTS_DONE=1" in told
         else:

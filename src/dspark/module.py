@@ -18,6 +18,7 @@ from torch import Tensor
 from .core.phases import phase
 from .core.types import Shared
 from .drafters.dflash import sample_anchors
+from .feature_graphs import FeatureGraphs
 from .objectives import LossWeights, compute_loss
 
 
@@ -245,6 +246,7 @@ class DraftingModule(L.LightningModule):
         self.compile_target = compile_target  # true, false or "auto" (on CUDA): see on_fit_start
         self.graph_target = graph_target  # the same, for the target forward's CUDA graphs
         self.graph_target_multiple = int(graph_target_multiple)
+        self.feature_graphs: FeatureGraphs | None = None  # the online target forward's CUDA graphs
         gamma = int(getattr(drafter, "ttt_steps", None) or drafter.gamma)
         self.train_sums, self.val_sums = MetricSums(gamma), MetricSums(gamma)
         # [K] sorted token ids the loss covers (objectives.restrict_to_vocab); None: the whole vocabulary.
@@ -270,11 +272,12 @@ class DraftingModule(L.LightningModule):
         self.target.to(self.device)
         if self.features is not online_features:
             return
-        self.target.ungraph_features()  # a target shared across fits (the benches' variants) starts plain
+        self.target.uncompile_features()  # a target shared across fits (the benches' variants) starts plain
+        self.feature_graphs = None
         if _wanted(self.compile_target, self.device):
             self.target.compile_features()
         if _wanted(self.graph_target, self.device):
-            self.target.graph_features(self.graph_target_multiple)
+            self.feature_graphs = FeatureGraphs.of(self.target, self.graph_target_multiple)
 
     def on_validation_start(self) -> None:
         self.target.to(self.device)
@@ -305,6 +308,8 @@ class DraftingModule(L.LightningModule):
     def target_features(self, batch: dict) -> tuple[Tensor, Tensor]:
         """(taps, last_hidden) of the batch: the frozen target's forward, or the cache's."""
         with phase("target_forward"):
+            if self.feature_graphs is not None:
+                return self.feature_graphs(batch["input_ids"])
             return self.features(batch, self.target)
 
     def draft_step(self, batch: dict, taps: Tensor, last_hidden: Tensor, generator=None) -> dict:

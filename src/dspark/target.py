@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from .core.errors import ConfigError, TargetError
 from .core.io import atomic_open, read_json
 from .core.schema import Count, Natural, NonNegative, Pattern, Positive, Probability
-from .target_graphs import FeatureGraphs
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,6 @@ class Target(nn.Module):
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         self._captured: dict[int, Tensor] = {}
         self._compiled_layers: list | None = None  # compile_features
-        self._feature_graphs: FeatureGraphs | None = None  # graph_features
         base = model.base_model
         self._embedding = base.embed_tokens
         self._hooks = [self._embedding.register_forward_hook(self._capture(-1))]
@@ -306,18 +304,6 @@ class Target(nn.Module):
         """Taps [B, T, m·d] and final hidden states [B, T, d] of rows that are right-padded or not
         padded at all (the training batch contract). Causal attention never lets a real position
         see the padding after it, so no mask is passed and attention takes its causal fast path."""
-        if self._feature_graphs is not None:
-            try:
-                return self._feature_graphs(ids)
-            except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as err:
-                log.warning(
-                    "the target forward's CUDA graphs failed (%s): training goes on without them", err
-                )
-                self._feature_graphs = None
-        return self._unpadded_features(ids)
-
-    def _unpadded_features(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """`features` through the compiled layers where `compile_features` made them, else eager."""
         if self._compiled_layers is not None:
             try:
                 with self._layers_compiled():
@@ -345,23 +331,8 @@ class Target(nn.Module):
         layers = self.model.base_model.layers
         self._compiled_layers = [torch.compile(layer.forward, dynamic=True, **options) for layer in layers]
 
-    def graph_features(self, multiple: int = 64) -> None:
-        """Replay `features` from CUDA graphs (``target_graphs.FeatureGraphs``), one per batch rows
-        and length rounded up to ``multiple`` tokens, around the compiled layers where
-        `compile_features` made them: the forward's host work, one call a layer and its hooks,
-        becomes one launch. CUDA only; elsewhere the forward runs as it is."""
-        if self.device.type != "cuda":
-            log.warning(
-                "CUDA graphs need a CUDA device (the target is on %s): its forward runs as it is", self.device
-            )
-            return
-        self._feature_graphs = FeatureGraphs(
-            self._unpadded_features, self.tap_dim, self.hidden_size, self.dtype, multiple=multiple
-        )
-
-    def ungraph_features(self) -> None:
-        """`features` without CUDA graphs and without compiled layers: the forward as loaded."""
-        self._feature_graphs = None
+    def uncompile_features(self) -> None:
+        """`features` through the layers as loaded again (a target shared by several fits)."""
         self._compiled_layers = None
 
     @contextlib.contextmanager

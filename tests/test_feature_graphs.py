@@ -1,4 +1,4 @@
-"""The target's training forward through padded static buffers and CUDA graphs (target_graphs)."""
+"""The target's training forward through padded static buffers and CUDA graphs (feature_graphs)."""
 
 import logging
 
@@ -7,8 +7,8 @@ import torch
 from conftest import load_group
 from test_target import _host_reads
 
+from dspark.feature_graphs import FeatureGraphs
 from dspark.target import load_target
-from dspark.target_graphs import FeatureGraphs
 
 
 def _batch(lengths, vocab=1000, seed=0):
@@ -22,7 +22,7 @@ def _batch(lengths, vocab=1000, seed=0):
 
 def _padded(target, multiple, graphs=False):
     return FeatureGraphs(
-        target._unpadded_features, target.tap_dim, target.hidden_size, target.dtype, multiple, graphs=graphs
+        target.features, target.tap_dim, target.hidden_size, target.dtype, multiple, graphs=graphs
     )
 
 
@@ -35,7 +35,7 @@ def test_padding_to_a_multiple_leaves_every_real_position_as_it_was(tiny_target)
     for lengths in ([13, 9], [5, 3], [8, 8], [17, 2, 11], [4]):
         ids = _batch(lengths, seed=len(lengths) * 100 + lengths[0])
         taps, last = padded(ids)
-        ref_taps, ref_last = tiny_target._unpadded_features(ids)
+        ref_taps, ref_last = tiny_target.features(ids)
         assert taps.shape == ref_taps.shape and last.shape == ref_last.shape
         torch.testing.assert_close(taps, ref_taps, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(last, ref_last, rtol=1e-4, atol=1e-4)
@@ -66,34 +66,38 @@ def test_a_first_batch_inside_inference_mode_leaves_buffers_training_can_write(t
     assert not padded.ids.is_inference()
     with torch.no_grad():
         taps, _ = padded(_batch([7, 5], seed=3))
-    ref = tiny_target._unpadded_features(_batch([7, 5], seed=3))[0]
+    ref = tiny_target.features(_batch([7, 5], seed=3))[0]
     torch.testing.assert_close(taps, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_graph_features_off_cuda_warns_and_leaves_the_forward_as_it_is(caplog):
-    target = load_target(load_group("target", "tiny"))
+def test_graphs_off_cuda_warn_and_leave_the_forward_as_it_is(tiny_target, caplog):
     with caplog.at_level(logging.WARNING):
-        target.graph_features()
-    assert target._feature_graphs is None and "CUDA graphs need a CUDA device" in caplog.text
+        assert FeatureGraphs.of(tiny_target) is None
+    assert "CUDA graphs need a CUDA device" in caplog.text
     with pytest.raises(ValueError, match="graph_target_multiple"):
-        _padded(target, multiple=0)
+        _padded(tiny_target, multiple=0)
 
 
-def test_a_failing_graph_path_falls_back_to_the_plain_forward(caplog):
-    """A capture that fails (an operation CUDA graphs refuse, say) must not end a run."""
-    target = load_target(load_group("target", "tiny"))
+def test_a_failing_graph_path_goes_on_with_the_plain_forward(tiny_target, caplog):
+    """A capture that fails (an operation CUDA graphs refuse, say) must not end a run: that batch and
+    every later one run unpadded, as without graphs."""
+    calls = []
 
-    def refuses(ids):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def refuses_padded(ids):
+        calls.append(ids.shape[1])
+        if ids.shape[1] % 8 == 0:  # the padded buffer's length
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return tiny_target.features(ids)
 
-    target._feature_graphs = FeatureGraphs(refuses, target.tap_dim, target.hidden_size, target.dtype)
-    ids = _batch([6, 4])
+    graphs = FeatureGraphs(refuses_padded, tiny_target.tap_dim, tiny_target.hidden_size, tiny_target.dtype, 8)
     with caplog.at_level(logging.WARNING):
-        taps, last = target.features(ids)
-    ref = target._unpadded_features(ids)
-    torch.testing.assert_close(taps, ref[0])
-    torch.testing.assert_close(last, ref[1])
-    assert target._feature_graphs is None and "training goes on without them" in caplog.text
+        for lengths in ([6, 4], [13, 5]):
+            ids = _batch(lengths)
+            taps, last = graphs(ids)
+            ref = tiny_target.features(ids)
+            torch.testing.assert_close(taps, ref[0])
+            torch.testing.assert_close(last, ref[1])
+    assert graphs.failed and calls == [8, 6, 13] and "training goes on without them" in caplog.text
 
 
 def test_each_fit_sets_the_target_forward_its_own_options_ask_for():
@@ -111,12 +115,14 @@ def test_each_fit_sets_the_target_forward_its_own_options_ask_for():
     optim = {"lr": 1e-3}
 
     def fit(**options):
-        DraftingModule(target, drafter, weights, optim, **options).on_fit_start()
-        return target._compiled_layers is not None, target._feature_graphs is not None
+        module = DraftingModule(target, drafter, weights, optim, **options)
+        module.on_fit_start()
+        return target._compiled_layers is not None, module.feature_graphs is not None
 
     assert fit(compile_target=True, graph_target=False) == (True, False)
     assert fit(compile_target=False, graph_target=False) == (False, False)
     assert fit(compile_target="auto", graph_target="auto") == (False, False)  # the CPU: neither
+    assert fit(compile_target=True, graph_target=True) == (True, False)  # no graphs off CUDA
 
 
 @pytest.mark.gpu
@@ -129,21 +135,20 @@ def test_graphed_features_on_cuda_match_the_forward_they_replay(small_target):
     batch it is given, not the one it was captured on."""
     target = small_target.to("cuda", dtype=torch.bfloat16)  # the GPU tests' target: no tokenizer to stage
     target.compile_features()
-    target.graph_features(multiple=64)
-    graphs = target._feature_graphs
+    graphs = FeatureGraphs.of(target, multiple=64)
     plain = _padded(target, multiple=64, graphs=False)
     met = set()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for step, lengths in enumerate(([40, 17, 33], [40, 17, 33], [70, 5, 64], [12, 12, 12], [129, 3, 90])):
             ids = _batch(lengths, vocab=target.vocab_size, seed=step).cuda()
-            taps, last = target.features(ids)
+            taps, last = graphs(ids)
             same_taps, same_last = plain(ids)
             torch.testing.assert_close(taps.float(), same_taps.float(), rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(last.float(), same_last.float(), rtol=1e-2, atol=1e-2)
-            ref_taps, ref_last = target._unpadded_features(ids)
+            ref_taps, ref_last = target.features(ids)
             torch.testing.assert_close(taps.float(), ref_taps.float(), rtol=3e-2, atol=3e-2)
             torch.testing.assert_close(last.float(), ref_last.float(), rtol=3e-2, atol=3e-2)
             met.add((len(lengths), graphs.padded_length(max(lengths))))
-    assert target._feature_graphs is graphs  # never fell back
+    assert not graphs.failed
     # 64 and 128 captured, then 192 outgrew the buffers (length 128 -> 256): only 192's graph is left
     assert graphs.captured == 1 and tuple(graphs.ids.shape) == (3, 256) and len(met) == 3

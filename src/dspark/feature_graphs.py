@@ -16,6 +16,7 @@ many graphs there are; the caller gets copies, valid however long it keeps them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -25,13 +26,26 @@ from .decoding.graphs import GraphBank
 
 __all__ = ["FeatureGraphs"]
 
+log = logging.getLogger(__name__)
+
 Features = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 class FeatureGraphs:
     """``features(ids) -> (taps [B, T, tap_dim], last_hidden [B, T, hidden])`` through padded
     static buffers, replayed from CUDA graphs when ``graphs`` (else run as is: the padding and
-    buffers alone, which the CPU tests check against the plain forward)."""
+    buffers alone, which the CPU tests check against the plain forward). A failure on that path (a
+    capture CUDA refuses, say) does not end the run: ``features`` goes on unpadded, with a warning."""
+
+    @classmethod
+    def of(cls, target, multiple: int = 64) -> FeatureGraphs | None:
+        """For a `Target`'s training forward (``Target.features``, compiled or not); None, with a
+        warning, off CUDA."""
+        if target.device.type != "cuda":
+            log.warning("CUDA graphs need a CUDA device (the target is on %s): its forward runs as it is",
+                        target.device)  # fmt: skip
+            return None
+        return cls(target.features, target.tap_dim, target.hidden_size, target.dtype, multiple=multiple)
 
     def __init__(
         self,
@@ -48,6 +62,7 @@ class FeatureGraphs:
         self.tap_dim, self.hidden_size, self.dtype = int(tap_dim), int(hidden_size), dtype
         self.multiple = int(multiple)
         self.graphs = bool(graphs)
+        self.failed = False
         self.bank: GraphBank | None = None
         self.ids: Tensor | None = None  # [rows, length] capacity; grown (graphs dropped) when outgrown
         self.taps: Tensor | None = None
@@ -61,6 +76,17 @@ class FeatureGraphs:
         return len(self.bank) if self.bank is not None else 0
 
     def __call__(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.failed:
+            try:
+                return self._padded(ids)
+            except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as err:
+                log.warning(
+                    "the target forward's CUDA graphs failed (%s): training goes on without them", err
+                )
+                self.failed, self.bank = True, None
+        return self.features(ids)
+
+    def _padded(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         rows, length = ids.shape
         padded = self.padded_length(length)
         self._reserve(rows, padded, ids.device)
