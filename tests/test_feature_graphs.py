@@ -98,6 +98,7 @@ def test_a_failing_graph_path_goes_on_with_the_plain_forward(tiny_target, caplog
             torch.testing.assert_close(taps, ref[0])
             torch.testing.assert_close(last, ref[1])
     assert graphs.failed and calls == [8, 6, 13] and "training goes on without them" in caplog.text
+    assert graphs.bank is None and graphs.taps is None  # nothing held for the graphs any more
 
 
 def test_each_fit_sets_the_target_forward_its_own_options_ask_for():

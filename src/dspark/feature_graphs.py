@@ -83,7 +83,8 @@ class FeatureGraphs:
                 log.warning(
                     "the target forward's CUDA graphs failed (%s): training goes on without them", err
                 )
-                self.failed, self.bank = True, None
+                self.failed = True  # its graphs and buffers go: nothing held for a path no longer used
+                self.bank = self.ids = self.taps = self.hidden = None
         return self.features(ids)
 
     def _padded(self, ids: Tensor) -> tuple[Tensor, Tensor]:
