@@ -23,9 +23,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 train: setup
 	$(PY) -m dspark.train $(ARGS)
 
-# One worker per core (at most 4): the tests run single-threaded (tests/conftest.py), each in its own
-# temporary folder, so two cores take half the time.
-XDIST := -n auto --maxprocesses 4
+# One worker per core and one more (at most 4): the tests run single-threaded (tests/conftest.py), each
+# in its own temporary folder, and many wait on child processes (the session scripts, the Triton
+# interpreter, DDP): the extra worker fills their waits.
+XDIST := -n $(shell n=$$(nproc); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 
 test: setup
 	$(PY) -m pytest $(XDIST) $(ARGS)

@@ -691,7 +691,26 @@ def test_choose_splits():
 # ----------------------------------------------------------------------------- triton, interpreter
 
 
-def test_triton_kernels_under_interpreter():
+# The interpreter tests run in children (TRITON_INTERPRET is read when triton is imported), one per
+# group of kernels, so the suite's workers share them out: in one child they took ~100 s of one worker.
+INTERPRETER_GROUPS = {
+    "loss-and-sampling": ("test_interp_fused_loss", "test_interp_sample_step", "test_interp_rejection",
+                          "test_interp_nucleus", "test_interp_bias_argmax"),
+    "attention": ("test_interp_cache_attention", "test_interp_static_forward"),
+    "drafting": ("test_interp_draft_step", "test_interp_compiled_draft_step", "test_interp_fast_engine",
+                 "test_interp_greedy_draft_step"),
+}  # fmt: skip
+
+
+def test_every_interpreter_test_is_in_one_group():
+    names = [n for n in globals() if n.startswith("test_interp_")]
+    for name in names:
+        groups = [g for g, prefixes in INTERPRETER_GROUPS.items() if name.startswith(prefixes)]
+        assert len(groups) == 1, f"{name} is in the interpreter groups {groups}: add it to exactly one"
+
+
+@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
+def test_triton_kernels_under_interpreter(group):
     if not triton_available():
         pytest.skip("triton is not installed: kernels fall back to their PyTorch references")
     if os.environ.get(CHILD_ENV) == "1":
@@ -709,7 +728,7 @@ def test_triton_kernels_under_interpreter():
         "not gpu and not slow",
         "-q",
         "-k",
-        "test_interp_",
+        " or ".join(INTERPRETER_GROUPS[group]),
         "-p",
         "no:cacheprovider",
         "-rs",
